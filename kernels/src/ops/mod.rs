@@ -1,0 +1,6 @@
+//! Every op family: signature, CPU reference and launch (one file each).
+
+use crate::runner::OpSpec;
+
+/// The ops of `sluice kernel`, in `--list` order.
+pub static RUNNER_OPS: &[&OpSpec] = &[];

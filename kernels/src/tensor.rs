@@ -1,0 +1,320 @@
+//! Tensors: a shape, a dtype and storage on one device.
+//!
+//! Storage is host memory on `cpu`, guarded host memory from the emulator's allocator on `emu`
+//! (so launches can be bounds-checked), and device memory on `cuda`.
+
+use crate::device::{Backend, Device};
+use crate::dtype::{DType, Element};
+use crate::emu::EmuBuffer;
+use crate::error::{Error, Result};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use half::bf16;
+use std::sync::Arc;
+
+/// Host bytes kept 8-byte aligned, so they can be viewed as any [`Element`] slice.
+struct HostBuffer {
+    words: Vec<u64>,
+    bytes: usize,
+}
+
+impl HostBuffer {
+    fn filled(bytes: usize, byte: u8) -> Self {
+        let word = u64::from_ne_bytes([byte; 8]);
+        HostBuffer {
+            words: vec![word; bytes.div_ceil(8)],
+            bytes,
+        }
+    }
+    fn as_bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.bytes]
+    }
+    fn as_bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.bytes]
+    }
+}
+
+enum Storage {
+    Host(HostBuffer),
+    Emu(EmuBuffer),
+    Cuda(CudaSlice<u8>, Arc<CudaStream>),
+}
+
+/// A dense row-major tensor on one device.
+pub struct Tensor {
+    shape: Vec<usize>,
+    dtype: DType,
+    storage: Storage,
+}
+
+/// The byte pattern that poisons fresh outputs: all-ones is NaN in f32 and bf16 and -1 in i32,
+/// so a kernel that fails to write an output is caught by any comparison.
+pub const POISON_BYTE: u8 = 0xff;
+
+fn numel(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+impl Tensor {
+    /// A tensor whose every byte is [`POISON_BYTE`].
+    pub fn poisoned(backend: &Backend, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        Self::filled(backend, shape, dtype, POISON_BYTE)
+    }
+
+    /// A tensor of zeros.
+    pub fn zeros(backend: &Backend, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        Self::filled(backend, shape, dtype, 0)
+    }
+
+    fn filled(backend: &Backend, shape: &[usize], dtype: DType, byte: u8) -> Result<Tensor> {
+        let bytes = numel(shape) * dtype.size_bytes();
+        let storage = match backend {
+            Backend::Cpu => Storage::Host(HostBuffer::filled(bytes, byte)),
+            Backend::Emu(_) => {
+                let mut buf = EmuBuffer::alloc(bytes).map_err(Error::Device)?;
+                buf.as_bytes_mut().fill(byte);
+                Storage::Emu(buf)
+            }
+            Backend::Cuda(c) => {
+                let stream = c.stream().clone();
+                let host = vec![byte; bytes.max(1)];
+                let slice = stream.clone_htod(&host)?;
+                Storage::Cuda(slice, stream)
+            }
+        };
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            dtype,
+            storage,
+        })
+    }
+
+    /// Uploads raw little-endian bytes as a tensor of `dtype`.
+    pub fn from_bytes(
+        backend: &Backend,
+        shape: &[usize],
+        dtype: DType,
+        bytes: &[u8],
+    ) -> Result<Tensor> {
+        let expected = numel(shape) * dtype.size_bytes();
+        if bytes.len() != expected {
+            return Err(Error::Invalid(format!(
+                "{} bytes given for a {dtype} tensor of shape {shape:?}, which needs {expected}",
+                bytes.len()
+            )));
+        }
+        let mut t = Self::poisoned(backend, shape, dtype)?;
+        t.write_bytes(bytes)?;
+        Ok(t)
+    }
+
+    /// Uploads a slice as a tensor of shape `shape`.
+    pub fn from_slice<T: Element>(
+        backend: &Backend,
+        shape: &[usize],
+        data: &[T],
+    ) -> Result<Tensor> {
+        if data.len() != numel(shape) {
+            return Err(Error::Invalid(format!(
+                "{} elements given for a tensor of shape {shape:?} ({} elements)",
+                data.len(),
+                numel(shape)
+            )));
+        }
+        Self::from_bytes(backend, shape, T::DTYPE, bytemuck::cast_slice(data))
+    }
+
+    /// Uploads f32 values as `dtype` (F32 or BF16, rounding to nearest even).
+    pub fn from_f32_as(
+        backend: &Backend,
+        shape: &[usize],
+        dtype: DType,
+        data: &[f32],
+    ) -> Result<Tensor> {
+        match dtype {
+            DType::F32 => Self::from_slice(backend, shape, data),
+            DType::BF16 => {
+                let v: Vec<bf16> = data.iter().map(|&x| bf16::from_f32(x)).collect();
+                Self::from_slice(backend, shape, &v)
+            }
+            other => Err(Error::Invalid(format!(
+                "cannot make a {other} tensor from f32 values"
+            ))),
+        }
+    }
+
+    fn write_bytes(&mut self, bytes: &[u8]) -> Result<()> {
+        match &mut self.storage {
+            Storage::Host(h) => h.as_bytes_mut().copy_from_slice(bytes),
+            Storage::Emu(e) => e.as_bytes_mut().copy_from_slice(bytes),
+            Storage::Cuda(slice, stream) => {
+                if !bytes.is_empty() {
+                    let mut view = slice.slice_mut(0..bytes.len());
+                    stream.memcpy_htod(bytes, &mut view)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Downloads the raw bytes.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        match &self.storage {
+            Storage::Host(h) => Ok(h.as_bytes().to_vec()),
+            Storage::Emu(e) => Ok(e.as_bytes().to_vec()),
+            Storage::Cuda(slice, stream) => {
+                let mut all = stream.clone_dtoh(slice)?;
+                all.truncate(self.len_bytes());
+                Ok(all)
+            }
+        }
+    }
+
+    /// Downloads the elements; the dtype must match `T`.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        self.expect_dtype("tensor", T::DTYPE)?;
+        let bytes = self.to_bytes()?;
+        Ok(bytemuck::pod_collect_to_vec(&bytes))
+    }
+
+    /// Downloads a float tensor as f32 (BF16 widened exactly).
+    pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
+        match self.dtype {
+            DType::F32 => self.to_vec::<f32>(),
+            DType::BF16 => Ok(self.to_vec::<bf16>()?.iter().map(|x| x.to_f32()).collect()),
+            other => Err(Error::DType {
+                tensor: "tensor".into(),
+                expected: "F32 or BF16".into(),
+                got: other.to_string(),
+            }),
+        }
+    }
+
+    /// A copy of this tensor on another backend (or converted to another float dtype).
+    pub fn to_backend(&self, backend: &Backend) -> Result<Tensor> {
+        Tensor::from_bytes(backend, &self.shape, self.dtype, &self.to_bytes()?)
+    }
+
+    /// A copy converted between F32 and BF16 (round to nearest even), on the same backend.
+    pub fn cast(&self, backend: &Backend, dtype: DType) -> Result<Tensor> {
+        if dtype == self.dtype {
+            return self.to_backend(backend);
+        }
+        Tensor::from_f32_as(backend, &self.shape, dtype, &self.to_f32_vec()?)
+    }
+
+    /// The elements in host memory (cpu and emu storage only).
+    pub fn host_slice<T: Element>(&self) -> Result<&[T]> {
+        self.expect_dtype("tensor", T::DTYPE)?;
+        let bytes = match &self.storage {
+            Storage::Host(h) => h.as_bytes(),
+            Storage::Emu(e) => e.as_bytes(),
+            Storage::Cuda(..) => return Err(not_host()),
+        };
+        Ok(bytemuck::cast_slice(bytes))
+    }
+
+    /// The elements in host memory, mutable (cpu and emu storage only).
+    pub fn host_slice_mut<T: Element>(&mut self) -> Result<&mut [T]> {
+        self.expect_dtype("tensor", T::DTYPE)?;
+        let bytes = match &mut self.storage {
+            Storage::Host(h) => h.as_bytes_mut(),
+            Storage::Emu(e) => e.as_bytes_mut(),
+            Storage::Cuda(..) => return Err(not_host()),
+        };
+        Ok(bytemuck::cast_slice_mut(bytes))
+    }
+
+    /// The address a kernel sees: a device pointer on cuda, the guarded host address on emu.
+    pub(crate) fn kernel_address(&self) -> Result<u64> {
+        match &self.storage {
+            Storage::Host(_) => Err(Error::Invalid(
+                "a cpu tensor was passed to a kernel launch; upload it to the launch's device"
+                    .into(),
+            )),
+            Storage::Emu(e) => Ok(e.as_ptr() as u64),
+            Storage::Cuda(slice, stream) => {
+                let (ptr, _sync) = slice.device_ptr(stream);
+                Ok(ptr)
+            }
+        }
+    }
+
+    /// The device this tensor's storage lives on.
+    pub fn device_kind(&self) -> &'static str {
+        match self.storage {
+            Storage::Host(_) => "cpu",
+            Storage::Emu(_) => "emu",
+            Storage::Cuda(..) => "cuda",
+        }
+    }
+
+    pub fn is_on(&self, device: Device) -> bool {
+        matches!(
+            (&self.storage, device),
+            (Storage::Host(_), Device::Cpu)
+                | (Storage::Emu(_), Device::Emu)
+                | (Storage::Cuda(..), Device::Cuda(_))
+        )
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn numel(&self) -> usize {
+        numel(&self.shape)
+    }
+    pub fn len_bytes(&self) -> usize {
+        self.numel() * self.dtype.size_bytes()
+    }
+
+    /// The same storage viewed with another shape of the same element count.
+    pub fn reshape(mut self, shape: &[usize]) -> Result<Tensor> {
+        if numel(shape) != self.numel() {
+            return Err(Error::Invalid(format!(
+                "cannot reshape {:?} to {shape:?}: element counts differ",
+                self.shape
+            )));
+        }
+        self.shape = shape.to_vec();
+        Ok(self)
+    }
+
+    /// Checks the dtype, naming the tensor in the error.
+    pub fn expect_dtype(&self, name: &str, dtype: DType) -> Result<()> {
+        if self.dtype != dtype {
+            return Err(Error::DType {
+                tensor: name.to_string(),
+                expected: dtype.to_string(),
+                got: self.dtype.to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks the rank, naming the tensor and the expected shape (like `[M,K]`) in the error.
+    pub fn expect_rank(&self, name: &str, rank: usize, expected: &str) -> Result<()> {
+        if self.shape.len() != rank {
+            return Err(Error::shape(name, expected, &self.shape));
+        }
+        Ok(())
+    }
+}
+
+fn not_host() -> Error {
+    Error::Invalid("tensor lives in CUDA memory; download it with to_vec".into())
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Tensor({:?}, {}, {})",
+            self.shape,
+            self.dtype,
+            self.device_kind()
+        )
+    }
+}

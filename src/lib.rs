@@ -1,0 +1,1 @@
+//! Umbrella package of the sluice workspace: hosts the top-level tests/ and benches/.

@@ -1,0 +1,115 @@
+//! The `sluice` command.
+
+use clap::{Parser, Subcommand};
+use sluice_kernels::{Device, Error};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "sluice",
+    version,
+    about = "Asynchronous agentic RL on hand-written CUDA kernels"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run one kernel on named tensors from a safetensors file (`--list` shows the ops).
+    Kernel {
+        /// The op to run (gemm, topk, ...).
+        op: Option<String>,
+        /// Print every op with its tensors and parameters.
+        #[arg(long)]
+        list: bool,
+        /// Input safetensors file: the op's tensors by name, parameters as string metadata.
+        #[arg(long = "in", value_name = "IN.safetensors")]
+        input: Option<PathBuf>,
+        /// Output safetensors file.
+        #[arg(long = "out", value_name = "OUT.safetensors")]
+        output: Option<PathBuf>,
+        /// cpu, emu, cuda or cuda:N.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+    },
+    /// Show the devices this machine offers (and GPU telemetry where a driver exists).
+    Devices,
+}
+
+fn fail(e: &Error) -> ExitCode {
+    eprintln!("error: {e}");
+    if e.is_bad_input() {
+        ExitCode::from(2)
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Kernel {
+            op,
+            list,
+            input,
+            output,
+            device,
+        } => {
+            if list {
+                print!("{}", sluice_kernels::runner::list());
+                return ExitCode::SUCCESS;
+            }
+            let usage = |what: &str| {
+                fail(&Error::Invalid(format!(
+                    "{what}; usage: sluice kernel <op> --in IN.safetensors --out OUT.safetensors [--device cpu|emu|cuda[:N]] (or --list)"
+                )))
+            };
+            let Some(op) = op else {
+                return usage("no op given");
+            };
+            let Some(input) = input else {
+                return usage("--in is required");
+            };
+            let Some(output) = output else {
+                return usage("--out is required");
+            };
+            let device: Device = match device.parse() {
+                Ok(d) => d,
+                Err(e) => return fail(&e),
+            };
+            match sluice_trainer::kernel_cmd::run_kernel(&op, &input, &output, device) {
+                Ok(summary) => {
+                    println!("{summary}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(&e),
+            }
+        }
+        Command::Devices => {
+            println!("cpu: available ({} threads)", rayon_threads());
+            println!("emu: available (CUDA kernels on the CPU; SLUICE_EMU_SEED sets the schedule)");
+            match sluice_kernels::Backend::open(Device::Cuda(0)) {
+                Ok(b) => {
+                    let c = b.cuda().expect("opened a cuda backend");
+                    let (maj, min) = c.compute_capability();
+                    println!("cuda:0: {} (sm_{maj}{min}, PTX {:?})", c.name(), c.arch());
+                }
+                Err(e) => println!("cuda: unavailable: {e}"),
+            }
+            match sluice_kernels::cuda::nvml_summary() {
+                Ok(s) => println!("{s}"),
+                Err(e) => println!("telemetry: {e}"),
+            }
+            ExitCode::SUCCESS
+        }
+    }
+}
+
+fn rayon_threads() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+}
