@@ -2,5 +2,10 @@
 
 use crate::runner::OpSpec;
 
+pub mod is_gate_loss;
+pub mod philox;
+pub mod row_reduce;
+pub mod sample;
+
 /// The ops of `sluice kernel`, in `--list` order.
-pub static RUNNER_OPS: &[&OpSpec] = &[];
+pub static RUNNER_OPS: &[&OpSpec] = &[&sample::SPEC, &is_gate_loss::SPEC];
