@@ -33,14 +33,23 @@ impl Problem {
         let tokens: Vec<i32> = (0..n).map(|_| rng.below(v) as i32).collect();
         let behavior = (0..n)
             .map(|t| {
-                let row: Vec<f64> = logits[t * v..(t + 1) * v].iter().map(|&x| x as f64).collect();
+                let row: Vec<f64> = logits[t * v..(t + 1) * v]
+                    .iter()
+                    .map(|&x| x as f64)
+                    .collect();
                 let lp = row[tokens[t] as usize] - lse64(&row);
                 (lp + rng.normal() * 0.25) as f32
             })
             .collect();
         let adv = (0..n).map(|_| rng.normal() as f32 + 0.1).collect();
         let mask = (0..n)
-            .map(|t| if t == 0 || rng.uniform() < 0.8 { 1.0 } else { 0.0 })
+            .map(|t| {
+                if t == 0 || rng.uniform() < 0.8 {
+                    1.0
+                } else {
+                    0.0
+                }
+            })
             .collect();
         let weight = weighted.then(|| (0..n).map(|_| 0.25 + rng.uniform() as f32).collect());
         Problem {
@@ -197,7 +206,12 @@ fn reference_matches_f64_oracle_every_mode() {
             let o = oracle(&pb, &x, &p, None);
             let ctx = format!("{mode:?} n={n} v={v}");
             // f32 tolerance: every quantity is a short chain of f32 operations on O(1) values.
-            assert!(rel_scalar(r.loss, o.loss) <= F32_TOL, "{ctx}: loss {} vs {}", r.loss, o.loss);
+            assert!(
+                rel_scalar(r.loss, o.loss) <= F32_TOL,
+                "{ctx}: loss {} vs {}",
+                r.loss,
+                o.loss
+            );
             assert!(rel_norm(&r.logp, &o.logp) <= F32_TOL, "{ctx}: logp");
             assert!(rel_norm(&r.ratio, &o.rho) <= F32_TOL, "{ctx}: ratio");
             assert!(rel_norm(&grad, &o.grad) <= F32_TOL, "{ctx}: dlogits");
@@ -207,21 +221,38 @@ fn reference_matches_f64_oracle_every_mode() {
             assert_eq!(r.accepted, acc, "{ctx}: accepted");
             let masked: Vec<usize> = (0..n).filter(|&t| pb.mask[t] != 0.0).collect();
             assert_eq!(r.counters[0], masked.len() as f32, "{ctx}: masked count");
-            assert_eq!(r.counters[1], acc.iter().map(|&a| a as f32).sum::<f32>(), "{ctx}");
+            assert_eq!(
+                r.counters[1],
+                acc.iter().map(|&a| a as f32).sum::<f32>(),
+                "{ctx}"
+            );
             let mean = masked.iter().map(|&t| o.rho[t]).sum::<f64>() / masked.len() as f64;
-            assert!(rel_scalar(r.counters[2], mean) <= F32_TOL, "{ctx}: ratio mean");
+            assert!(
+                rel_scalar(r.counters[2], mean) <= F32_TOL,
+                "{ctx}: ratio mean"
+            );
             let diff = masked
                 .iter()
                 .map(|&t| pb.behavior[t] as f64 - o.logp[t])
                 .sum::<f64>()
                 / masked.len() as f64;
-            assert!(rel_scalar(r.counters[7], diff) <= F32_TOL, "{ctx}: diff mean");
+            assert!(
+                rel_scalar(r.counters[7], diff) <= F32_TOL,
+                "{ctx}: diff mean"
+            );
             let (lo, hi): (f64, f64) = masked.iter().fold((f64::INFINITY, 0.0), |(a, b), &t| {
                 (a.min(o.rho[t]), b.max(o.rho[t]))
             });
-            assert!(rel_scalar(r.counters[3], lo) <= F32_TOL && rel_scalar(r.counters[4], hi) <= F32_TOL);
+            assert!(
+                rel_scalar(r.counters[3], lo) <= F32_TOL
+                    && rel_scalar(r.counters[4], hi) <= F32_TOL
+            );
             let gated = r.counters[5] + r.counters[6];
-            assert_eq!(gated, r.counters[0] - r.counters[1], "{ctx}: gated low + high");
+            assert_eq!(
+                gated,
+                r.counters[0] - r.counters[1],
+                "{ctx}: gated low + high"
+            );
         }
     }
 }
@@ -236,7 +267,10 @@ fn bf16_reference_matches_oracle() {
         let o = oracle(&pb, &x, &p, None);
         // bf16 tolerance: the gradient is rounded to bf16 (relative error 2^-9).
         assert!(rel_norm(&grad, &o.grad) <= BF16_TOL, "{mode:?}");
-        assert!(rel_scalar(r.loss, o.loss) <= F32_TOL, "{mode:?}: loss is f32 throughout");
+        assert!(
+            rel_scalar(r.loss, o.loss) <= F32_TOL,
+            "{mode:?}: loss is f32 throughout"
+        );
     }
 }
 
@@ -259,12 +293,24 @@ fn gradient_matches_central_finite_differences_every_mode() {
                     / (2.0 * h)
             })
             .collect();
-        assert!(fd.iter().any(|&g| g.abs() > 1e-3), "{mode:?}: the gradient is not trivially 0");
+        assert!(
+            fd.iter().any(|&g| g.abs() > 1e-3),
+            "{mode:?}: the gradient is not trivially 0"
+        );
         // The analytic f64 gradient equals the finite differences (O(h^2) + rounding / h).
-        assert!(rel_norm(&base.grad.iter().map(|&g| g as f32).collect::<Vec<_>>(), &fd) <= 1e-6);
+        assert!(
+            rel_norm(
+                &base.grad.iter().map(|&g| g as f32).collect::<Vec<_>>(),
+                &fd
+            ) <= 1e-6
+        );
         // And the f32 reference equals them to f32 tolerance.
         let (_, grad) = pb.reference(&p);
-        assert!(rel_norm(&grad, &fd) <= F32_TOL, "{mode:?}: {}", rel_norm(&grad, &fd));
+        assert!(
+            rel_norm(&grad, &fd) <= F32_TOL,
+            "{mode:?}: {}",
+            rel_norm(&grad, &fd)
+        );
     }
 }
 
@@ -337,10 +383,18 @@ fn gate_boundaries_are_exact() {
     let pb = boundary_problem(&targets);
     let (r, _) = pb.reference(&params(GateMode::Dis));
     for (t, &target) in targets.iter().enumerate() {
-        assert_eq!(r.ratio[t].to_bits(), target.to_bits(), "rho hits {target} exactly");
+        assert_eq!(
+            r.ratio[t].to_bits(),
+            target.to_bits(),
+            "rho hits {target} exactly"
+        );
     }
     assert_eq!(r.accepted, vec![0, 1, 1, 0, 1], "dis is open at both ends");
-    assert_eq!((r.counters[5], r.counters[6]), (1.0, 1.0), "gated low, high");
+    assert_eq!(
+        (r.counters[5], r.counters[6]),
+        (1.0, 1.0),
+        "gated low, high"
+    );
 
     // icepop: closed interval [1/beta, beta].
     let (b_lo, b_hi) = (1.0f32 / p.beta, p.beta);
@@ -348,17 +402,36 @@ fn gate_boundaries_are_exact() {
     let pb = boundary_problem(&targets);
     let (r, _) = pb.reference(&params(GateMode::Icepop));
     for (t, &target) in targets.iter().enumerate() {
-        assert_eq!(r.ratio[t].to_bits(), target.to_bits(), "rho hits {target} exactly");
+        assert_eq!(
+            r.ratio[t].to_bits(),
+            target.to_bits(),
+            "rho hits {target} exactly"
+        );
     }
-    assert_eq!(r.accepted, vec![0, 1, 1, 0, 1], "icepop is closed at both ends");
+    assert_eq!(
+        r.accepted,
+        vec![0, 1, 1, 0, 1],
+        "icepop is closed at both ends"
+    );
     assert_eq!((r.counters[5], r.counters[6]), (1.0, 1.0));
 
     // The same rows on emu: the same decisions wherever the device's rho is bit-exact too.
-    for (mode, targets) in [(GateMode::Dis, [lo, above(lo), below(hi), hi, 1.0]), (GateMode::Icepop, [below(b_lo), b_lo, b_hi, above(b_hi), 1.0])] {
+    for (mode, targets) in [
+        (GateMode::Dis, [lo, above(lo), below(hi), hi, 1.0]),
+        (
+            GateMode::Icepop,
+            [below(b_lo), b_lo, b_hi, above(b_hi), 1.0],
+        ),
+    ] {
         let pb = boundary_problem(&targets);
         let (want, _) = pb.reference(&params(mode));
         let (got, _) = run_device(&Backend::emu_with_seed(1), &pb, DType::F32, &params(mode));
-        if got.ratio.iter().zip(&targets).all(|(a, b)| a.to_bits() == b.to_bits()) {
+        if got
+            .ratio
+            .iter()
+            .zip(&targets)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+        {
             assert_eq!(got.accepted, want.accepted, "{mode:?} on emu");
         }
     }
@@ -404,15 +477,24 @@ fn huge_and_neg_inf_logits_stay_finite() {
         }
         pb.mask = vec![1.0; 4];
         let (r, grad) = pb.reference(&params(mode));
-        assert!(grad.iter().all(|g| g.is_finite()), "{mode:?}: finite gradient");
+        assert!(
+            grad.iter().all(|g| g.is_finite()),
+            "{mode:?}: finite gradient"
+        );
         assert!(r.logp[0].is_finite() && r.logp[1].is_finite());
         assert_eq!(r.logp[2], f32::NEG_INFINITY);
         assert_eq!(r.logp[3], f32::NEG_INFINITY);
         assert_eq!(r.ratio[3], 0.0);
-        assert!(grad[120..].iter().all(|&g| g == 0.0), "no-mass row: zero gradient");
+        assert!(
+            grad[120..].iter().all(|&g| g == 0.0),
+            "no-mass row: zero gradient"
+        );
         assert!(!r.loss.is_nan() && !r.counters.iter().any(|c| c.is_nan()));
         if mode != GateMode::Pg {
-            assert!(r.loss.is_finite(), "{mode:?}: a zero-probability token is gated or clipped");
+            assert!(
+                r.loss.is_finite(),
+                "{mode:?}: a zero-probability token is gated or clipped"
+            );
         }
         let (emu, egrad) = run_device(&Backend::emu_with_seed(1), &pb, DType::F32, &params(mode));
         assert!(egrad.iter().all(|g| g.is_finite()));
@@ -471,7 +553,12 @@ fn batch(rest: &[Tensor]) -> TokenBatch<'_> {
 }
 
 /// Runs through the device entry point; returns the outputs as a GateReference and dlogits.
-fn run_device(b: &Backend, pb: &Problem, dtype: DType, p: &GateParams) -> (GateReference, Vec<f32>) {
+fn run_device(
+    b: &Backend,
+    pb: &Problem,
+    dtype: DType,
+    p: &GateParams,
+) -> (GateReference, Vec<f32>) {
     let (logits, rest) = upload(b, pb, dtype);
     let (out, grad) = is_gate_loss(b, &logits, &batch(&rest), p).expect("device run");
     (collect(&out), grad.to_f32_vec().unwrap())
@@ -490,17 +577,45 @@ fn collect(out: &sluice_kernels::ops::is_gate_loss::GateOutputs) -> GateReferenc
 
 fn bits(r: &GateReference, g: &[f32]) -> Vec<u32> {
     let mut v: Vec<u32> = vec![r.loss.to_bits()];
-    v.extend(r.logp.iter().chain(&r.ratio).chain(&r.counters).chain(g).map(|x| x.to_bits()));
+    v.extend(
+        r.logp
+            .iter()
+            .chain(&r.ratio)
+            .chain(&r.counters)
+            .chain(g)
+            .map(|x| x.to_bits()),
+    );
     v.extend(r.accepted.iter().map(|&a| a as u32));
     v
 }
 
-fn assert_close(got: &GateReference, ggot: &[f32], want: &GateReference, gwant: &[f32], tol: f64, ctx: &str) {
+fn assert_close(
+    got: &GateReference,
+    ggot: &[f32],
+    want: &GateReference,
+    gwant: &[f32],
+    tol: f64,
+    ctx: &str,
+) {
     let w64 = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
-    assert!(rel_norm(&[got.loss], &[want.loss as f64]) <= F32_TOL, "{ctx}: loss {} vs {}", got.loss, want.loss);
-    assert!(rel_norm(&got.logp, &w64(&want.logp)) <= F32_TOL, "{ctx}: logp");
-    assert!(rel_norm(&got.ratio, &w64(&want.ratio)) <= F32_TOL, "{ctx}: ratio");
-    assert!(rel_norm(&got.counters, &w64(&want.counters)) <= F32_TOL, "{ctx}: counters");
+    assert!(
+        rel_norm(&[got.loss], &[want.loss as f64]) <= F32_TOL,
+        "{ctx}: loss {} vs {}",
+        got.loss,
+        want.loss
+    );
+    assert!(
+        rel_norm(&got.logp, &w64(&want.logp)) <= F32_TOL,
+        "{ctx}: logp"
+    );
+    assert!(
+        rel_norm(&got.ratio, &w64(&want.ratio)) <= F32_TOL,
+        "{ctx}: ratio"
+    );
+    assert!(
+        rel_norm(&got.counters, &w64(&want.counters)) <= F32_TOL,
+        "{ctx}: counters"
+    );
     assert_eq!(got.accepted, want.accepted, "{ctx}: accepted");
     assert!(rel_norm(ggot, &w64(gwant)) <= tol, "{ctx}: dlogits");
 }
@@ -509,7 +624,10 @@ fn device_cases() -> Vec<(Problem, DType)> {
     vec![
         (Problem::random(41, 1, 1000, false), DType::F32),
         (Problem::random(42, 17, 300, true), DType::F32),
-        (Problem::random(43, 5, 257, false).to_bf16_values(), DType::BF16),
+        (
+            Problem::random(43, 5, 257, false).to_bf16_values(),
+            DType::BF16,
+        ),
     ]
 }
 
@@ -517,14 +635,26 @@ fn check_device(b: &Backend, name: &str) {
     for (pb, dtype) in device_cases() {
         for mode in MODES {
             let p = params(mode);
-            let (want, gwant) = if dtype == DType::F32 { pb.reference(&p) } else { pb.reference_bf16(&p) };
+            let (want, gwant) = if dtype == DType::F32 {
+                pb.reference(&p)
+            } else {
+                pb.reference_bf16(&p)
+            };
             let (got, ggot) = run_device(b, &pb, dtype, &p);
             // The gradient is stored in the logits' dtype: bf16 outputs may differ by one rounding.
-            let tol = if dtype == DType::F32 { F32_TOL } else { BF16_TOL };
+            let tol = if dtype == DType::F32 {
+                F32_TOL
+            } else {
+                BF16_TOL
+            };
             let ctx = format!("{name} {mode:?} {dtype} n={} v={}", pb.n, pb.v);
             assert_close(&got, &ggot, &want, &gwant, tol, &ctx);
             let (again, gagain) = run_device(b, &pb, dtype, &p);
-            assert_eq!(bits(&got, &ggot), bits(&again, &gagain), "{ctx}: rerun bit-identical");
+            assert_eq!(
+                bits(&got, &ggot),
+                bits(&again, &gagain),
+                "{ctx}: rerun bit-identical"
+            );
         }
     }
 }
@@ -536,7 +666,11 @@ fn emu_matches_reference_and_two_seeds_agree() {
         let p = params(GateMode::Icepop);
         let (a, ga) = run_device(&Backend::emu_with_seed(1), &pb, dtype, &p);
         let (b, gb) = run_device(&Backend::emu_with_seed(2), &pb, dtype, &p);
-        assert_eq!(bits(&a, &ga), bits(&b, &gb), "emu seeds 1 and 2 bit-identical");
+        assert_eq!(
+            bits(&a, &ga),
+            bits(&b, &gb),
+            "emu seeds 1 and 2 bit-identical"
+        );
     }
 }
 
@@ -548,14 +682,20 @@ fn emu_in_place_and_u8_mask() {
     let (want, gwant) = run_device(&b, &pb, DType::F32, &p);
     let (mut logits, rest) = upload(&b, &pb, DType::F32);
     let out = is_gate_loss_in_place(&b, &mut logits, &batch(&rest), &p).unwrap();
-    assert_eq!(bits(&collect(&out), &logits.to_f32_vec().unwrap()), bits(&want, &gwant));
+    assert_eq!(
+        bits(&collect(&out), &logits.to_f32_vec().unwrap()),
+        bits(&want, &gwant)
+    );
     // A U8 mask equals the F32 mask of 0/1.
     let m8: Vec<u8> = pb.mask.iter().map(|&m| (m != 0.0) as u8).collect();
     let mut rest = rest;
     rest[3] = Tensor::from_slice(&b, &[pb.n], &m8).unwrap();
     let (logits, _) = upload(&b, &pb, DType::F32);
     let (out, g) = is_gate_loss(&b, &logits, &batch(&rest), &p).unwrap();
-    assert_eq!(bits(&collect(&out), &g.to_f32_vec().unwrap()), bits(&want, &gwant));
+    assert_eq!(
+        bits(&collect(&out), &g.to_f32_vec().unwrap()),
+        bits(&want, &gwant)
+    );
 }
 
 #[test]
@@ -568,7 +708,11 @@ fn cpu_entry_point_in_place_and_determinism() {
         assert_eq!(bits(&a, &ga), bits(&c, &gc), "cpu rerun bit-identical");
         let (mut logits, rest) = upload(&b, &pb, dtype);
         let out = is_gate_loss_in_place(&b, &mut logits, &batch(&rest), &p).unwrap();
-        assert_eq!(bits(&collect(&out), &logits.to_f32_vec().unwrap()), bits(&a, &ga), "in place");
+        assert_eq!(
+            bits(&collect(&out), &logits.to_f32_vec().unwrap()),
+            bits(&a, &ga),
+            "in place"
+        );
     }
 }
 
@@ -589,7 +733,9 @@ fn bad_input_is_an_error_naming_it() {
     let mut bad = batch(&rest);
     bad.tokens = &short;
     match is_gate_loss(&b, &logits, &bad, &p) {
-        Err(Error::Shape { tensor, expected, .. }) => {
+        Err(Error::Shape {
+            tensor, expected, ..
+        }) => {
             assert_eq!(tensor, "tokens");
             assert!(expected.contains("N = 4"), "{expected}");
         }
@@ -599,16 +745,31 @@ fn bad_input_is_an_error_naming_it() {
     let mut bad = batch(&rest);
     bad.tokens = &out_of_range;
     let e = is_gate_loss(&b, &logits, &bad, &p).unwrap_err();
-    assert!(e.to_string().contains("tokens") && e.to_string().contains("row 2"), "{e}");
+    assert!(
+        e.to_string().contains("tokens") && e.to_string().contains("row 2"),
+        "{e}"
+    );
     let f32_tokens = Tensor::from_slice(&b, &[4], &[0.0f32; 4]).unwrap();
     let mut bad = batch(&rest);
     bad.tokens = &f32_tokens;
-    assert!(matches!(is_gate_loss(&b, &logits, &bad, &p), Err(Error::DType { .. })));
+    assert!(matches!(
+        is_gate_loss(&b, &logits, &bad, &p),
+        Err(Error::DType { .. })
+    ));
     let flat = Tensor::from_slice(&b, &[40], &pb.logits).unwrap();
-    assert!(matches!(is_gate_loss(&b, &flat, &batch(&rest), &p), Err(Error::Shape { .. })));
+    assert!(matches!(
+        is_gate_loss(&b, &flat, &batch(&rest), &p),
+        Err(Error::Shape { .. })
+    ));
     let bad_p = GateParams { eps_low: 1.5, ..p };
-    assert!(matches!(is_gate_loss(&b, &logits, &batch(&rest), &bad_p), Err(Error::Param { .. })));
+    assert!(matches!(
+        is_gate_loss(&b, &logits, &batch(&rest), &bad_p),
+        Err(Error::Param { .. })
+    ));
     let bad_p = GateParams { beta: 0.5, ..p };
-    assert!(matches!(is_gate_loss(&b, &logits, &batch(&rest), &bad_p), Err(Error::Param { .. })));
+    assert!(matches!(
+        is_gate_loss(&b, &logits, &batch(&rest), &bad_p),
+        Err(Error::Param { .. })
+    ));
     assert!(GateMode::parse("grpo").is_err());
 }

@@ -105,10 +105,19 @@ fn greedy_is_argmax_with_lower_index_ties_and_logprob_at_t1() {
 #[test]
 fn top_k_1_and_tiny_top_p_give_the_argmax() {
     let bt = Batch::random(2, 64, 300, 2.0);
-    for p in [sp(9, 1.0, 1, 1.0), sp(9, 0.7, 0, 1e-6), sp(9, 1.3, 0, 0.0), sp(9, 1.0, 40, 0.0)] {
+    for p in [
+        sp(9, 1.0, 1, 1.0),
+        sp(9, 0.7, 0, 1e-6),
+        sp(9, 1.3, 0, 0.0),
+        sp(9, 1.0, 40, 0.0),
+    ] {
         let (tok, _) = bt.reference(&p);
         for r in 0..bt.b {
-            assert_eq!(tok[r] as usize, argmax_lower(&bt.logits[r * 300..(r + 1) * 300]), "{p:?}");
+            assert_eq!(
+                tok[r] as usize,
+                argmax_lower(&bt.logits[r * 300..(r + 1) * 300]),
+                "{p:?}"
+            );
         }
     }
 }
@@ -137,7 +146,12 @@ fn kept_set(row: &[f32], t: f64, k: usize, top_p: f64) -> Vec<usize> {
 #[test]
 fn sampled_tokens_stay_inside_the_top_k_top_p_set() {
     let v = 50;
-    for (k, top_p, t) in [(5usize, 1.0f32, 1.0f32), (0, 0.5, 1.0), (8, 0.7, 0.8), (0, 0.9, 1.5)] {
+    for (k, top_p, t) in [
+        (5usize, 1.0f32, 1.0f32),
+        (0, 0.5, 1.0),
+        (8, 0.7, 0.8),
+        (0, 0.9, 1.5),
+    ] {
         let mut bt = Batch::random(5, 200, v, 1.0);
         // One row repeated at many positions: the samples cover the set.
         for r in 1..bt.b {
@@ -149,7 +163,10 @@ fn sampled_tokens_stay_inside_the_top_k_top_p_set() {
         let (tok, _) = bt.reference(&sp(11, t, k, top_p));
         let mut seen = std::collections::BTreeSet::new();
         for &x in &tok {
-            assert!(set.contains(&(x as usize)), "k={k} p={top_p}: {x} outside {set:?}");
+            assert!(
+                set.contains(&(x as usize)),
+                "k={k} p={top_p}: {x} outside {set:?}"
+            );
             seen.insert(x);
         }
         assert!(seen.len() > 1, "more than one token sampled from {set:?}");
@@ -205,7 +222,10 @@ fn chi_square_goodness_of_fit() {
             (counts.to_vec(), probs)
         };
         let chi = chi_square(&counts, &probs);
-        assert!(chi < crit, "T={t} k={k}: chi-square {chi} >= {crit} (counts {counts:?})");
+        assert!(
+            chi < crit,
+            "T={t} k={k}: chi-square {chi} >= {crit} (counts {counts:?})"
+        );
     }
 }
 
@@ -228,11 +248,19 @@ fn check_batch_invariance(be: &Backend, p: &SampleParams, v: usize) {
     let pick = [40usize, 3, 63, 17, 0, 28, 9];
     let part = bits(&bt.rows(&pick).run(be, DType::F32, p));
     for (i, &r) in pick.iter().enumerate() {
-        assert_eq!((part.0[i], part.1[i]), (full.0[r], full.1[r]), "row {r} in a batch of 7");
+        assert_eq!(
+            (part.0[i], part.1[i]),
+            (full.0[r], full.1[r]),
+            "row {r} in a batch of 7"
+        );
     }
     for r in [0usize, 31, 63] {
         let one = bits(&bt.rows(&[r]).run(be, DType::F32, p));
-        assert_eq!((one.0[0], one.1[0]), (full.0[r], full.1[r]), "row {r} alone");
+        assert_eq!(
+            (one.0[0], one.1[0]),
+            (full.0[r], full.1[r]),
+            "row {r} alone"
+        );
     }
 }
 
@@ -252,7 +280,11 @@ fn batch_invariance_on_emu() {
 fn check_shared_logprob(be: &Backend, dtype: DType) {
     let mut bt = Batch::random(13, 17, 300, 2.0);
     bt.logits[7] = f32::NEG_INFINITY;
-    for p in [sp(21, 1.0, 0, 1.0), sp(21, 0.0, 0, 1.0), sp(21, 1.0, 20, 0.8)] {
+    for p in [
+        sp(21, 1.0, 0, 1.0),
+        sp(21, 0.0, 0, 1.0),
+        sp(21, 1.0, 20, 0.8),
+    ] {
         let (tok, lp) = bt.run(be, dtype, &p);
         let logits = Tensor::from_f32_as(be, &[bt.b, bt.v], dtype, &bt.logits).unwrap();
         let t = Tensor::from_slice(be, &[bt.b], &tok).unwrap();
@@ -269,7 +301,12 @@ fn check_shared_logprob(be: &Backend, dtype: DType) {
         let logp: Vec<f32> = out.logp.to_vec().unwrap();
         let a: Vec<u32> = lp.iter().map(|x| x.to_bits()).collect();
         let b: Vec<u32> = logp.iter().map(|x| x.to_bits()).collect();
-        assert_eq!(a, b, "{:?} {dtype} {p:?}: sampler logprob == loss logp", be.device());
+        assert_eq!(
+            a,
+            b,
+            "{:?} {dtype} {p:?}: sampler logprob == loss logp",
+            be.device()
+        );
     }
 }
 
@@ -296,7 +333,11 @@ fn device_params() -> Vec<SampleParams> {
 }
 
 fn check_device(be: &Backend, name: &str) {
-    for (b, v, dtype) in [(7usize, 300usize, DType::F32), (1, 1000, DType::F32), (5, 257, DType::BF16)] {
+    for (b, v, dtype) in [
+        (7usize, 300usize, DType::F32),
+        (1, 1000, DType::F32),
+        (5, 257, DType::BF16),
+    ] {
         let mut bt = Batch::random(30 + v as u64, b, v, 2.0);
         if dtype == DType::BF16 {
             for x in &mut bt.logits {
@@ -310,7 +351,11 @@ fn check_device(be: &Backend, name: &str) {
             assert_eq!(got.0, want.0, "{ctx}: tokens");
             let w: Vec<f64> = want.1.iter().map(|&x| x as f64).collect();
             assert!(rel_norm(&got.1, &w) <= F32_TOL, "{ctx}: logprobs");
-            assert_eq!(bits(&got), bits(&bt.run(be, dtype, &p)), "{ctx}: rerun bit-identical");
+            assert_eq!(
+                bits(&got),
+                bits(&bt.run(be, dtype, &p)),
+                "{ctx}: rerun bit-identical"
+            );
         }
     }
 }
@@ -340,7 +385,10 @@ fn cuda_matches_reference() {
 fn cpu_reruns_are_bit_identical() {
     let bt = Batch::random(50, 9, 500, 2.0);
     for p in device_params() {
-        assert_eq!(bits(&bt.run(&Backend::Cpu, DType::F32, &p)), bits(&bt.run(&Backend::Cpu, DType::F32, &p)));
+        assert_eq!(
+            bits(&bt.run(&Backend::Cpu, DType::F32, &p)),
+            bits(&bt.run(&Backend::Cpu, DType::F32, &p))
+        );
     }
 }
 
@@ -364,7 +412,11 @@ fn neg_inf_entries_and_empty_rows() {
     }
     let emu = Backend::emu_with_seed(1);
     for p in device_params() {
-        assert_eq!(bits(&bt.run(&emu, DType::F32, &p)), bits(&bt.reference(&p)), "{p:?}");
+        assert_eq!(
+            bits(&bt.run(&emu, DType::F32, &p)),
+            bits(&bt.reference(&p)),
+            "{p:?}"
+        );
     }
 }
 
@@ -377,21 +429,39 @@ fn bad_input_is_an_error_naming_it() {
     let p = SampleParams::default();
     let short = Tensor::from_slice(&be, &[1], &[1u64]).unwrap();
     match sample(&be, &logits, &short, &pos, &p) {
-        Err(Error::Shape { tensor, expected, .. }) => {
+        Err(Error::Shape {
+            tensor, expected, ..
+        }) => {
             assert_eq!(tensor, "request_ids");
             assert!(expected.contains("B = 2"));
         }
         other => panic!("expected a shape error, got {other:?}"),
     }
     let ids32 = Tensor::from_slice(&be, &[2], &[1i32, 2]).unwrap();
-    assert!(matches!(sample(&be, &logits, &ids32, &pos, &p), Err(Error::DType { .. })));
+    assert!(matches!(
+        sample(&be, &logits, &ids32, &pos, &p),
+        Err(Error::DType { .. })
+    ));
     let flat = Tensor::from_slice(&be, &[6], &[0.0f32; 6]).unwrap();
-    assert!(matches!(sample(&be, &flat, &ids, &pos, &p), Err(Error::Shape { .. })));
-    for bad in [sp(0, -1.0, 0, 1.0), sp(0, f32::NAN, 0, 1.0), sp(0, 1.0, 0, 1.5)] {
-        assert!(matches!(sample(&be, &logits, &ids, &pos, &bad), Err(Error::Param { .. })));
+    assert!(matches!(
+        sample(&be, &flat, &ids, &pos, &p),
+        Err(Error::Shape { .. })
+    ));
+    for bad in [
+        sp(0, -1.0, 0, 1.0),
+        sp(0, f32::NAN, 0, 1.0),
+        sp(0, 1.0, 0, 1.5),
+    ] {
+        assert!(matches!(
+            sample(&be, &logits, &ids, &pos, &bad),
+            Err(Error::Param { .. })
+        ));
     }
     let wide = Tensor::zeros(&be, &[1, (1 << 18) + 1], DType::F32).unwrap();
     let one_id = Tensor::from_slice(&be, &[1], &[1u64]).unwrap();
     let one_pos = Tensor::from_slice(&be, &[1], &[0i32]).unwrap();
-    assert!(matches!(sample(&be, &wide, &one_id, &one_pos, &p), Err(Error::Shape { .. })));
+    assert!(matches!(
+        sample(&be, &wide, &one_id, &one_pos, &p),
+        Err(Error::Shape { .. })
+    ));
 }

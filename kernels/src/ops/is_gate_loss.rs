@@ -39,7 +39,7 @@
 //! l, l + 256, ... in order) and the fixed tree of [`lane_tree`]; the device runs the same
 //! order in one block of a second and third tiny kernel. No atomics anywhere.
 
-use super::row_reduce::{lane_tree, row_lse, row_logprob, Logit, ROW_LANES};
+use super::row_reduce::{lane_tree, row_logprob, row_lse, Logit, ROW_LANES};
 use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -325,7 +325,11 @@ pub fn is_gate_loss_reference<T: Logit>(
         ));
     }
     if dlogits.len() != n * v {
-        return Err(Error::shape("dlogits", format!("[{n},{v}]"), &[dlogits.len()]));
+        return Err(Error::shape(
+            "dlogits",
+            format!("[{n},{v}]"),
+            &[dlogits.len()],
+        ));
     }
     check_len("tokens", inputs.tokens.len(), n)?;
     check_len("behavior_logp", inputs.behavior_logp.len(), n)?;
@@ -386,7 +390,11 @@ pub fn is_gate_loss_reference<T: Logit>(
     let counters = [
         total.masked,
         total.accepted,
-        if any { total.ratio_sum / total.masked } else { 0.0 },
+        if any {
+            total.ratio_sum / total.masked
+        } else {
+            0.0
+        },
         if any { total.ratio_min } else { 0.0 },
         if any { total.ratio_max } else { 0.0 },
         total.low,

@@ -179,7 +179,10 @@ mod tests {
         let mut rng = crate::testing::Rng::new(5);
         for v in [1usize, 17, 255, 256, 257, 1000] {
             let row: Vec<f32> = (0..v).map(|_| rng.normal() as f32 * 3.0).collect();
-            let m = row.iter().cloned().fold(f64::NEG_INFINITY, |a, b| a.max(b as f64));
+            let m = row
+                .iter()
+                .cloned()
+                .fold(f64::NEG_INFINITY, |a, b| a.max(b as f64));
             let want = m + row.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
             let got = row_lse(&row, 1.0) as f64;
             assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0), "v={v}");

@@ -235,10 +235,18 @@ pub fn sample_reference<T: Logit>(
         ));
     }
     if request_ids.len() != b {
-        return Err(Error::shape("request_ids", format!("[B] with B = {b}"), &[request_ids.len()]));
+        return Err(Error::shape(
+            "request_ids",
+            format!("[B] with B = {b}"),
+            &[request_ids.len()],
+        ));
     }
     if positions.len() != b {
-        return Err(Error::shape("positions", format!("[B] with B = {b}"), &[positions.len()]));
+        return Err(Error::shape(
+            "positions",
+            format!("[B] with B = {b}"),
+            &[positions.len()],
+        ));
     }
     let rows: Vec<(i32, f32)> = logits
         .par_chunks(v)
