@@ -6,7 +6,7 @@ use sluice_kernels::testing::{rel_norm, Rng, F32_TOL};
 use sluice_kernels::{Backend, Device, Tensor};
 use sluice_trainer::kernel_cmd::run_kernel;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 fn temp_dir(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("sluice-runner-policy-{tag}-{}", std::process::id()));
@@ -55,7 +55,7 @@ fn gate_case() -> GateCase {
 }
 
 fn write_gate_inputs(
-    path: &PathBuf,
+    path: &Path,
     c: &GateCase,
     meta: &[(&str, &str)],
     rename: Option<(&str, &str)>,
@@ -92,7 +92,7 @@ fn write_gate_inputs(
 }
 
 /// pg mode in f64: loss = -(1/D) sum m A logp, dlogits = -(m A / D) (onehot - softmax).
-fn check_gate_outputs(c: &GateCase, out: &PathBuf) {
+fn check_gate_outputs(c: &GateCase, out: &Path) {
     let f = read_safetensors(out, &Backend::Cpu).unwrap();
     let get = |name: &str| {
         f.tensors
@@ -211,7 +211,7 @@ fn is_gate_loss_input_errors_name_the_tensor() {
 }
 
 fn write_sample_inputs(
-    path: &PathBuf,
+    path: &Path,
     logits: &[f32],
     b: usize,
     v: usize,

@@ -63,7 +63,7 @@ impl Problem {
             weight,
         }
     }
-    fn to_bf16_values(mut self) -> Problem {
+    fn into_bf16_values(mut self) -> Problem {
         for x in &mut self.logits {
             *x = bf16::from_f32(*x).to_f32();
         }
@@ -260,7 +260,7 @@ fn reference_matches_f64_oracle_every_mode() {
 #[test]
 fn bf16_reference_matches_oracle() {
     for mode in MODES {
-        let pb = Problem::random(7, 9, 333, true).to_bf16_values();
+        let pb = Problem::random(7, 9, 333, true).into_bf16_values();
         let p = params(mode);
         let (r, grad) = pb.reference_bf16(&p);
         let x: Vec<f64> = pb.logits.iter().map(|&x| x as f64).collect();
@@ -625,7 +625,7 @@ fn device_cases() -> Vec<(Problem, DType)> {
         (Problem::random(41, 1, 1000, false), DType::F32),
         (Problem::random(42, 17, 300, true), DType::F32),
         (
-            Problem::random(43, 5, 257, false).to_bf16_values(),
+            Problem::random(43, 5, 257, false).into_bf16_values(),
             DType::BF16,
         ),
     ]

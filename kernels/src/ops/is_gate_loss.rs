@@ -39,7 +39,9 @@
 //! l, l + 256, ... in order) and the fixed tree of [`lane_tree`]; the device runs the same
 //! order in one block of a second and third tiny kernel. No atomics anywhere.
 
-use super::row_reduce::{lane_tree, row_logprob, row_lse, Logit, ROW_LANES};
+use super::row_reduce::{
+    exp_fast, lane_tree, row_logprob, row_lse, softmax_grad_row, Logit, ROW_LANES,
+};
 use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -316,19 +318,42 @@ pub fn is_gate_loss_reference<T: Logit>(
     params: &GateParams,
     dlogits: &mut [T],
 ) -> Result<GateReference> {
-    params.validate()?;
-    if n == 0 || v == 0 || logits.len() != n * v {
+    if logits.len() != n * v {
         return Err(Error::shape(
             "logits",
-            "[N,V] with N >= 1 and V >= 1",
+            format!("[{n},{v}] (N x V elements)"),
             &[logits.len()],
         ));
     }
-    if dlogits.len() != n * v {
+    reference_impl(Some(logits), dlogits, n, v, inputs, params)
+}
+
+/// The CPU reference in place: overwrites `logits` ([n, v]) with d loss / d logits.
+pub fn is_gate_loss_reference_in_place<T: Logit>(
+    logits: &mut [T],
+    n: usize,
+    v: usize,
+    inputs: &TokenInputs<'_>,
+    params: &GateParams,
+) -> Result<GateReference> {
+    reference_impl(None, logits, n, v, inputs, params)
+}
+
+/// The reference over rows read from `src`, or from `grad` itself when `src` is None.
+fn reference_impl<T: Logit>(
+    src: Option<&[T]>,
+    grad: &mut [T],
+    n: usize,
+    v: usize,
+    inputs: &TokenInputs<'_>,
+    params: &GateParams,
+) -> Result<GateReference> {
+    params.validate()?;
+    if n == 0 || v == 0 || grad.len() != n * v {
         return Err(Error::shape(
-            "dlogits",
-            format!("[{n},{v}]"),
-            &[dlogits.len()],
+            if src.is_some() { "dlogits" } else { "logits" },
+            format!("[N,V] = [{n},{v}] with N >= 1 and V >= 1"),
+            &[grad.len()],
         ));
     }
     check_len("tokens", inputs.tokens.len(), n)?;
@@ -342,33 +367,48 @@ pub fn is_gate_loss_reference<T: Logit>(
 
     let d = denominator(inputs.mask, inputs.weight);
     // One row per task: lse pass, token math, gradient pass (two reads of the row, one write).
-    let rows: Vec<(f32, TokenTerm)> = logits
-        .par_chunks(v)
-        .zip(dlogits.par_chunks_mut(v))
-        .enumerate()
-        .map(|(t, (row, grad))| {
-            let lse = row_lse(row, 1.0);
-            let tok = inputs.tokens[t] as usize;
-            let logp = row_logprob(row[tok].to_f32(), lse);
-            let c = inputs.weight.map_or(1.0, |w| w[t]);
-            let tt = token_term(
-                params,
-                logp,
-                inputs.behavior_logp[t],
-                inputs.advantages[t],
-                inputs.mask[t],
-                c,
-            );
-            let coef = if d > 0.0 { tt.dterm / d } else { 0.0 };
-            let live = lse != f32::NEG_INFINITY;
-            for (j, (g, &x)) in grad.iter_mut().zip(row).enumerate() {
-                let p = if live { (x.to_f32() - lse).exp() } else { 0.0 };
-                let onehot = if j == tok { 1.0f32 } else { 0.0 };
-                *g = T::from_f32(coef * (onehot - p));
+    let work = |t: usize, row: Option<&[T]>, grad: &mut [T]| -> (f32, TokenTerm) {
+        let tok = inputs.tokens[t] as usize;
+        let (lse, x_tok) = {
+            let r = row.unwrap_or(grad);
+            (row_lse(r, 1.0), r[tok].to_f32())
+        };
+        let logp = row_logprob(x_tok, lse);
+        let c = inputs.weight.map_or(1.0, |w| w[t]);
+        let tt = token_term(
+            params,
+            logp,
+            inputs.behavior_logp[t],
+            inputs.advantages[t],
+            inputs.mask[t],
+            c,
+        );
+        let coef = if d > 0.0 { tt.dterm / d } else { 0.0 };
+        if lse != f32::NEG_INFINITY {
+            softmax_grad_row(row, grad, coef, lse);
+            grad[tok] = T::from_f32(coef * (1.0 - exp_fast(x_tok - lse)));
+        } else {
+            // No mass: softmax is taken as 0.
+            for g in grad.iter_mut() {
+                *g = T::from_f32(coef * 0.0);
             }
-            (logp, tt)
-        })
-        .collect();
+            grad[tok] = T::from_f32(coef);
+        }
+        (logp, tt)
+    };
+    let rows: Vec<(f32, TokenTerm)> = match src {
+        Some(logits) => logits
+            .par_chunks(v)
+            .zip(grad.par_chunks_mut(v))
+            .enumerate()
+            .map(|(t, (row, g))| work(t, Some(row), g))
+            .collect(),
+        None => grad
+            .par_chunks_mut(v)
+            .enumerate()
+            .map(|(t, g)| work(t, None, g))
+            .collect(),
+    };
 
     let mut lanes = [Partial::ZERO; ROW_LANES];
     for (t, (logp, tt)) in rows.iter().enumerate() {
@@ -531,7 +571,12 @@ pub fn is_gate_loss(
 ) -> Result<(GateOutputs, Tensor)> {
     let (n, v, mask_f32) = validate(backend, logits, batch, params)?;
     let mask = mask_f32.as_ref().unwrap_or(batch.mask);
-    let mut dlogits = Tensor::poisoned(backend, &[n, v], logits.dtype())?;
+    // The CPU reference writes every element; zeros (lazily mapped pages) spare it the extra
+    // pass of filling a poison pattern. Device outputs are poisoned.
+    let mut dlogits = match backend {
+        Backend::Cpu => Tensor::zeros(backend, &[n, v], logits.dtype())?,
+        _ => Tensor::poisoned(backend, &[n, v], logits.dtype())?,
+    };
     let out = match backend {
         Backend::Cpu => cpu_run(logits, &mut dlogits, batch, mask, params, n, v)?,
         _ => device_run(backend, logits, &dlogits, batch, mask, params, n, v)?,
@@ -539,8 +584,7 @@ pub fn is_gate_loss(
     Ok((out, dlogits))
 }
 
-/// Runs the loss writing d loss / d logits over the logits themselves (no second [N,V] buffer
-/// on the devices; the CPU reference computes into a scratch row set and copies back).
+/// Runs the loss writing d loss / d logits over the logits themselves (no second [N,V] buffer).
 pub fn is_gate_loss_in_place(
     backend: &Backend,
     logits: &mut Tensor,
@@ -550,19 +594,7 @@ pub fn is_gate_loss_in_place(
     let (n, v, mask_f32) = validate(backend, logits, batch, params)?;
     let mask = mask_f32.as_ref().unwrap_or(batch.mask);
     match backend {
-        Backend::Cpu => {
-            let mut grad = Tensor::poisoned(backend, &[n, v], logits.dtype())?;
-            let out = cpu_run(logits, &mut grad, batch, mask, params, n, v)?;
-            match logits.dtype() {
-                DType::F32 => logits
-                    .host_slice_mut::<f32>()?
-                    .copy_from_slice(grad.host_slice::<f32>()?),
-                _ => logits
-                    .host_slice_mut::<bf16>()?
-                    .copy_from_slice(grad.host_slice::<bf16>()?),
-            }
-            Ok(out)
-        }
+        Backend::Cpu => cpu_run_in_place(logits, batch, mask, params, n, v),
         // The kernel's gradient pass reads each logit before the same thread overwrites it, and
         // starts after the lse pass has finished (a block barrier), so in place is safe.
         _ => device_run(backend, logits, logits, batch, mask, params, n, v),
@@ -608,6 +640,43 @@ fn cpu_run(
             dlogits.host_slice_mut::<bf16>()?,
         )?,
     };
+    outputs_of(&r, n)
+}
+
+fn cpu_run_in_place(
+    logits: &mut Tensor,
+    batch: &TokenBatch<'_>,
+    mask: &Tensor,
+    params: &GateParams,
+    n: usize,
+    v: usize,
+) -> Result<GateOutputs> {
+    let inputs = TokenInputs {
+        tokens: batch.tokens.host_slice::<i32>()?,
+        behavior_logp: batch.behavior_logp.host_slice::<f32>()?,
+        advantages: batch.advantages.host_slice::<f32>()?,
+        mask: mask.host_slice::<f32>()?,
+        weight: match batch.weight {
+            Some(w) => Some(w.host_slice::<f32>()?),
+            None => None,
+        },
+    };
+    let r = match logits.dtype() {
+        DType::F32 => {
+            is_gate_loss_reference_in_place(logits.host_slice_mut::<f32>()?, n, v, &inputs, params)?
+        }
+        _ => is_gate_loss_reference_in_place(
+            logits.host_slice_mut::<bf16>()?,
+            n,
+            v,
+            &inputs,
+            params,
+        )?,
+    };
+    outputs_of(&r, n)
+}
+
+fn outputs_of(r: &GateReference, n: usize) -> Result<GateOutputs> {
     let b = &Backend::Cpu;
     Ok(GateOutputs {
         loss: Tensor::from_slice(b, &[1], &[r.loss])?,

@@ -27,7 +27,7 @@
 //!   logits are not supported.
 
 use super::philox::{gumbel, philox4x32_10, sampler_counter, sampler_key};
-use super::row_reduce::{lane_tree, row_logprob, Logit, LseState, ROW_LANES};
+use super::row_reduce::{lane_tree, row_logprob, Logit, RowLanes, ROW_LANES};
 use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -158,25 +158,37 @@ pub fn sample_row<T: Logit>(
     let scale = p.scale();
     let z = |j: usize| row[j].to_f32() * scale;
     // The shared row order (lanes, then the tree): identical to row_reduce::row_lse_state.
-    let mut lanes = [LseState::EMPTY; ROW_LANES];
+    let mut lanes = RowLanes::default();
     let mut best = (f32::NEG_INFINITY, usize::MAX);
     let single_pass = !p.filtered(v);
+    // Philox words of the current four chunks, one block per lane (the device's layout).
+    let mut words = [[0u32; 4]; ROW_LANES];
     for (c, chunk) in row.chunks(ROW_LANES).enumerate() {
-        for (l, &x) in chunk.iter().enumerate() {
-            let zj = x.to_f32() * scale;
-            lanes[l].push(zj);
-            if single_pass {
-                let j = c * ROW_LANES + l;
-                let score = if p.greedy() {
-                    zj
-                } else {
-                    zj + gumbel(noise_word(p.seed, request_id, position, j))
-                };
-                best = better(best, (score, j));
+        lanes.push_chunk(chunk, scale);
+        if !single_pass {
+            continue;
+        }
+        if p.greedy() {
+            for (l, &x) in chunk.iter().enumerate() {
+                best = better(best, (x.to_f32() * scale, c * ROW_LANES + l));
+            }
+            continue;
+        }
+        if c % 4 == 0 {
+            for (l, w) in words.iter_mut().enumerate().take(chunk.len()) {
+                let group = ((c / 4) * ROW_LANES + l) as u32;
+                *w = philox4x32_10(
+                    sampler_counter(request_id, position, group),
+                    sampler_key(p.seed),
+                );
             }
         }
+        for (l, &x) in chunk.iter().enumerate() {
+            let score = x.to_f32() * scale + gumbel(words[l][c % 4]);
+            best = better(best, (score, c * ROW_LANES + l));
+        }
     }
-    let st = lane_tree(&mut lanes, LseState::combine);
+    let st = lanes.finish();
     let lse = st.lse();
     if st.m == f32::NEG_INFINITY {
         return (0, f32::NEG_INFINITY);
