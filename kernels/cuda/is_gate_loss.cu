@@ -61,7 +61,8 @@ __device__ __forceinline__ TokenTerm token_term(int mode, float el, float eh, fl
             // dis: rho is a stop-gradient weight; pg: weight 1.
             const float g = mode == DIS ? rr_mul(rr_mul(k, r.rho), adv) : rr_mul(k, adv);
             if (g != 0.0f) {  // no 0 * -inf
-                r.term = -rr_mul(g, logp);
+                // A zero-probability token: term 0 (not +-inf), gradient kept (ops/is_gate_loss.rs).
+                if (logp != SLUICE_NEG_INF) r.term = -rr_mul(g, logp);
                 r.dterm = -g;
             }
         } else {
@@ -99,8 +100,9 @@ __device__ __forceinline__ void loss_row(const T* logits, T* dlogits, const int*
     const float c = has_weight ? weight[row] : 1.0f;
     const TokenTerm tt = token_term(mode, el, eh, beta, logp, behavior[row], adv[row], mask[row], c);
     const float d = scratch[n];
-    const float coef = d > 0.0f ? tt.dterm / d : 0.0f;
     const bool live = lse != SLUICE_NEG_INF;
+    // A row with no mass (all -inf) has no softmax to move: zero gradient in every mode.
+    const float coef = (d > 0.0f && live) ? tt.dterm / d : 0.0f;
 
     // Read 2 + write: dlogits = coef * (onehot - softmax).
     for (int j = threadIdx.x; j < V; j += ROW_THREADS) {

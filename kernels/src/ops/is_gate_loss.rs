@@ -25,10 +25,13 @@
 //!   the minimum (`s1 <= s2`, ties included): d term / d logp = `-k * A * rho`, else 0.
 //! - `pg`: `term = -k * A * logp`, d term / d logp = `-k * A`.
 //! - Gated-out and unmasked tokens contribute exactly 0 (no `0 * inf`). A masked token whose
-//!   logit is -inf has logp = -inf: in `pg` its term is +-inf (the honest value of -A * log 0);
-//!   every other mode gates it (rho = 0) or clips it to a finite value.
+//!   logit is -inf has logp = -inf and rho = 0: `dis` and `icepop` gate it low, `ppo` clips it
+//!   to a finite term with zero gradient, and `pg` adds 0 to the loss value for it (-A log 0 is
+//!   infinite, and two of opposite signs would make the loss NaN) while keeping its finite
+//!   gradient. The loss is never NaN for finite advantages, weights and behavior log-probs.
 //! - `dlogits[t, j] = coef_t * ([j == token_t] - exp(logits[t, j] - lse_t))`,
-//!   `coef_t = (d term_t / d logp_t) / D` (0 when D <= 0; softmax taken as 0 in an all -inf row).
+//!   `coef_t = (d term_t / d logp_t) / D`; `coef_t = 0` when D <= 0 and in a row whose logits
+//!   are all -inf (no mass: its gradient is 0 in every mode).
 //!   dlogits has the logits' dtype (F32 or BF16, rounded to nearest even).
 //! - `accepted[t]` = masked and inside the hard gate (`ppo`, `pg`: every masked token).
 //! - Counters (F32[8], this order): 0 masked tokens, 1 accepted tokens, 2 ratio mean, 3 ratio
@@ -189,7 +192,11 @@ pub fn token_term(p: &GateParams, logp: f32, behavior: f32, adv: f32, m: f32, c:
                     k * adv
                 };
                 if g != 0.0 {
-                    term = -(g * logp);
+                    // A zero-probability token (logp = -inf) would make the term infinite
+                    // (and two of opposite signs NaN): its term is 0, its gradient is kept.
+                    if logp != f32::NEG_INFINITY {
+                        term = -(g * logp);
+                    }
                     dterm = -g;
                 }
             }
@@ -383,8 +390,10 @@ fn reference_impl<T: Logit>(
             inputs.mask[t],
             c,
         );
-        let coef = if d > 0.0 { tt.dterm / d } else { 0.0 };
-        if lse != f32::NEG_INFINITY {
+        let live = lse != f32::NEG_INFINITY;
+        // A row with no mass (all -inf) has no softmax to move: zero gradient in every mode.
+        let coef = if d > 0.0 && live { tt.dterm / d } else { 0.0 };
+        if live {
             softmax_grad_row(row, grad, coef, lse);
             grad[tok] = T::from_f32(coef * (1.0 - exp_fast(x_tok - lse)));
         } else {
