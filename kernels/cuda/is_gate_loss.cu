@@ -105,6 +105,7 @@ __device__ __forceinline__ void loss_row(const T* logits, T* dlogits, const int*
     const float coef = (d > 0.0f && live) ? tt.dterm / d : 0.0f;
 
     // Read 2 + write: dlogits = coef * (onehot - softmax).
+#pragma unroll 4
     for (int j = threadIdx.x; j < V; j += ROW_THREADS) {
         const float p = live ? expf(load_logit(x, j) - lse) : 0.0f;
         const float onehot = j == tok ? 1.0f : 0.0f;

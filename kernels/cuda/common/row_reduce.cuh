@@ -101,6 +101,8 @@ __device__ __forceinline__ T block_tree(T v, T* sh, F f) {
 template <typename T, typename Visit>
 __device__ __forceinline__ LseState row_lse_pass(const T* row, int V, float scale, Visit&& visit) {
     LseState st = lse_empty();
+    // Unrolled so several loads are in flight per thread (the order of the pushes is unchanged).
+#pragma unroll 4
     for (int j = threadIdx.x; j < V; j += ROW_THREADS) {
         const float z = rr_mul(load_logit(row, j), scale);
         lse_push(st, z);
