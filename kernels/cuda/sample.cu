@@ -20,6 +20,8 @@ namespace sampler {
 
 constexpr int KEY_BITS = 50;
 constexpr uint32_t MAX_VOCAB = 1u << 18;
+// Bound on the Gumbel noise (max 16.64) plus margin for the rounding of z + bound (|z| < 2^27).
+constexpr float GUMBEL_BOUND = 32.0f;
 
 struct Best {
     float score;
@@ -49,11 +51,16 @@ __device__ __forceinline__ Best gumbel_candidates(const T* x, int V, float scale
                                                   unsigned long long rid, int pos, unsigned long long lo) {
     Best best = {SLUICE_NEG_INF, INT_MAX};
     uint32_t words[4];
+    int loaded = -1;
     int i = 0;
     for (int j = threadIdx.x; j < V; j += ROW_THREADS, ++i) {
-        if ((i & 3) == 0) sampler_words(seed, rid, pos, (uint32_t)(((i >> 2) << 8) | threadIdx.x), words);
         const float z = rr_mul(load_logit(x, j), scale);
-        if (rank_key(z, j) >= lo) best = BetterOf{}(best, Best{rr_add(z, gumbel_noise(words[i & 3])), j});
+        if (rank_key(z, j) < lo || z + GUMBEL_BOUND < best.score) continue;  // pruned: cannot win
+        if ((i >> 2) != loaded) {
+            sampler_words(seed, rid, pos, (uint32_t)(((i >> 2) << 8) | threadIdx.x), words);
+            loaded = i >> 2;
+        }
+        best = BetterOf{}(best, Best{rr_add(z, gumbel_noise(words[i & 3])), j});
     }
     return best;
 }
@@ -77,13 +84,22 @@ __device__ __forceinline__ void sample_row(const T* __restrict__ logits,
     // Pass 1: THE shared row log-sum-exp, with the unfiltered candidate fused in.
     Best best = {SLUICE_NEG_INF, INT_MAX};
     uint32_t words[4];
+    int loaded = -1;
     int step = 0;
     const LseState part = row_lse_pass(x, V, scale, [&](int j, float z) {
         if (!filtered) {
             float score = z;
             if (!greedy) {
-                if ((step & 3) == 0)
+                // Pruning: the noise is below GUMBEL_BOUND, so an entry this far under the best
+                // score so far cannot win; skipping its Philox and logf changes no result.
+                if (z + GUMBEL_BOUND < best.score) {
+                    ++step;
+                    return;
+                }
+                if ((step >> 2) != loaded) {
                     sampler_words(seed, rid, pos, (uint32_t)(((step >> 2) << 8) | threadIdx.x), words);
+                    loaded = step >> 2;
+                }
                 score = rr_add(z, gumbel_noise(words[step & 3]));
             }
             best = BetterOf{}(best, Best{score, j});

@@ -469,3 +469,28 @@ fn bad_input_is_an_error_naming_it() {
         Err(Error::Shape { .. })
     ));
 }
+
+#[test]
+fn tokens_equal_an_unpruned_gumbel_argmax() {
+    use sluice_kernels::ops::philox::gumbel;
+    use sluice_kernels::ops::sample::noise_word;
+    // Spread logits (many entries far below the max are pruned) and a flat batch.
+    for (scale, t) in [(8.0f32, 1.0f32), (0.5, 0.7)] {
+        let bt = Batch::random(70, 9, 777, scale);
+        let p = sp(99, t, 0, 1.0);
+        let (tok, _) = bt.reference(&p);
+        let emu = bt.run(&Backend::emu_with_seed(1), DType::F32, &p);
+        for r in 0..bt.b {
+            let row = &bt.logits[r * bt.v..(r + 1) * bt.v];
+            let mut best = (f32::NEG_INFINITY, 0usize);
+            for (j, &x) in row.iter().enumerate() {
+                let s = x * (1.0 / t) + gumbel(noise_word(p.seed, bt.ids[r], bt.pos[r], j));
+                if s > best.0 {
+                    best = (s, j);
+                }
+            }
+            assert_eq!(tok[r] as usize, best.1, "row {r}: cpu");
+            assert_eq!(emu.0[r] as usize, best.1, "row {r}: emu");
+        }
+    }
+}

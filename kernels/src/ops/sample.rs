@@ -39,6 +39,9 @@ use rayon::prelude::*;
 
 /// Largest vocabulary the sampler takes (the tie-break field of the ranking key is 18 bits).
 pub const MAX_VOCAB: usize = 1 << 18;
+/// A bound on the Gumbel noise plus margin: the largest noise is -ln(-ln(1 - 2^-24)) = 16.64;
+/// the margin 15.4 absorbs the rounding of `z + GUMBEL_BOUND` for |z| < 2^27.
+pub const GUMBEL_BOUND: f32 = 32.0;
 /// Bits of the ranking key `ord(z) << 18 | (262143 - j)`.
 const KEY_BITS: u32 = 50;
 
@@ -163,6 +166,7 @@ pub fn sample_row<T: Logit>(
     let single_pass = !p.filtered(v);
     // Philox words of the current four chunks, one block per lane (the device's layout).
     let mut words = [[0u32; 4]; ROW_LANES];
+    let mut loaded = [usize::MAX; ROW_LANES];
     for (c, chunk) in row.chunks(ROW_LANES).enumerate() {
         lanes.push_chunk(chunk, scale);
         if !single_pass {
@@ -174,18 +178,22 @@ pub fn sample_row<T: Logit>(
             }
             continue;
         }
-        if c % 4 == 0 {
-            for (l, w) in words.iter_mut().enumerate().take(chunk.len()) {
-                let group = ((c / 4) * ROW_LANES + l) as u32;
-                *w = philox4x32_10(
-                    sampler_counter(request_id, position, group),
+        for (l, &x) in chunk.iter().enumerate() {
+            let zj = x.to_f32() * scale;
+            // Pruning (the device's too): the noise is below GUMBEL_BOUND, so an entry this far
+            // under the best score cannot win; skipping it changes nothing but the work.
+            if zj + GUMBEL_BOUND < best.0 {
+                continue;
+            }
+            let group = (c / 4) * ROW_LANES + l;
+            if loaded[l] != group {
+                words[l] = philox4x32_10(
+                    sampler_counter(request_id, position, group as u32),
                     sampler_key(p.seed),
                 );
+                loaded[l] = group;
             }
-        }
-        for (l, &x) in chunk.iter().enumerate() {
-            let score = x.to_f32() * scale + gumbel(words[l][c % 4]);
-            best = better(best, (score, c * ROW_LANES + l));
+            best = better(best, (zj + gumbel(words[l][c % 4]), c * ROW_LANES + l));
         }
     }
     let st = lanes.finish();
