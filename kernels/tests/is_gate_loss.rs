@@ -799,3 +799,23 @@ fn huge_and_neg_inf_logits_on_emu() {
         assert!(rel_norm(&ggot, &w) <= F32_TOL, "{mode:?}: dlogits");
     }
 }
+
+#[test]
+fn per_token_weights_give_the_sequence_mean() {
+    // Two sequences of 2 and 3 tokens; weight 1/len makes L the mean over sequences of the
+    // per-sequence token means (D = sum mask * weight = 2 sequences).
+    let mut pb = Problem::random(81, 5, 33, false);
+    pb.weight = Some(vec![0.5, 0.5, 1.0 / 3.0, 1.0 / 3.0, 1.0 / 3.0]);
+    pb.mask = vec![1.0; 5];
+    let p = params(GateMode::Pg);
+    let (r, _) = pb.reference(&p);
+    let x: Vec<f64> = pb.logits.iter().map(|&x| x as f64).collect();
+    let logp = oracle(&pb, &x, &p, None).logp;
+    let term = |t: usize| -(pb.adv[t] as f64) * logp[t];
+    let seq_a = (term(0) + term(1)) / 2.0;
+    let seq_b = (term(2) + term(3) + term(4)) / 3.0;
+    let want = (seq_a + seq_b) / 2.0;
+    assert!(rel_scalar(r.loss, want) <= F32_TOL, "{} vs {want}", r.loss);
+    // Counters count tokens, not weights.
+    assert_eq!(r.counters[0], 5.0);
+}
