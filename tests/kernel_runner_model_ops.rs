@@ -3,6 +3,9 @@
 //! `run_kernel`, outputs read back and checked against computations written here in f64;
 //! misnamed and misshapen tensors give errors that name them and the shape expected.
 
+// Index loops mirror the formulas of the independent computations.
+#![allow(clippy::needless_range_loop)]
+
 use sluice_kernels::io::{read_safetensors, write_safetensors};
 use sluice_kernels::testing::{rel_norm, Rng, F32_TOL};
 use sluice_kernels::{Backend, DType, Device, Error, Tensor};
@@ -477,12 +480,15 @@ fn list_shows_every_model_op() {
     );
 }
 
+/// One runner call: op, named inputs, parameters.
+type Case<'a> = (&'a str, Vec<(&'a str, Input<'a>)>, Vec<(&'a str, &'a str)>);
+
 #[test]
 fn emu_rows_match_cpu_rows() {
     // The runner's emu path goes through the same launch code as cuda.
     let (x, w) = (data(13, T * D), data(14, D));
     let pos = [0i32, 3, 1, 9, 2];
-    let cases: Vec<(&str, Vec<(&str, Input)>, Vec<(&str, &str)>)> = vec![
+    let cases: Vec<Case> = vec![
         (
             "rmsnorm",
             vec![("x", Input::F32(&[T, D], &x)), ("w", Input::F32(&[D], &w))],
