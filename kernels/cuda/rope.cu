@@ -11,8 +11,8 @@
 // The backward is the rotation by -angle (sign = -1): the transpose of a rotation.
 // Positions restart per sequence in a packed batch; the caller passes them.
 //
-// Kernels: rope_{f32,bf16}: a grid-stride loop, one thread per (t, h, i) pair. No reductions,
-// so every output is a function of its own pair only (batch-invariant).
+// Kernels: rope_{f32,bf16}: a grid-stride loop, one thread per (t, i), looping over the heads.
+// No reductions: every output is a function of its own pair and position (batch-invariant).
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -29,20 +29,24 @@ __device__ __forceinline__ void rotate(const T* __restrict__ x, const int* __res
                                        const float* __restrict__ inv_freq, float* __restrict__ y,
                                        int rows, int heads, int dim, float sign) {
     const int half = dim / 2;
-    const long long pairs = (long long)rows * heads * half;
+    // One thread per (t, i): the angle and its cos/sin are computed once and applied to all
+    // heads (the full-range sinf/cosf cost tens of instructions; per head they would rival the
+    // memory time). Consecutive threads take consecutive i, so each head's loads coalesce.
+    const long long items = (long long)rows * half;
     const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x; p < pairs; p += stride) {
+    for (long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x; p < items; p += stride) {
         const int i = (int)(p % half);
-        const long long head_row = p / half;  // t * heads + h
-        const long long t = head_row / heads;
+        const long long t = p / half;
         const float angle = (float)positions[t] * inv_freq[i];
         const float c = cosf(angle);
         const float s = sign * sinf(angle);
-        const long long base = head_row * dim;
-        const float x1 = load(x, base + i);
-        const float x2 = load(x, base + i + half);
-        y[base + i] = x1 * c - x2 * s;
-        y[base + i + half] = x2 * c + x1 * s;
+        for (int h = 0; h < heads; ++h) {
+            const long long base = (t * heads + h) * dim;
+            const float x1 = load(x, base + i);
+            const float x2 = load(x, base + i + half);
+            y[base + i] = x1 * c - x2 * s;
+            y[base + i + half] = x2 * c + x1 * s;
+        }
     }
 }
 

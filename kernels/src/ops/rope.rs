@@ -88,11 +88,16 @@ fn rotate_reference(
         .zip(x.par_chunks(h * dim))
         .zip(positions.par_iter())
         .for_each(|((yt, xt), &pos)| {
-            for (yh, xh) in yt.chunks_mut(dim).zip(xt.chunks(dim)) {
-                for (i, &f) in inv_freq.iter().enumerate() {
+            // cos/sin once per (t, i), shared by the heads (as the kernel does).
+            let cs: Vec<(f32, f32)> = inv_freq
+                .iter()
+                .map(|&f| {
                     let angle = pos as f32 * f;
-                    let c = angle.cos();
-                    let s = sign * angle.sin();
+                    (angle.cos(), sign * angle.sin())
+                })
+                .collect();
+            for (yh, xh) in yt.chunks_mut(dim).zip(xt.chunks(dim)) {
+                for (i, &(c, s)) in cs.iter().enumerate() {
                     let (x1, x2) = (xh[i], xh[i + half]);
                     yh[i] = x1 * c - x2 * s;
                     yh[i + half] = x2 * c + x1 * s;
@@ -160,16 +165,17 @@ fn rotate(
         return host_tensor(backend, x.shape(), &y);
     }
     let y = Tensor::poisoned(backend, x.shape(), DType::F32)?;
-    let pairs = t * h * (dim / 2);
-    if pairs == 0 {
+    let items = t * (dim / 2);
+    if items == 0 || h == 0 {
         return Ok(y);
     }
     let inv_freq = Tensor::from_slice(backend, &[dim / 2], &rope_inv_freq(dim, theta)?)?;
-    // Grid-stride over the T*H*D/2 pairs; each thread reads and writes its pair only.
+    // Grid-stride over the T*D/2 (position, frequency) items; each thread reads and writes
+    // its pair (i, i + D/2) in every head of its row only.
     backend.launch(
         &Launch::new(
             by_dtype(dtype, "rope_f32", "rope_bf16"),
-            [ew_blocks(pairs), 1, 1],
+            [ew_blocks(items), 1, 1],
             [EW_THREADS, 1, 1],
         )
         .arg_tensor(x)
