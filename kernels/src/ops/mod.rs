@@ -1,6 +1,8 @@
 //! Every op family: signature, CPU reference and launch (one file each).
 
+pub mod topk;
+
 use crate::runner::OpSpec;
 
 /// The ops of `sluice kernel`, in `--list` order.
-pub static RUNNER_OPS: &[&OpSpec] = &[];
+pub static RUNNER_OPS: &[&OpSpec] = &[&topk::SPEC];

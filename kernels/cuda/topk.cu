@@ -1,0 +1,202 @@
+// topk.cu — router top-k over scores[T,E] (DESIGN.md section 3.2).
+//
+// values[T,k] (f32) and indices[T,k] (i32), sorted by value descending, ties to the LOWER index,
+// NaN below every number (including -inf), -0.0 equal to +0.0. E <= 512, k <= 16, k <= E.
+//
+// Determinism by construction: every element of a row gets a distinct place in one total order
+// (its order key below, then its index), so "the k largest" is a unique set in a unique order;
+// the kernel finds it with k rounds of an exact warp max and a lowest-lane ballot. No atomics,
+// no shared memory, nothing depends on which thread finishes first. Rows are independent, so
+// the result is batch-invariant.
+//
+// Layout: one warp per row, 8 rows per 256-thread block. Lane l holds the C = E/32 (rounded up
+// to a power of two) CONTIGUOUS elements [l*C, l*C + C) of its row as 32-bit order keys in
+// registers. Contiguous (not strided) so that lane order is index order: among lanes whose best
+// key ties, the lowest lane holds the lowest index, and a ballot + find-first-set breaks the tie
+// with no second reduction over indices.
+//
+// Everything here is integer arithmetic on the raw bits (scores are read as u32 / u16 words and
+// values written as u32 words), so values are the input scores bit for bit (NaN payloads too;
+// bf16 widened exactly) and no float comparison semantics can creep in.
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace topk {
+
+constexpr int kWarpsPerBlock = 8;  // rows per block; 256 threads
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// Order key of an f32 bit pattern: unsigned comparison of keys is the op's order on values.
+//   finite and infinite numbers: the usual "flip" (negative: all bits inverted; non-negative:
+//   sign bit set), which maps -inf to 0x007fffff and +inf to 0xff800000;
+//   -0.0 is mapped as +0.0 (the two compare equal; the tie goes to the lower index);
+//   NaN (any payload, either sign) -> 1, below -inf; 0 is reserved for "no element" (padding
+//   lanes and elements already taken), below NaN.
+__device__ __forceinline__ unsigned order_key(unsigned bits) {
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 1u;
+    if (bits == 0x80000000u) bits = 0u;
+    return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// Exact max of a u32 over the warp, every lane gets it.
+__device__ __forceinline__ unsigned warp_max_u32(unsigned v) {
+#if defined(__CUDA_ARCH__) && !defined(SLUICE_EMU)
+    // redux.sync (sm_80+): one instruction instead of five shuffle rounds. Both PTX targets
+    // (compute_80, compute_90a) have it. Integer max is exact and order-free, so the two paths
+    // give the same value.
+    return __reduce_max_sync(kFullMask, v);
+#else
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const unsigned other = __shfl_xor_sync(kFullMask, v, offset);
+        v = other > v ? other : v;
+    }
+    return v;
+#endif
+}
+
+// Raw element words: f32 scores are read as u32, bf16 scores as u16.
+template <typename Word>
+__device__ __forceinline__ unsigned widen_bits(Word w);
+template <>
+__device__ __forceinline__ unsigned widen_bits<uint32_t>(uint32_t w) { return w; }
+template <>
+__device__ __forceinline__ unsigned widen_bits<uint16_t>(uint16_t w) {
+    return (unsigned)w << 16;  // bf16 -> f32 is exact: the bf16 bits are the f32's top half
+}
+
+// Four consecutive elements starting at a 4-element-aligned position, in one vector load
+// (16 B for f32, 8 B for bf16). The caller guarantees the alignment (vec_ok).
+__device__ __forceinline__ void load4(const uint32_t* p, unsigned out[4]) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    out[0] = v.x;
+    out[1] = v.y;
+    out[2] = v.z;
+    out[3] = v.w;
+}
+__device__ __forceinline__ void load4(const uint16_t* p, unsigned out[4]) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    // Little-endian: the lower half of each word is the element at the lower address.
+    out[0] = v.x << 16;
+    out[1] = v.x & 0xffff0000u;
+    out[2] = v.y << 16;
+    out[3] = v.y & 0xffff0000u;
+}
+
+// Lane-local best: the largest key, ties to the lowest slot (strict >, ascending scan).
+template <int C>
+__device__ __forceinline__ void local_best(const unsigned (&key)[C], unsigned& best, int& slot) {
+    best = key[0];
+    slot = 0;
+#pragma unroll
+    for (int j = 1; j < C; ++j) {
+        if (key[j] > best) {
+            best = key[j];
+            slot = j;
+        }
+    }
+}
+
+// One warp computes the top-k of one row. Word: uint32_t (f32 scores) or uint16_t (bf16).
+// C: slots per lane, a power of two with 32*C >= E (templated so the key array stays in
+// registers: every index into it is a compile-time constant after unrolling).
+template <typename Word, int C>
+__device__ __forceinline__ void topk_row(const Word* __restrict__ scores, int T, int E, int k,
+                                         int vec_ok, uint32_t* __restrict__ values,
+                                         int* __restrict__ indices) {
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5);
+    // The row is uniform across the warp, so a whole warp leaves together and every shuffle
+    // below has all 32 lanes. There is no block barrier.
+    if (row >= T) return;
+    const Word* src = scores + row * (long long)E;
+    const int base = lane * C;
+
+    unsigned key[C];
+    if constexpr (C >= 4) {
+#pragma unroll
+        for (int g = 0; g < C / 4; ++g) {
+            const int e0 = base + 4 * g;
+            if (vec_ok && e0 + 4 <= E) {
+                unsigned bits[4];
+                load4(src + e0, bits);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) key[4 * g + j] = order_key(bits[j]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int e = e0 + j;
+                    key[4 * g + j] = e < E ? order_key(widen_bits<Word>(src[e])) : 0u;
+                }
+            }
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < C; ++j) {
+            const int e = base + j;
+            key[j] = e < E ? order_key(widen_bits<Word>(src[e])) : 0u;
+        }
+    }
+
+    unsigned best;
+    int slot;
+    local_best<C>(key, best, slot);
+
+    uint32_t* vout = values + row * (long long)k;
+    int* iout = indices + row * (long long)k;
+    for (int r = 0; r < k; ++r) {
+        // Keys are distinct per (key, index) pair only, so several lanes may hold the max key;
+        // the lowest such lane holds the lowest index (contiguous layout), and inside a lane
+        // local_best already prefers the lowest slot. Since k <= E, at least k - r real
+        // elements (key >= 1) remain, so the key-0 padding is never taken.
+        const unsigned m = warp_max_u32(best);
+        const unsigned holders = __ballot_sync(kFullMask, best == m);
+        const int winner = __ffs(holders) - 1;
+        if (lane == winner) {
+            const int e = base + slot;
+            vout[r] = widen_bits<Word>(src[e]);  // the score's bits, re-read (an L1 hit)
+            iout[r] = e;
+#pragma unroll
+            for (int j = 0; j < C; ++j) {
+                if (j == slot) key[j] = 0u;  // taken
+            }
+            local_best<C>(key, best, slot);
+        }
+    }
+}
+
+}  // namespace topk
+
+// Exported kernels: one per (input dtype, slots per lane C). Grid: ceil(T/8) blocks of 256
+// threads. vec_ok = 1 when E % 4 == 0 and the scores pointer is aligned for 4-element vector
+// loads (the launcher checks both).
+extern "C" __global__ void __launch_bounds__(256) topk_f32_c1(const float* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
+    topk::topk_row<uint32_t, 1>(reinterpret_cast<const uint32_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+}
+extern "C" __global__ void __launch_bounds__(256) topk_f32_c2(const float* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
+    topk::topk_row<uint32_t, 2>(reinterpret_cast<const uint32_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+}
+extern "C" __global__ void __launch_bounds__(256) topk_f32_c4(const float* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
+    topk::topk_row<uint32_t, 4>(reinterpret_cast<const uint32_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+}
+extern "C" __global__ void __launch_bounds__(256) topk_f32_c8(const float* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
+    topk::topk_row<uint32_t, 8>(reinterpret_cast<const uint32_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+}
+extern "C" __global__ void __launch_bounds__(256) topk_f32_c16(const float* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
+    topk::topk_row<uint32_t, 16>(reinterpret_cast<const uint32_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+}
+extern "C" __global__ void __launch_bounds__(256) topk_bf16_c1(const __nv_bfloat16* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
+    topk::topk_row<uint16_t, 1>(reinterpret_cast<const uint16_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+}
+extern "C" __global__ void __launch_bounds__(256) topk_bf16_c2(const __nv_bfloat16* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
+    topk::topk_row<uint16_t, 2>(reinterpret_cast<const uint16_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+}
+extern "C" __global__ void __launch_bounds__(256) topk_bf16_c4(const __nv_bfloat16* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
+    topk::topk_row<uint16_t, 4>(reinterpret_cast<const uint16_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+}
+extern "C" __global__ void __launch_bounds__(256) topk_bf16_c8(const __nv_bfloat16* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
+    topk::topk_row<uint16_t, 8>(reinterpret_cast<const uint16_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+}
+extern "C" __global__ void __launch_bounds__(256) topk_bf16_c16(const __nv_bfloat16* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
+    topk::topk_row<uint16_t, 16>(reinterpret_cast<const uint16_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+}

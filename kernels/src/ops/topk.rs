@@ -1,0 +1,308 @@
+//! `topk` — router top-k over scores[T,E] (DESIGN.md section 3.2, kernels/cuda/topk.cu).
+//!
+//! For each row: the `k` largest scores as `values[T,k]` (F32) and their positions as
+//! `indices[T,k]` (I32), sorted by value descending. The order is total, so the answer is unique
+//! and every device returns the same bits:
+//! - ties go to the LOWER index;
+//! - NaN (any payload, either sign) ranks below every number, `-inf` included; NaNs tie with each
+//!   other (lower index first), and a NaN is returned as the NaN it was when it must be selected
+//!   (for example `k = E`);
+//! - `-0.0` and `+0.0` are EQUAL (they compare equal as floats; the tie goes to the lower index),
+//!   and each is returned with its own sign.
+//!
+//! Values are the input scores bit for bit (BF16 scores widened to F32, which is exact).
+//! Limits of the kernel: 1 <= E <= 512, 1 <= k <= min(E, 16). The CPU reference
+//! [`topk_reference`] has no limit besides k <= E; other families (MoE routing) call it directly.
+
+use crate::device::Backend;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::launch::{blocks_for, Launch};
+use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
+use crate::tensor::Tensor;
+use rayon::prelude::*;
+
+/// The largest row length (number of experts) the kernel takes.
+pub const MAX_E: usize = 512;
+/// The largest `k` the kernel takes.
+pub const MAX_K: usize = 16;
+/// Rows per 256-thread block: one warp per row (must match `kWarpsPerBlock` in topk.cu).
+const ROWS_PER_BLOCK: usize = 8;
+
+/// The order key of a score: unsigned comparison of keys is the op's order on values.
+///
+/// Numbers map by the usual sign flip (so -inf < finite < +inf), `-0.0` maps like `+0.0`, and
+/// every NaN maps to 1, below -inf (whose key is 0x007f_ffff). Key 0 is left free; the kernel
+/// uses it for "no element". Same function as `topk::order_key` in kernels/cuda/topk.cu.
+pub fn order_key(x: f32) -> u32 {
+    let mut bits = x.to_bits();
+    if bits & 0x7fff_ffff > 0x7f80_0000 {
+        return 1;
+    }
+    if bits == 0x8000_0000 {
+        bits = 0;
+    }
+    if bits & 0x8000_0000 != 0 {
+        !bits
+    } else {
+        bits | 0x8000_0000
+    }
+}
+
+/// One key for (score, index): larger is ranked higher, and no two elements of a row share one,
+/// so the top k of a row are unique. Lower index wins a tie because `!index` is larger.
+fn rank_key(x: f32, index: usize) -> u64 {
+    ((order_key(x) as u64) << 32) | (!(index as u32)) as u64
+}
+
+/// The top `k` of one row into `values` / `indices` (both of length k, k <= row.len()).
+fn topk_row(row: &[f32], values: &mut [f32], indices: &mut [i32]) {
+    let k = values.len();
+    // Sorted descending; insertion keeps it so. For router sizes (E <= 512, k <= 16) almost
+    // every element is rejected by the first comparison with the current k-th key.
+    let mut top: Vec<u64> = Vec::with_capacity(k + 1);
+    for (i, &x) in row.iter().enumerate() {
+        let key = rank_key(x, i);
+        if top.len() == k {
+            if key <= top[k - 1] {
+                continue;
+            }
+            top.pop();
+        }
+        let at = top.partition_point(|&t| t > key);
+        top.insert(at, key);
+    }
+    for ((key, v), ix) in top.iter().zip(values.iter_mut()).zip(indices.iter_mut()) {
+        let i = !(*key as u32) as usize;
+        *v = row[i];
+        *ix = i as i32;
+    }
+}
+
+/// The CPU reference: top-k of each of the `t` rows of `scores` (row-major [t, e]), returned as
+/// (values[t*k], indices[t*k]) in the order described in the module documentation. Rayon over
+/// rows; each row is computed on its own, so the result does not depend on the thread count.
+///
+/// # Panics
+/// If `scores.len() != t * e` or `k > e` (a caller's contract; the checked entry point is
+/// [`topk`], which returns an `Err` naming the tensor or parameter instead).
+pub fn topk_reference(scores: &[f32], t: usize, e: usize, k: usize) -> (Vec<f32>, Vec<i32>) {
+    assert_eq!(
+        scores.len(),
+        t * e,
+        "topk_reference: scores has {} elements, expected t*e = {t}*{e}",
+        scores.len()
+    );
+    assert!(
+        k <= e,
+        "topk_reference: k = {k} exceeds the row length e = {e}"
+    );
+    let mut values = vec![0f32; t * k];
+    let mut indices = vec![0i32; t * k];
+    if k == 0 {
+        return (values, indices);
+    }
+    values
+        .par_chunks_mut(k)
+        .zip(indices.par_chunks_mut(k))
+        .zip(scores.par_chunks(e))
+        .with_min_len(64)
+        .for_each(|((v, ix), row)| topk_row(row, v, ix));
+    (values, indices)
+}
+
+/// Checks `scores` and `k` against the op's limits; returns (T, E).
+fn check(backend: &Backend, scores: &Tensor, k: usize) -> Result<(usize, usize)> {
+    let shape = scores.shape();
+    if shape.len() != 2 {
+        return Err(Error::shape(
+            "scores",
+            format!("[T,E] (rank 2, 1 <= E <= {MAX_E})"),
+            shape,
+        ));
+    }
+    let (t, e) = (shape[0], shape[1]);
+    if e == 0 || e > MAX_E {
+        return Err(Error::shape(
+            "scores",
+            format!("[T,E] with 1 <= E <= {MAX_E} (E is the number of experts)"),
+            shape,
+        ));
+    }
+    if t > i32::MAX as usize {
+        return Err(Error::shape(
+            "scores",
+            format!("[T,E] with T <= {}", i32::MAX),
+            shape,
+        ));
+    }
+    if !scores.dtype().is_float() {
+        return Err(Error::DType {
+            tensor: "scores".into(),
+            expected: "F32 or BF16".into(),
+            got: scores.dtype().to_string(),
+        });
+    }
+    if k == 0 || k > MAX_K || k > e {
+        return Err(Error::param(
+            "k",
+            format!(
+                "k = {k} is out of range: need 1 <= k <= min(E, {MAX_K}) = {} for scores of shape {shape:?}",
+                e.min(MAX_K)
+            ),
+        ));
+    }
+    if !scores.is_on(backend.device()) {
+        return Err(Error::Invalid(format!(
+            "tensor `scores` lives on {}, but the op runs on {}; upload it first",
+            scores.device_kind(),
+            backend.device()
+        )));
+    }
+    Ok((t, e))
+}
+
+/// Slots per lane: the smallest power of two C with 32*C >= E (E <= 512, so C <= 16).
+fn slots_per_lane(e: usize) -> usize {
+    e.div_ceil(32).next_power_of_two()
+}
+
+fn kernel_name(dtype: DType, slots: usize) -> Result<&'static str> {
+    Ok(match (dtype, slots) {
+        (DType::F32, 1) => "topk_f32_c1",
+        (DType::F32, 2) => "topk_f32_c2",
+        (DType::F32, 4) => "topk_f32_c4",
+        (DType::F32, 8) => "topk_f32_c8",
+        (DType::F32, 16) => "topk_f32_c16",
+        (DType::BF16, 1) => "topk_bf16_c1",
+        (DType::BF16, 2) => "topk_bf16_c2",
+        (DType::BF16, 4) => "topk_bf16_c4",
+        (DType::BF16, 8) => "topk_bf16_c8",
+        (DType::BF16, 16) => "topk_bf16_c16",
+        (d, c) => {
+            return Err(Error::Invalid(format!(
+                "topk has no kernel for {d} scores with {c} slots per lane"
+            )))
+        }
+    })
+}
+
+/// Router top-k of `scores[T,E]` (F32 or BF16) on `backend`: returns `values[T,k]` (F32) and
+/// `indices[T,k]` (I32), sorted by value descending, ties to the lower index, NaN last.
+/// `cpu` runs [`topk_reference`]; `emu` and `cuda` launch kernels/cuda/topk.cu. The outputs are
+/// poisoned (all bits set) before the launch, so an unwritten element cannot pass a comparison.
+pub fn topk(backend: &Backend, scores: &Tensor, k: usize) -> Result<(Tensor, Tensor)> {
+    let (t, e) = check(backend, scores, k)?;
+    if let Backend::Cpu = backend {
+        let (v, ix) = match scores.dtype() {
+            DType::F32 => topk_reference(scores.host_slice::<f32>()?, t, e, k),
+            // BF16 -> F32 is exact and keeps the order, so the F32 reference is the BF16 one.
+            _ => topk_reference(&scores.to_f32_vec()?, t, e, k),
+        };
+        return Ok((
+            Tensor::from_slice(backend, &[t, k], &v)?,
+            Tensor::from_slice(backend, &[t, k], &ix)?,
+        ));
+    }
+    let values = Tensor::poisoned(backend, &[t, k], DType::F32)?;
+    let indices = Tensor::poisoned(backend, &[t, k], DType::I32)?;
+    if t == 0 {
+        return Ok((values, indices));
+    }
+    let slots = slots_per_lane(e);
+    let name = kernel_name(scores.dtype(), slots)?;
+    // Vector loads read 4 elements at 4-element-aligned positions: valid when each row starts
+    // aligned (E % 4 == 0) and the base is aligned for 4 elements.
+    let align = 4 * scores.dtype().size_bytes() as u64;
+    let vec_ok = slots >= 4 && e % 4 == 0 && scores.kernel_address()? % align == 0;
+    backend.launch(
+        &Launch::new(
+            name,
+            [blocks_for(t, ROWS_PER_BLOCK), 1, 1],
+            [32 * ROWS_PER_BLOCK as u32, 1, 1],
+        )
+        .arg_tensor(scores)
+        .arg_i32(t as i32)
+        .arg_i32(e as i32)
+        .arg_i32(k as i32)
+        .arg_i32(vec_ok as i32)
+        .arg_tensor(&values)
+        .arg_tensor(&indices),
+    )?;
+    Ok((values, indices))
+}
+
+fn run(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
+    let scores = call.tensor("scores")?;
+    let k = call.param_usize("k")?;
+    let (values, indices) = topk(backend, scores, k)?;
+    Ok(vec![("values", values), ("indices", indices)])
+}
+
+/// The `sluice kernel topk` row (DESIGN.md section 7).
+pub static SPEC: OpSpec = OpSpec {
+    name: "topk",
+    summary: "router top-k per row: values and indices sorted descending, ties to the lower \
+              index, NaN below -inf, -0.0 == +0.0 (E <= 512, k <= 16)",
+    inputs: &[TensorSpec {
+        name: "scores",
+        shape: "[T,E]",
+        dtypes: "F32|BF16",
+    }],
+    params: &[ParamSpec {
+        name: "k",
+        default: None,
+        help: "how many to keep per row, 1 <= k <= min(E, 16); required (no default)",
+    }],
+    outputs: &[
+        TensorSpec {
+            name: "values",
+            shape: "[T,k]",
+            dtypes: "F32",
+        },
+        TensorSpec {
+            name: "indices",
+            shape: "[T,k]",
+            dtypes: "I32",
+        },
+    ],
+    run,
+};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn order_key_orders_specials() {
+        let ordered = [
+            f32::NAN,
+            f32::NEG_INFINITY,
+            -f32::MAX,
+            -1.0,
+            -f32::MIN_POSITIVE,
+            -1e-45,
+            0.0,
+            1e-45,
+            1.0,
+            f32::MAX,
+            f32::INFINITY,
+        ];
+        for w in ordered.windows(2) {
+            assert!(order_key(w[0]) < order_key(w[1]), "{} < {}", w[0], w[1]);
+        }
+        assert_eq!(order_key(-0.0), order_key(0.0));
+        assert_eq!(order_key(-f32::NAN), order_key(f32::NAN));
+        assert_eq!(order_key(f32::from_bits(0x7f80_0001)), 1);
+        assert!(order_key(f32::NEG_INFINITY) > 1);
+    }
+
+    #[test]
+    fn slots() {
+        let got: Vec<usize> = [1, 32, 33, 64, 65, 128, 129, 256, 257, 512]
+            .iter()
+            .map(|&e| slots_per_lane(e))
+            .collect();
+        assert_eq!(got, [1, 1, 2, 2, 4, 4, 8, 8, 16, 16]);
+    }
+}
