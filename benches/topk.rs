@@ -17,17 +17,33 @@ fn bytes(dtype: DType) -> u64 {
     (T * E * dtype.size_bytes() + T * K * 8) as u64
 }
 
+/// This process's user + system CPU seconds (Linux /proc; None elsewhere). On a shared machine
+/// wall time counts other people's work; CPU time per call does not.
+fn cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / 100.0) // USER_HZ is 100 on Linux
+}
+
 /// A few timed runs outside criterion, for the rows/s and GB/s line.
 fn report(label: &str, dtype: DType, mut once: impl FnMut()) {
     once();
     let reps = 5;
+    let cpu0 = cpu_seconds();
     let start = Instant::now();
     for _ in 0..reps {
         once();
     }
     let s = start.elapsed().as_secs_f64() / reps as f64;
+    let cpu = match (cpu0, cpu_seconds()) {
+        (Some(a), Some(b)) => format!(", {:.1} ms CPU time per call", (b - a) / reps as f64 * 1e3),
+        _ => String::new(),
+    };
     println!(
-        "topk {label} {dtype} T={T} E={E} k={K}: {:.3} ms, {:.1} M rows/s, {:.2} GB/s effective",
+        "topk {label} {dtype} T={T} E={E} k={K}: {:.3} ms wall, {:.2} M rows/s, {:.2} GB/s effective{cpu}",
         s * 1e3,
         T as f64 / s / 1e6,
         bytes(dtype) as f64 / s / 1e9

@@ -55,22 +55,30 @@ fn rank_key(x: f32, index: usize) -> u64 {
     ((order_key(x) as u64) << 32) | (!(index as u32)) as u64
 }
 
-/// The top `k` of one row into `values` / `indices` (both of length k, k <= row.len()).
-fn topk_row(row: &[f32], values: &mut [f32], indices: &mut [i32]) {
+/// The top `k` of one row into `values` / `indices` (both of length k, 1 <= k <= row.len()).
+/// `top` is scratch space, reused across the rows of one rayon task.
+fn topk_row(row: &[f32], values: &mut [f32], indices: &mut [i32], top: &mut Vec<u64>) {
     let k = values.len();
-    // Sorted descending; insertion keeps it so. For router sizes (E <= 512, k <= 16) almost
-    // every element is rejected by the first comparison with the current k-th key.
-    let mut top: Vec<u64> = Vec::with_capacity(k + 1);
+    top.clear();
+    // `top` holds rank keys, sorted descending. Elements arrive in ascending index order, so an
+    // element whose order key is <= the current k-th one's cannot enter: a smaller key loses,
+    // and an equal key loses the tie to the lower index already held. For router rows (E <= 512,
+    // k <= 16) almost every element stops at this one u32 comparison.
+    let mut kth = 0u32;
     for (i, &x) in row.iter().enumerate() {
-        let key = rank_key(x, i);
+        let okey = order_key(x);
         if top.len() == k {
-            if key <= top[k - 1] {
+            if okey <= kth {
                 continue;
             }
             top.pop();
         }
+        let key = rank_key(x, i);
         let at = top.partition_point(|&t| t > key);
         top.insert(at, key);
+        if top.len() == k {
+            kth = (top[k - 1] >> 32) as u32;
+        }
     }
     for ((key, v), ix) in top.iter().zip(values.iter_mut()).zip(indices.iter_mut()) {
         let i = !(*key as u32) as usize;
@@ -107,7 +115,10 @@ pub fn topk_reference(scores: &[f32], t: usize, e: usize, k: usize) -> (Vec<f32>
         .zip(indices.par_chunks_mut(k))
         .zip(scores.par_chunks(e))
         .with_min_len(64)
-        .for_each(|((v, ix), row)| topk_row(row, v, ix));
+        .for_each_init(
+            || Vec::with_capacity(k + 1),
+            |top, ((v, ix), row)| topk_row(row, v, ix, top),
+        );
     (values, indices)
 }
 
