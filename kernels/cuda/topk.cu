@@ -33,10 +33,13 @@ constexpr unsigned kFullMask = 0xffffffffu;
 //   -0.0 is mapped as +0.0 (the two compare equal; the tie goes to the lower index);
 //   NaN (any payload, either sign) -> 1, below -inf; 0 is reserved for "no element" (padding
 //   lanes and elements already taken), below NaN.
+// Written as selects, not early returns: the branchy form compiled to one branch per element.
 __device__ __forceinline__ unsigned order_key(unsigned bits) {
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 1u;
-    if (bits == 0x80000000u) bits = 0u;
-    return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+    const unsigned flip = (unsigned)((int)bits >> 31) | 0x80000000u;  // all ones if negative
+    unsigned key = bits ^ flip;
+    key = bits == 0x80000000u ? 0x80000000u : key;             // -0.0 -> key of +0.0
+    key = (bits & 0x7fffffffu) > 0x7f800000u ? 1u : key;       // NaN -> 1
+    return key;
 }
 
 // Exact max of a u32 over the warp, every lane gets it.
