@@ -20,6 +20,7 @@ use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
 use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
 use crate::tensor::Tensor;
+use half::bf16;
 use rayon::prelude::*;
 
 /// The largest row length (number of experts) the kernel takes.
@@ -57,7 +58,7 @@ fn rank_key(x: f32, index: usize) -> u64 {
 
 /// The top `k` of one row into `values` / `indices` (both of length k, 1 <= k <= row.len()).
 /// `top` is scratch space, reused across the rows of one rayon task.
-fn topk_row(row: &[f32], values: &mut [f32], indices: &mut [i32], top: &mut Vec<u64>) {
+fn topk_row<S: Score>(row: &[S], values: &mut [f32], indices: &mut [i32], top: &mut Vec<u64>) {
     let k = values.len();
     top.clear();
     // `top` holds rank keys, sorted descending. Elements arrive in ascending index order, so an
@@ -66,6 +67,7 @@ fn topk_row(row: &[f32], values: &mut [f32], indices: &mut [i32], top: &mut Vec<
     // k <= 16) almost every element stops at this one u32 comparison.
     let mut kth = 0u32;
     for (i, &x) in row.iter().enumerate() {
+        let x = x.widen();
         let okey = order_key(x);
         if top.len() == k {
             if okey <= kth {
@@ -82,9 +84,44 @@ fn topk_row(row: &[f32], values: &mut [f32], indices: &mut [i32], top: &mut Vec<
     }
     for ((key, v), ix) in top.iter().zip(values.iter_mut()).zip(indices.iter_mut()) {
         let i = !(*key as u32) as usize;
-        *v = row[i];
+        *v = row[i].widen();
         *ix = i as i32;
     }
+}
+
+/// A score element the reference reads: f32, or bf16 widened exactly to f32.
+trait Score: Copy + Send + Sync {
+    fn widen(self) -> f32;
+}
+impl Score for f32 {
+    fn widen(self) -> f32 {
+        self
+    }
+}
+impl Score for bf16 {
+    fn widen(self) -> f32 {
+        // Exact: the bf16 bits are the top half of the f32, NaN payloads included.
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+}
+
+/// The reference over rows of any score type (rayon over rows).
+fn topk_rows<S: Score>(scores: &[S], t: usize, e: usize, k: usize) -> (Vec<f32>, Vec<i32>) {
+    let mut values = vec![0f32; t * k];
+    let mut indices = vec![0i32; t * k];
+    if k == 0 {
+        return (values, indices);
+    }
+    values
+        .par_chunks_mut(k)
+        .zip(indices.par_chunks_mut(k))
+        .zip(scores.par_chunks(e))
+        .with_min_len(64)
+        .for_each_init(
+            || Vec::with_capacity(k + 1),
+            |top, ((v, ix), row)| topk_row(row, v, ix, top),
+        );
+    (values, indices)
 }
 
 /// The CPU reference: top-k of each of the `t` rows of `scores` (row-major [t, e]), returned as
@@ -105,21 +142,7 @@ pub fn topk_reference(scores: &[f32], t: usize, e: usize, k: usize) -> (Vec<f32>
         k <= e,
         "topk_reference: k = {k} exceeds the row length e = {e}"
     );
-    let mut values = vec![0f32; t * k];
-    let mut indices = vec![0i32; t * k];
-    if k == 0 {
-        return (values, indices);
-    }
-    values
-        .par_chunks_mut(k)
-        .zip(indices.par_chunks_mut(k))
-        .zip(scores.par_chunks(e))
-        .with_min_len(64)
-        .for_each_init(
-            || Vec::with_capacity(k + 1),
-            |top, ((v, ix), row)| topk_row(row, v, ix, top),
-        );
-    (values, indices)
+    topk_rows(scores, t, e, k)
 }
 
 /// Checks `scores` and `k` against the op's limits; returns (T, E).
@@ -207,8 +230,9 @@ pub fn topk(backend: &Backend, scores: &Tensor, k: usize) -> Result<(Tensor, Ten
     if let Backend::Cpu = backend {
         let (v, ix) = match scores.dtype() {
             DType::F32 => topk_reference(scores.host_slice::<f32>()?, t, e, k),
-            // BF16 -> F32 is exact and keeps the order, so the F32 reference is the BF16 one.
-            _ => topk_reference(&scores.to_f32_vec()?, t, e, k),
+            // BF16 -> F32 is exact and keeps the order, so the F32 reference is the BF16 one;
+            // rows are widened element by element, not copied to an f32 buffer first.
+            _ => topk_rows(scores.host_slice::<bf16>()?, t, e, k),
         };
         return Ok((
             Tensor::from_slice(backend, &[t, k], &v)?,
