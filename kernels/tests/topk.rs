@@ -6,7 +6,7 @@
 //! wrong tie-break through.
 
 use half::bf16;
-use sluice_kernels::ops::topk::{topk, topk_reference, MAX_E, MAX_K};
+use sluice_kernels::ops::topk::{topk, topk_into, topk_reference, MAX_E, MAX_K};
 use sluice_kernels::testing::Rng;
 use sluice_kernels::{Backend, DType, Error, Tensor};
 use std::cmp::Ordering;
@@ -444,4 +444,31 @@ fn empty_batch() {
         assert_eq!(v.shape(), &[0, 3]);
         assert_eq!(i.shape(), &[0, 3]);
     }
+}
+
+#[test]
+fn into_caller_outputs() {
+    let mut rng = Rng::new(20);
+    let (t, e, k) = (17, 33, 5);
+    let data = scores(&mut rng, t * e, true);
+    let want = oracle(&data, t, e, k);
+    let cpu = Backend::Cpu;
+    let x = Tensor::from_slice(&cpu, &[t, e], &data).unwrap();
+    let mut v = Tensor::poisoned(&cpu, &[t, k], DType::F32).unwrap();
+    let mut i = Tensor::poisoned(&cpu, &[t, k], DType::I32).unwrap();
+    for _ in 0..2 {
+        topk_into(&cpu, &x, k, &mut v, &mut i).unwrap();
+        let got = (v.to_vec::<f32>().unwrap(), i.to_vec::<i32>().unwrap());
+        assert_same("topk_into cpu", &got, &want, k);
+    }
+    // Wrong output shape or dtype: an error naming the output.
+    let mut short = Tensor::poisoned(&cpu, &[t, k - 1], DType::F32).unwrap();
+    let e1 = topk_into(&cpu, &x, k, &mut short, &mut i).unwrap_err();
+    assert!(
+        e1.to_string().contains("`values`") && e1.to_string().contains("[T,k]"),
+        "{e1}"
+    );
+    let mut wrong = Tensor::poisoned(&cpu, &[t, k], DType::F32).unwrap();
+    let e2 = topk_into(&cpu, &x, k, &mut v, &mut wrong).unwrap_err();
+    assert!(e2.to_string().contains("`indices`"), "{e2}");
 }

@@ -105,12 +105,17 @@ impl Score for bf16 {
     }
 }
 
-/// The reference over rows of any score type (rayon over rows).
-fn topk_rows<S: Score>(scores: &[S], t: usize, e: usize, k: usize) -> (Vec<f32>, Vec<i32>) {
-    let mut values = vec![0f32; t * k];
-    let mut indices = vec![0i32; t * k];
+/// The reference over rows of any score type into `values` / `indices` (t*k each; rayon over
+/// rows).
+fn topk_rows_into<S: Score>(
+    scores: &[S],
+    e: usize,
+    k: usize,
+    values: &mut [f32],
+    indices: &mut [i32],
+) {
     if k == 0 {
-        return (values, indices);
+        return;
     }
     values
         .par_chunks_mut(k)
@@ -121,7 +126,6 @@ fn topk_rows<S: Score>(scores: &[S], t: usize, e: usize, k: usize) -> (Vec<f32>,
             || Vec::with_capacity(k + 1),
             |top, ((v, ix), row)| topk_row(row, v, ix, top),
         );
-    (values, indices)
 }
 
 /// The CPU reference: top-k of each of the `t` rows of `scores` (row-major [t, e]), returned as
@@ -142,7 +146,10 @@ pub fn topk_reference(scores: &[f32], t: usize, e: usize, k: usize) -> (Vec<f32>
         k <= e,
         "topk_reference: k = {k} exceeds the row length e = {e}"
     );
-    topk_rows(scores, t, e, k)
+    let mut values = vec![0f32; t * k];
+    let mut indices = vec![0i32; t * k];
+    topk_rows_into(scores, e, k, &mut values, &mut indices);
+    (values, indices)
 }
 
 /// Checks `scores` and `k` against the op's limits; returns (T, E).
@@ -223,26 +230,70 @@ fn kernel_name(dtype: DType, slots: usize) -> Result<&'static str> {
 
 /// Router top-k of `scores[T,E]` (F32 or BF16) on `backend`: returns `values[T,k]` (F32) and
 /// `indices[T,k]` (I32), sorted by value descending, ties to the lower index, NaN last.
-/// `cpu` runs [`topk_reference`]; `emu` and `cuda` launch kernels/cuda/topk.cu. The outputs are
-/// poisoned (all bits set) before the launch, so an unwritten element cannot pass a comparison.
+/// `cpu` runs the reference; `emu` and `cuda` launch kernels/cuda/topk.cu. The outputs are
+/// poisoned (all bits set) before the run, so an unwritten element cannot pass a comparison.
 pub fn topk(backend: &Backend, scores: &Tensor, k: usize) -> Result<(Tensor, Tensor)> {
-    let (t, e) = check(backend, scores, k)?;
-    if let Backend::Cpu = backend {
-        let (v, ix) = match scores.dtype() {
-            DType::F32 => topk_reference(scores.host_slice::<f32>()?, t, e, k),
-            // BF16 -> F32 is exact and keeps the order, so the F32 reference is the BF16 one;
-            // rows are widened element by element, not copied to an f32 buffer first.
-            _ => topk_rows(scores.host_slice::<bf16>()?, t, e, k),
-        };
-        return Ok((
-            Tensor::from_slice(backend, &[t, k], &v)?,
-            Tensor::from_slice(backend, &[t, k], &ix)?,
+    let (t, _) = check(backend, scores, k)?;
+    let mut values = Tensor::poisoned(backend, &[t, k], DType::F32)?;
+    let mut indices = Tensor::poisoned(backend, &[t, k], DType::I32)?;
+    topk_into(backend, scores, k, &mut values, &mut indices)?;
+    Ok((values, indices))
+}
+
+/// Checks an output tensor: shape [T,k], dtype, device.
+fn check_output(
+    backend: &Backend,
+    name: &str,
+    out: &Tensor,
+    t: usize,
+    k: usize,
+    dtype: DType,
+) -> Result<()> {
+    if out.shape() != [t, k] {
+        return Err(Error::shape(
+            name,
+            format!("[T,k] = [{t},{k}]"),
+            out.shape(),
         ));
     }
-    let values = Tensor::poisoned(backend, &[t, k], DType::F32)?;
-    let indices = Tensor::poisoned(backend, &[t, k], DType::I32)?;
+    out.expect_dtype(name, dtype)?;
+    if !out.is_on(backend.device()) {
+        return Err(Error::Invalid(format!(
+            "tensor `{name}` lives on {}, but the op runs on {}",
+            out.device_kind(),
+            backend.device()
+        )));
+    }
+    Ok(())
+}
+
+/// [`topk`] into caller-owned outputs (`values[T,k]` F32, `indices[T,k]` I32 on the same
+/// device): no allocation, so a caller in a loop (the MoE router, the bench) pays for the op only.
+pub fn topk_into(
+    backend: &Backend,
+    scores: &Tensor,
+    k: usize,
+    values: &mut Tensor,
+    indices: &mut Tensor,
+) -> Result<()> {
+    let (t, e) = check(backend, scores, k)?;
+    check_output(backend, "values", values, t, k, DType::F32)?;
+    check_output(backend, "indices", indices, t, k, DType::I32)?;
+    if let Backend::Cpu = backend {
+        let (v, ix) = (
+            values.host_slice_mut::<f32>()?,
+            indices.host_slice_mut::<i32>()?,
+        );
+        match scores.dtype() {
+            DType::F32 => topk_rows_into(scores.host_slice::<f32>()?, e, k, v, ix),
+            // BF16 -> F32 is exact and keeps the order, so the F32 reference is the BF16 one;
+            // rows are widened element by element, not copied to an f32 buffer first.
+            _ => topk_rows_into(scores.host_slice::<bf16>()?, e, k, v, ix),
+        }
+        return Ok(());
+    }
     if t == 0 {
-        return Ok((values, indices));
+        return Ok(());
     }
     let slots = slots_per_lane(e);
     let name = kernel_name(scores.dtype(), slots)?;
@@ -250,6 +301,8 @@ pub fn topk(backend: &Backend, scores: &Tensor, k: usize) -> Result<(Tensor, Ten
     // aligned (E % 4 == 0) and the base is aligned for 4 elements.
     let align = 4 * scores.dtype().size_bytes() as u64;
     let vec_ok = slots >= 4 && e % 4 == 0 && scores.kernel_address()? % align == 0;
+    // One warp per row, 8 rows per block; the kernel reads scores and writes every element of
+    // both outputs (k per row), whose shapes and devices were checked above.
     backend.launch(
         &Launch::new(
             name,
@@ -261,10 +314,9 @@ pub fn topk(backend: &Backend, scores: &Tensor, k: usize) -> Result<(Tensor, Ten
         .arg_i32(e as i32)
         .arg_i32(k as i32)
         .arg_i32(vec_ok as i32)
-        .arg_tensor(&values)
-        .arg_tensor(&indices),
-    )?;
-    Ok((values, indices))
+        .arg_tensor(values)
+        .arg_tensor(indices),
+    )
 }
 
 fn run(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
