@@ -3,7 +3,7 @@
 //! for the bytes the op must move: T*E*sizeof(score) read + T*k*(4 + 4) written.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use sluice_kernels::ops::topk::{topk, topk_into};
+use sluice_kernels::ops::topk::{topk, topk_into_version, KernelVersion};
 use sluice_kernels::testing::Rng;
 use sluice_kernels::{Backend, DType, Device, Tensor};
 use std::hint::black_box;
@@ -73,17 +73,21 @@ fn bench(c: &mut Criterion) {
 
     if let Ok(gpu) = Backend::open(Device::Cuda(0)) {
         for dtype in [DType::F32, DType::BF16] {
-            let x = Tensor::from_f32_as(&gpu, &[T, E], dtype, &data).unwrap();
-            // Outputs allocated once: the timing is the kernel, not cudaMalloc + poison upload.
-            let mut v = Tensor::poisoned(&gpu, &[T, K], DType::F32).unwrap();
-            let mut i = Tensor::poisoned(&gpu, &[T, K], DType::I32).unwrap();
-            let mut run = || {
-                topk_into(&gpu, &x, K, &mut v, &mut i).unwrap();
-                gpu.synchronize().unwrap();
-            };
-            report("cuda", dtype, &mut run);
-            group.throughput(Throughput::Bytes(bytes(dtype)));
-            group.bench_function(format!("cuda_{dtype}_T{T}_E{E}_k{K}"), |b| b.iter(&mut run));
+            for version in [KernelVersion::V1, KernelVersion::V2] {
+                let x = Tensor::from_f32_as(&gpu, &[T, E], dtype, &data).unwrap();
+                // Outputs allocated once: the timing is the kernel, not cudaMalloc + poison upload.
+                let mut v = Tensor::poisoned(&gpu, &[T, K], DType::F32).unwrap();
+                let mut i = Tensor::poisoned(&gpu, &[T, K], DType::I32).unwrap();
+                let mut run = || {
+                    topk_into_version(&gpu, &x, K, &mut v, &mut i, version).unwrap();
+                    gpu.synchronize().unwrap();
+                };
+                report(&format!("cuda {version:?}"), dtype, &mut run);
+                group.throughput(Throughput::Bytes(bytes(dtype)));
+                group.bench_function(format!("cuda_{version:?}_{dtype}_T{T}_E{E}_k{K}"), |b| {
+                    b.iter(&mut run)
+                });
+            }
         }
     }
     group.finish();

@@ -100,10 +100,56 @@ __device__ __forceinline__ void local_best(const unsigned (&key)[C], unsigned& b
     }
 }
 
+// Lane-local top two: head (largest, lowest slot on ties) and next (the one ranked right
+// below the head); key 0 means "none".
+template <int C>
+__device__ __forceinline__ void local_top2(const unsigned (&key)[C], unsigned& head, int& hslot,
+                                           unsigned& next, int& nslot) {
+    head = key[0];
+    hslot = 0;
+    next = 0u;
+    nslot = 0;
+#pragma unroll
+    for (int j = 1; j < C; ++j) {
+        if (key[j] > head) {
+            next = head;
+            nslot = hslot;
+            head = key[j];
+            hslot = j;
+        } else if (key[j] > next) {
+            next = key[j];
+            nslot = j;
+        }
+    }
+}
+
+// The lane's best among the elements ranked below (head, hslot): a lane gives up its elements
+// in its own rank order, so these are exactly the ones not yet taken; nothing is cleared.
+template <int C>
+__device__ __forceinline__ void best_below(const unsigned (&key)[C], unsigned& head, int& hslot) {
+    unsigned best = 0u;
+    int slot = 0;
+#pragma unroll
+    for (int j = 0; j < C; ++j) {
+        const bool below = key[j] < head || (key[j] == head && j > hslot);
+        if (below && key[j] > best) {
+            best = key[j];
+            slot = j;
+        }
+    }
+    head = best;
+    hslot = slot;
+}
+
 // One warp computes the top-k of one row. Word: uint32_t (f32 scores) or uint16_t (bf16).
 // C: slots per lane, a power of two with 32*C >= E (templated so the key array stays in
 // registers: every index into it is a compile-time constant after unrolling).
-template <typename Word, int C>
+// V: the lane bookkeeping after a win (see docs/perf/topk.md). Both give the same bits.
+//   1: clear the taken slot and rescan all C slots (every win costs ~4C instructions);
+//   2: keep the lane's next-best too; a win promotes it in two moves, and only a lane's second
+//      win in a row pays a rescan (best_below). Fewer instructions on typical rows, more when
+//      one lane holds most of the top k (e.g. all-equal rows).
+template <typename Word, int C, int V>
 __device__ __forceinline__ void topk_row(const Word* __restrict__ scores, int T, int E, int k,
                                          int vec_ok, uint32_t* __restrict__ values,
                                          int* __restrict__ indices) {
@@ -141,17 +187,25 @@ __device__ __forceinline__ void topk_row(const Word* __restrict__ scores, int T,
         }
     }
 
-    unsigned best;
+    unsigned best;  // the lane's candidate this round (V=2: its head)
     int slot;
-    local_best<C>(key, best, slot);
+    unsigned next = 0u;  // V=2 only: the lane's second, valid while has_next
+    int nslot = 0;
+    bool has_next = false;
+    if constexpr (V == 1) {
+        local_best<C>(key, best, slot);
+    } else {
+        local_top2<C>(key, best, slot, next, nslot);
+        has_next = true;
+    }
 
     uint32_t* vout = values + row * (long long)k;
     int* iout = indices + row * (long long)k;
     for (int r = 0; r < k; ++r) {
-        // Keys are distinct per (key, index) pair only, so several lanes may hold the max key;
-        // the lowest such lane holds the lowest index (contiguous layout), and inside a lane
-        // local_best already prefers the lowest slot. Since k <= E, at least k - r real
-        // elements (key >= 1) remain, so the key-0 padding is never taken.
+        // Several lanes may hold the max key; the lowest such lane holds the lowest index
+        // (contiguous layout), and inside a lane the candidate is already the lowest slot of
+        // its key. Since k <= E, at least k - r real elements (key >= 1) remain, so the key-0
+        // padding is never taken.
         const unsigned m = warp_max_u32(best);
         const unsigned holders = __ballot_sync(kFullMask, best == m);
         const int winner = __ffs(holders) - 1;
@@ -159,47 +213,87 @@ __device__ __forceinline__ void topk_row(const Word* __restrict__ scores, int T,
             const int e = base + slot;
             vout[r] = widen_bits<Word>(src[e]);  // the score's bits, re-read (an L1 hit)
             iout[r] = e;
+            if constexpr (V == 1) {
 #pragma unroll
-            for (int j = 0; j < C; ++j) {
-                if (j == slot) key[j] = 0u;  // taken
+                for (int j = 0; j < C; ++j) {
+                    if (j == slot) key[j] = 0u;  // taken
+                }
+                local_best<C>(key, best, slot);
+            } else {
+                if (has_next) {
+                    best = next;
+                    slot = nslot;
+                    has_next = false;
+                } else {
+                    best_below<C>(key, best, slot);
+                }
             }
-            local_best<C>(key, best, slot);
         }
     }
 }
 
 }  // namespace topk
 
-// Exported kernels: one per (input dtype, slots per lane C). Grid: ceil(T/8) blocks of 256
-// threads. vec_ok = 1 when E % 4 == 0 and the scores pointer is aligned for 4-element vector
+// Exported kernels: one per (input dtype, slots per lane C, version: no suffix = 1, _v2 = 2).
+// Grid: ceil(T/8) blocks of 256 threads. vec_ok = 1 when E % 4 == 0 and the scores pointer is aligned for 4-element vector
 // loads (the launcher checks both).
 extern "C" __global__ void __launch_bounds__(256) topk_f32_c1(const float* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
-    topk::topk_row<uint32_t, 1>(reinterpret_cast<const uint32_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+    topk::topk_row<uint32_t, 1, 1>(reinterpret_cast<const uint32_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
 }
 extern "C" __global__ void __launch_bounds__(256) topk_f32_c2(const float* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
-    topk::topk_row<uint32_t, 2>(reinterpret_cast<const uint32_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+    topk::topk_row<uint32_t, 2, 1>(reinterpret_cast<const uint32_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
 }
 extern "C" __global__ void __launch_bounds__(256) topk_f32_c4(const float* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
-    topk::topk_row<uint32_t, 4>(reinterpret_cast<const uint32_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+    topk::topk_row<uint32_t, 4, 1>(reinterpret_cast<const uint32_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
 }
 extern "C" __global__ void __launch_bounds__(256) topk_f32_c8(const float* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
-    topk::topk_row<uint32_t, 8>(reinterpret_cast<const uint32_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+    topk::topk_row<uint32_t, 8, 1>(reinterpret_cast<const uint32_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
 }
 extern "C" __global__ void __launch_bounds__(256) topk_f32_c16(const float* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
-    topk::topk_row<uint32_t, 16>(reinterpret_cast<const uint32_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+    topk::topk_row<uint32_t, 16, 1>(reinterpret_cast<const uint32_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
 }
 extern "C" __global__ void __launch_bounds__(256) topk_bf16_c1(const __nv_bfloat16* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
-    topk::topk_row<uint16_t, 1>(reinterpret_cast<const uint16_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+    topk::topk_row<uint16_t, 1, 1>(reinterpret_cast<const uint16_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
 }
 extern "C" __global__ void __launch_bounds__(256) topk_bf16_c2(const __nv_bfloat16* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
-    topk::topk_row<uint16_t, 2>(reinterpret_cast<const uint16_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+    topk::topk_row<uint16_t, 2, 1>(reinterpret_cast<const uint16_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
 }
 extern "C" __global__ void __launch_bounds__(256) topk_bf16_c4(const __nv_bfloat16* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
-    topk::topk_row<uint16_t, 4>(reinterpret_cast<const uint16_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+    topk::topk_row<uint16_t, 4, 1>(reinterpret_cast<const uint16_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
 }
 extern "C" __global__ void __launch_bounds__(256) topk_bf16_c8(const __nv_bfloat16* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
-    topk::topk_row<uint16_t, 8>(reinterpret_cast<const uint16_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+    topk::topk_row<uint16_t, 8, 1>(reinterpret_cast<const uint16_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
 }
 extern "C" __global__ void __launch_bounds__(256) topk_bf16_c16(const __nv_bfloat16* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
-    topk::topk_row<uint16_t, 16>(reinterpret_cast<const uint16_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+    topk::topk_row<uint16_t, 16, 1>(reinterpret_cast<const uint16_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+}
+extern "C" __global__ void __launch_bounds__(256) topk_f32_c1_v2(const float* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
+    topk::topk_row<uint32_t, 1, 2>(reinterpret_cast<const uint32_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+}
+extern "C" __global__ void __launch_bounds__(256) topk_f32_c2_v2(const float* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
+    topk::topk_row<uint32_t, 2, 2>(reinterpret_cast<const uint32_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+}
+extern "C" __global__ void __launch_bounds__(256) topk_f32_c4_v2(const float* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
+    topk::topk_row<uint32_t, 4, 2>(reinterpret_cast<const uint32_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+}
+extern "C" __global__ void __launch_bounds__(256) topk_f32_c8_v2(const float* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
+    topk::topk_row<uint32_t, 8, 2>(reinterpret_cast<const uint32_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+}
+extern "C" __global__ void __launch_bounds__(256) topk_f32_c16_v2(const float* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
+    topk::topk_row<uint32_t, 16, 2>(reinterpret_cast<const uint32_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+}
+extern "C" __global__ void __launch_bounds__(256) topk_bf16_c1_v2(const __nv_bfloat16* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
+    topk::topk_row<uint16_t, 1, 2>(reinterpret_cast<const uint16_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+}
+extern "C" __global__ void __launch_bounds__(256) topk_bf16_c2_v2(const __nv_bfloat16* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
+    topk::topk_row<uint16_t, 2, 2>(reinterpret_cast<const uint16_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+}
+extern "C" __global__ void __launch_bounds__(256) topk_bf16_c4_v2(const __nv_bfloat16* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
+    topk::topk_row<uint16_t, 4, 2>(reinterpret_cast<const uint16_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+}
+extern "C" __global__ void __launch_bounds__(256) topk_bf16_c8_v2(const __nv_bfloat16* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
+    topk::topk_row<uint16_t, 8, 2>(reinterpret_cast<const uint16_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
+}
+extern "C" __global__ void __launch_bounds__(256) topk_bf16_c16_v2(const __nv_bfloat16* __restrict__ scores, int T, int E, int k, int vec_ok, float* __restrict__ values, int* __restrict__ indices) {
+    topk::topk_row<uint16_t, 16, 2>(reinterpret_cast<const uint16_t*>(scores), T, E, k, vec_ok, reinterpret_cast<uint32_t*>(values), indices);
 }

@@ -6,7 +6,9 @@
 //! wrong tie-break through.
 
 use half::bf16;
-use sluice_kernels::ops::topk::{topk, topk_into, topk_reference, MAX_E, MAX_K};
+use sluice_kernels::ops::topk::{
+    topk, topk_into, topk_into_version, topk_reference, KernelVersion, MAX_E, MAX_K,
+};
 use sluice_kernels::testing::Rng;
 use sluice_kernels::{Backend, DType, Error, Tensor};
 use std::cmp::Ordering;
@@ -113,6 +115,25 @@ fn run(
     (v.to_vec::<f32>().unwrap(), i.to_vec::<i32>().unwrap())
 }
 
+/// Both kernel versions: every device test runs each (they must give the same bits).
+const VERSIONS: [KernelVersion; 2] = [KernelVersion::V1, KernelVersion::V2];
+
+/// Like [`run`], with an explicit kernel version, into poisoned caller-owned outputs.
+fn run_version(
+    backend: &Backend,
+    data: &[f32],
+    (t, e, k): (usize, usize, usize),
+    dtype: DType,
+    version: KernelVersion,
+) -> (Vec<f32>, Vec<i32>) {
+    let x = Tensor::from_f32_as(backend, &[t, e], dtype, data).unwrap();
+    let mut v = Tensor::poisoned(backend, &[t, k], DType::F32).unwrap();
+    let mut i = Tensor::poisoned(backend, &[t, k], DType::I32).unwrap();
+    topk_into_version(backend, &x, k, &mut v, &mut i, version)
+        .unwrap_or_else(|err| panic!("topk {version:?} [{t},{e}] k={k}: {err}"));
+    (v.to_vec::<f32>().unwrap(), i.to_vec::<i32>().unwrap())
+}
+
 /// `data` rounded to bf16 and widened back: what a BF16 tensor of `data` holds.
 fn bf16_round(data: &[f32]) -> Vec<f32> {
     data.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
@@ -186,8 +207,11 @@ fn edge_cases() -> Vec<(Vec<f32>, usize, Vec<i32>)> {
     let nan = f32::NAN;
     let inf = f32::INFINITY;
     let cases: Vec<(Vec<f32>, usize, Vec<i32>)> = vec![
-        // all equal: the lowest indices, in order
+        // all equal: the lowest indices, in order (at E = 64 and 256 a few lanes win every
+        // round, which exercises the V2 kernel's rescan path)
         (vec![0.5; 9], 4, vec![0, 1, 2, 3]),
+        (vec![-2.0; 64], 16, (0..16).collect()),
+        (vec![7.0; 256], 16, (0..16).collect()),
         // NaN below -inf, NaNs in index order, selected last when k = E
         (vec![nan, -inf, 1.0, nan, -inf], 5, vec![2, 1, 4, 0, 3]),
         // +inf first, ties at +inf to the lower index
@@ -236,9 +260,15 @@ fn edge_cases_exact_emu() {
             .iter()
             .map(|&i| row[i as usize].to_bits())
             .collect();
-        let (v, i) = run(&emu, &row, 1, e, k, DType::F32);
-        assert_eq!(i, want_idx, "emu indices of {row:?} k={k}");
-        assert_eq!(bits(&v), want_vals, "emu values of {row:?} k={k}");
+        for version in VERSIONS {
+            let (v, i) = run_version(&emu, &row, (1, e, k), DType::F32, version);
+            assert_eq!(i, want_idx, "emu {version:?} indices of {row:?} k={k}");
+            assert_eq!(
+                bits(&v),
+                want_vals,
+                "emu {version:?} values of {row:?} k={k}"
+            );
+        }
     }
 }
 
@@ -305,16 +335,18 @@ fn emu_matches_cpu_two_seeds() {
                     data.clone()
                 };
                 let want = topk_reference(&src, t, e, k);
-                let a = run(&seeds[0], &data, t, e, k, dtype);
-                let b = run(&seeds[1], &data, t, e, k, dtype);
-                let what = format!("emu {dtype} [{t},{e}] k={k}");
-                assert_same(&what, &a, &want, k);
-                assert_eq!(
-                    bits(&a.0),
-                    bits(&b.0),
-                    "{what}: seeds 1 and 2 differ (values)"
-                );
-                assert_eq!(a.1, b.1, "{what}: seeds 1 and 2 differ (indices)");
+                for version in VERSIONS {
+                    let a = run_version(&seeds[0], &data, (t, e, k), dtype, version);
+                    let b = run_version(&seeds[1], &data, (t, e, k), dtype, version);
+                    let what = format!("emu {version:?} {dtype} [{t},{e}] k={k}");
+                    assert_same(&what, &a, &want, k);
+                    assert_eq!(
+                        bits(&a.0),
+                        bits(&b.0),
+                        "{what}: seeds 1 and 2 differ (values)"
+                    );
+                    assert_eq!(a.1, b.1, "{what}: seeds 1 and 2 differ (indices)");
+                }
             }
         }
     }
@@ -378,12 +410,14 @@ fn cuda_matches_cpu() {
                     data.clone()
                 };
                 let want = topk_reference(&src, t, e, k);
-                let a = run(&gpu, &data, t, e, k, dtype);
-                let b = run(&gpu, &data, t, e, k, dtype);
-                let what = format!("cuda {dtype} [{t},{e}] k={k}");
-                assert_same(&what, &a, &want, k);
-                assert_eq!(bits(&a.0), bits(&b.0), "{what}: two runs differ (values)");
-                assert_eq!(a.1, b.1, "{what}: two runs differ (indices)");
+                for version in VERSIONS {
+                    let a = run_version(&gpu, &data, (t, e, k), dtype, version);
+                    let b = run_version(&gpu, &data, (t, e, k), dtype, version);
+                    let what = format!("cuda {version:?} {dtype} [{t},{e}] k={k}");
+                    assert_same(&what, &a, &want, k);
+                    assert_eq!(bits(&a.0), bits(&b.0), "{what}: two runs differ (values)");
+                    assert_eq!(a.1, b.1, "{what}: two runs differ (indices)");
+                }
             }
         }
     }

@@ -208,21 +208,45 @@ fn slots_per_lane(e: usize) -> usize {
     e.div_ceil(32).next_power_of_two()
 }
 
-fn kernel_name(dtype: DType, slots: usize) -> Result<&'static str> {
-    Ok(match (dtype, slots) {
-        (DType::F32, 1) => "topk_f32_c1",
-        (DType::F32, 2) => "topk_f32_c2",
-        (DType::F32, 4) => "topk_f32_c4",
-        (DType::F32, 8) => "topk_f32_c8",
-        (DType::F32, 16) => "topk_f32_c16",
-        (DType::BF16, 1) => "topk_bf16_c1",
-        (DType::BF16, 2) => "topk_bf16_c2",
-        (DType::BF16, 4) => "topk_bf16_c4",
-        (DType::BF16, 8) => "topk_bf16_c8",
-        (DType::BF16, 16) => "topk_bf16_c16",
-        (d, c) => {
+/// Which kernel of kernels/cuda/topk.cu runs on `emu` and `cuda`. Every version returns the same
+/// bits (the order is total); they differ in speed only. See docs/perf/topk.md.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KernelVersion {
+    /// A win clears the taken slot and rescans the lane (the default until a GPU measurement
+    /// says otherwise).
+    #[default]
+    V1,
+    /// Each lane also keeps its next-best; a win promotes it, and only a lane's second win in a
+    /// row rescans.
+    V2,
+}
+
+fn kernel_name(dtype: DType, slots: usize, version: KernelVersion) -> Result<&'static str> {
+    use KernelVersion::{V1, V2};
+    Ok(match (dtype, slots, version) {
+        (DType::F32, 1, V1) => "topk_f32_c1",
+        (DType::F32, 2, V1) => "topk_f32_c2",
+        (DType::F32, 4, V1) => "topk_f32_c4",
+        (DType::F32, 8, V1) => "topk_f32_c8",
+        (DType::F32, 16, V1) => "topk_f32_c16",
+        (DType::BF16, 1, V1) => "topk_bf16_c1",
+        (DType::BF16, 2, V1) => "topk_bf16_c2",
+        (DType::BF16, 4, V1) => "topk_bf16_c4",
+        (DType::BF16, 8, V1) => "topk_bf16_c8",
+        (DType::BF16, 16, V1) => "topk_bf16_c16",
+        (DType::F32, 1, V2) => "topk_f32_c1_v2",
+        (DType::F32, 2, V2) => "topk_f32_c2_v2",
+        (DType::F32, 4, V2) => "topk_f32_c4_v2",
+        (DType::F32, 8, V2) => "topk_f32_c8_v2",
+        (DType::F32, 16, V2) => "topk_f32_c16_v2",
+        (DType::BF16, 1, V2) => "topk_bf16_c1_v2",
+        (DType::BF16, 2, V2) => "topk_bf16_c2_v2",
+        (DType::BF16, 4, V2) => "topk_bf16_c4_v2",
+        (DType::BF16, 8, V2) => "topk_bf16_c8_v2",
+        (DType::BF16, 16, V2) => "topk_bf16_c16_v2",
+        (d, c, v) => {
             return Err(Error::Invalid(format!(
-                "topk has no kernel for {d} scores with {c} slots per lane"
+                "topk has no {v:?} kernel for {d} scores with {c} slots per lane"
             )))
         }
     })
@@ -276,6 +300,26 @@ pub fn topk_into(
     values: &mut Tensor,
     indices: &mut Tensor,
 ) -> Result<()> {
+    topk_into_version(
+        backend,
+        scores,
+        k,
+        values,
+        indices,
+        KernelVersion::default(),
+    )
+}
+
+/// [`topk_into`] with an explicit kernel version (benches and tests compare them; `cpu` ignores
+/// it and runs the reference).
+pub fn topk_into_version(
+    backend: &Backend,
+    scores: &Tensor,
+    k: usize,
+    values: &mut Tensor,
+    indices: &mut Tensor,
+    version: KernelVersion,
+) -> Result<()> {
     let (t, e) = check(backend, scores, k)?;
     check_output(backend, "values", values, t, k, DType::F32)?;
     check_output(backend, "indices", indices, t, k, DType::I32)?;
@@ -296,7 +340,7 @@ pub fn topk_into(
         return Ok(());
     }
     let slots = slots_per_lane(e);
-    let name = kernel_name(scores.dtype(), slots)?;
+    let name = kernel_name(scores.dtype(), slots, version)?;
     // Vector loads read 4 elements at 4-element-aligned positions: valid when each row starts
     // aligned (E % 4 == 0) and the base is aligned for 4 elements.
     let align = 4 * scores.dtype().size_bytes() as u64;
