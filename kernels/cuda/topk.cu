@@ -42,20 +42,11 @@ __device__ __forceinline__ unsigned order_key(unsigned bits) {
     return key;
 }
 
-// Exact max of a u32 over the warp, every lane gets it.
+// Exact max of a u32 over the warp, every lane gets it: redux.sync (sm_80+, so both PTX
+// targets), one instruction instead of five shuffle rounds; the emulator implements it too.
+// Integer max is exact and order-free.
 __device__ __forceinline__ unsigned warp_max_u32(unsigned v) {
-#if defined(__CUDA_ARCH__) && !defined(SLUICE_EMU)
-    // redux.sync (sm_80+): one instruction instead of five shuffle rounds. Both PTX targets
-    // (compute_80, compute_90a) have it. Integer max is exact and order-free, so the two paths
-    // give the same value.
     return __reduce_max_sync(kFullMask, v);
-#else
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const unsigned other = __shfl_xor_sync(kFullMask, v, offset);
-        v = other > v ? other : v;
-    }
-    return v;
-#endif
 }
 
 // Raw element words: f32 scores are read as u32, bf16 scores as u16.
