@@ -44,7 +44,7 @@ ROWS=()
 FAILED=0
 # row PHASE RESULT SECONDS DETAIL
 row() {
-    ROWS+=("$(printf '%-24s %-8s %6ss  %s' "$1" "$2" "$3" "$4")")
+    ROWS+=("$(printf '%-28s %-8s %6ss  %s' "$1" "$2" "$3" "$4")")
     [[ "$2" == FAIL || "$2" == TIMEOUT ]] && FAILED=1
     echo ">>> $1: $2 ($3 s) $4"
 }
@@ -76,29 +76,32 @@ find_tool() {
     return 1
 }
 
-# Runs one test binary (argv after the log) with a time cap; appends to the log; echoes a status
-# word (PASS, FAIL or TIMEOUT) and the binary's result counts.
+# Runs one test binary (argv after the log and the time cap), appending its output to the log.
+# Prints "STATUS (counts)": STATUS is PASS, FAIL or TIMEOUT; counts from its libtest result line.
 run_test_binary() {
     local log="$1" limit="$2"
     shift 2
-    local start rc
+    local start rc part counts status
     start=$(date +%s)
-    echo "---- $(date -u +%H:%M:%S) $* (limit ${limit}s)" >>"$log"
-    timeout -k 10 "$limit" "$@" >>"$log" 2>&1
+    part="$(mktemp)"
+    timeout -k 10 "$limit" "$@" >"$part" 2>&1
     rc=$?
-    echo "---- exit $rc after $(($(date +%s) - start))s" >>"$log"
+    {
+        echo "---- $(date -u +%H:%M:%S) $* (limit ${limit}s)"
+        cat "$part"
+        echo "---- exit $rc after $(($(date +%s) - start))s"
+    } >>"$log"
+    counts="$(grep '^test result:' "$part" | tail -n 1 |
+        sed -E 's/^test result: (ok|FAILED)\. //; s/; [0-9]+ measured//; s/; finished in.*//')"
+    rm -f "$part"
     if ((rc == 124 || rc == 137)); then
-        echo TIMEOUT
+        status=TIMEOUT
     elif ((rc == 0)); then
-        echo PASS
+        status=PASS
     else
-        echo FAIL
+        status=FAIL
     fi
-}
-
-# The counts of the last libtest "test result:" line of a log.
-last_result() {
-    grep '^test result:' "$1" | tail -n 1 | sed 's/^test result: //; s/; finished in.*//'
+    echo "$status (${counts:-no test result line: exit $rc})"
 }
 
 mapfile -t TEST_BINS < <(cd "$BUNDLE" && ls tests 2>/dev/null | LC_ALL=C sort)
@@ -129,7 +132,7 @@ fi
     timeout 60 "$BUNDLE/sluice" devices 2>&1
     echo
     echo "# python3 / torch (the bench's peers)"
-    timeout 60 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())' 2>&1 ||
+    timeout 60 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())' 2>/dev/null ||
         echo "torch: not importable (bench runs without PyTorch peers)"
     SAN="$(find_tool compute-sanitizer)" && echo "compute-sanitizer: $SAN" || echo "compute-sanitizer: not found"
 } >>"$ENV_LOG" 2>&1
@@ -169,8 +172,8 @@ test_phase() {
             continue
         fi
         status="$(run_test_binary "$log" "$l" "$BUNDLE/tests/$b" --test-threads="$(nproc)")"
-        detail+="$b: $status $(last_result "$log" | cut -d';' -f1-3); "
-        [[ "$status" != PASS ]] && worst="$status"
+        detail+="$b: $status; "
+        [[ "$status" != PASS* ]] && worst="${status%% *}"
     done
     row "$phase" "$worst" $(($(date +%s) - start)) "${detail%; }"
 }
@@ -223,8 +226,8 @@ sanitize_phase() {
         local status
         status="$(SLUICE_REQUIRE_CUDA=1 run_test_binary "$log" "$l" "$SAN" --tool "$tool" --error-exitcode 99 \
             --print-limit 20 "$BUNDLE/tests/$b" "$filter" --test-threads=1)"
-        detail+="$b[$filter]: $status $(last_result "$log" | cut -d';' -f1); "
-        [[ "$status" != PASS ]] && worst="$status"
+        detail+="$b[$filter]: $status; "
+        [[ "$status" != PASS* ]] && worst="${status%% *}"
     done
     grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$log" | sort | uniq -c | sed 's/^/  /' >>"$log"
     row "compute-sanitizer $tool" "$worst" $(($(date +%s) - start)) "${detail%; }"
@@ -267,7 +270,7 @@ done
 {
     echo
     echo "==== sluice GPU check summary ($(($(date +%s) - T0)) s; logs in $OUT) ===="
-    printf '%-24s %-8s %7s  %s\n' phase result time detail
+    printf '%-28s %-8s %7s  %s\n' phase result time detail
     printf '%s\n' "${ROWS[@]}"
     if ((FAILED)); then
         echo "RESULT: FAIL"
