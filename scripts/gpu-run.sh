@@ -20,6 +20,9 @@
 set -uo pipefail
 
 BUNDLE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# The working tree the bundle sits in (.gpu/ at its root): tests run in their package's folder
+# with CARGO_MANIFEST_DIR set, as under cargo test, so they find their data files.
+REPO="$(dirname "$BUNDLE")"
 OUT="${OUT:-$BUNDLE/out}"
 mkdir -p "$OUT"
 T0=$(date +%s)
@@ -79,15 +82,15 @@ find_tool() {
 # Runs one test binary (argv after the log and the time cap), appending its output to the log.
 # Prints "STATUS (counts)": STATUS is PASS, FAIL or TIMEOUT; counts from its libtest result line.
 run_test_binary() {
-    local log="$1" limit="$2"
-    shift 2
+    local log="$1" limit="$2" dir="$3"
+    shift 3
     local start rc part counts status
     start=$(date +%s)
     part="$(mktemp)"
-    timeout -k 10 "$limit" "$@" >"$part" 2>&1
+    (cd "$dir" && CARGO_MANIFEST_DIR="$dir" timeout -k 10 "$limit" "$@") >"$part" 2>&1
     rc=$?
     {
-        echo "---- $(date -u +%H:%M:%S) $* (limit ${limit}s)"
+        echo "---- $(date -u +%H:%M:%S) in $dir: $* (limit ${limit}s)"
         cat "$part"
         echo "---- exit $rc after $(($(date +%s) - start))s"
     } >>"$log"
@@ -105,6 +108,18 @@ run_test_binary() {
 }
 
 mapfile -t TEST_BINS < <(cd "$BUNDLE" && ls tests 2>/dev/null | LC_ALL=C sort)
+declare -A PKG_DIR=()
+if [[ -f "$BUNDLE/tests.tsv" ]]; then
+    while IFS=$'\t' read -r name pkg; do
+        PKG_DIR["$name"]="$pkg"
+    done <"$BUNDLE/tests.tsv"
+fi
+# The folder test binary $1 runs in.
+pkg_dir() {
+    local d="$REPO/${PKG_DIR[$1]:-.}"
+    [[ -d "$d" ]] || d="$REPO"
+    (cd "$d" && pwd)
+}
 
 # ---- 1. environment ----
 start=$(date +%s)
@@ -171,7 +186,7 @@ test_phase() {
             worst=TIMEOUT
             continue
         fi
-        status="$(run_test_binary "$log" "$l" "$BUNDLE/tests/$b" --test-threads="$(nproc)")"
+        status="$(run_test_binary "$log" "$l" "$(pkg_dir "$b")" "$BUNDLE/tests/$b" --test-threads="$(nproc)")"
         detail+="$b: $status; "
         [[ "$status" != PASS* ]] && worst="${status%% *}"
     done
@@ -224,7 +239,7 @@ sanitize_phase() {
             continue
         fi
         local status
-        status="$(SLUICE_REQUIRE_CUDA=1 run_test_binary "$log" "$l" "$SAN" --tool "$tool" --error-exitcode 99 \
+        status="$(SLUICE_REQUIRE_CUDA=1 run_test_binary "$log" "$l" "$(pkg_dir "$b")" "$SAN" --tool "$tool" --error-exitcode 99 \
             --print-limit 20 "$BUNDLE/tests/$b" "$filter" --test-threads=1)"
         detail+="$b[$filter]: $status; "
         [[ "$status" != PASS* ]] && worst="${status%% *}"
