@@ -23,6 +23,12 @@ constexpr uint32_t MAX_VOCAB = 1u << 18;
 // Bound on the Gumbel noise (max 16.64) plus margin for the rounding of z + bound (|z| < 2^27).
 constexpr float GUMBEL_BOUND = 32.0f;
 
+// words[k & 3] without dynamic indexing (which would put the array in local memory: a stack).
+__device__ __forceinline__ uint32_t pick_word(const uint32_t w[4], int k) {
+    k &= 3;
+    return k == 0 ? w[0] : k == 1 ? w[1] : k == 2 ? w[2] : w[3];
+}
+
 struct Best {
     float score;
     int index;
@@ -60,7 +66,7 @@ __device__ __forceinline__ Best gumbel_candidates(const T* x, int V, float scale
             sampler_words(seed, rid, pos, (uint32_t)(((i >> 2) << 8) | threadIdx.x), words);
             loaded = i >> 2;
         }
-        best = BetterOf{}(best, Best{rr_add(z, gumbel_noise(words[i & 3])), j});
+        best = BetterOf{}(best, Best{rr_add(z, gumbel_noise(pick_word(words, i))), j});
     }
     return best;
 }
@@ -100,7 +106,7 @@ __device__ __forceinline__ void sample_row(const T* __restrict__ logits,
                     sampler_words(seed, rid, pos, (uint32_t)(((step >> 2) << 8) | threadIdx.x), words);
                     loaded = step >> 2;
                 }
-                score = rr_add(z, gumbel_noise(words[step & 3]));
+                score = rr_add(z, gumbel_noise(pick_word(words, step)));
             }
             best = BetterOf{}(best, Best{score, j});
         }
