@@ -104,9 +104,26 @@ __device__ __forceinline__ void loss_row(const T* logits, T* dlogits, const int*
     // A row with no mass (all -inf) has no softmax to move: zero gradient in every mode.
     const float coef = (d > 0.0f && live) ? tt.dterm / d : 0.0f;
 
-    // Read 2 + write: dlogits = coef * (onehot - softmax).
+    // Read 2 + write: dlogits = coef * (onehot - softmax). Elementwise, so any assignment of
+    // entries to threads gives the same bits: 8 consecutive entries per thread (16-byte loads
+    // and stores) where both rows are aligned, then scalar for the rest.
+    int done = 0;
+    if (aligned16(x) && aligned16(g)) {
+        done = (V / ROW_TILE) * ROW_TILE;
+        for (int base = threadIdx.x * ROW_VEC; base < done; base += ROW_TILE) {
+            float v[ROW_VEC];
+            load_vec8(x + base, v);
+#pragma unroll
+            for (int k = 0; k < ROW_VEC; ++k) {
+                const float p = live ? expf(v[k] - lse) : 0.0f;
+                const float onehot = base + k == tok ? 1.0f : 0.0f;
+                v[k] = rr_mul(coef, onehot - p);
+            }
+            store_vec8(g + base, v);
+        }
+    }
 #pragma unroll 4
-    for (int j = threadIdx.x; j < V; j += ROW_THREADS) {
+    for (int j = done + threadIdx.x; j < V; j += ROW_THREADS) {
         const float p = live ? expf(load_logit(x, j) - lse) : 0.0f;
         const float onehot = j == tok ? 1.0f : 0.0f;
         store_logit(g, j, rr_mul(coef, onehot - p));

@@ -166,7 +166,7 @@ __device__ __forceinline__ void sample_row(const T* __restrict__ logits,
 using namespace sluice;
 using namespace sluice::sampler;
 
-extern "C" __global__ void __launch_bounds__(256) sample_f32(const float* __restrict__ logits,
+extern "C" __global__ void __launch_bounds__(256, 1) sample_f32(const float* __restrict__ logits,
                                                              const unsigned long long* __restrict__ request_ids,
                                                              const int* __restrict__ positions,
                                                              int* __restrict__ tokens, float* __restrict__ logprobs,
@@ -175,7 +175,7 @@ extern "C" __global__ void __launch_bounds__(256) sample_f32(const float* __rest
     sample_row<float>(logits, request_ids, positions, tokens, logprobs, V, seed, greedy, scale, top_k, top_p);
 }
 
-extern "C" __global__ void __launch_bounds__(256) sample_bf16(const __nv_bfloat16* __restrict__ logits,
+extern "C" __global__ void __launch_bounds__(256, 1) sample_bf16(const __nv_bfloat16* __restrict__ logits,
                                                               const unsigned long long* __restrict__ request_ids,
                                                               const int* __restrict__ positions,
                                                               int* __restrict__ tokens, float* __restrict__ logprobs,

@@ -639,6 +639,14 @@ fn device_cases() -> Vec<(Problem, DType)> {
             Problem::random(43, 5, 257, false).into_bf16_values(),
             DType::BF16,
         ),
+        // V >= 2048: full tiles (16-byte loads) and a tail; V = 2050 makes odd f32 rows
+        // misaligned, so both load paths run in one launch and must agree with the reference.
+        (Problem::random(44, 2, 4104, true), DType::F32),
+        (Problem::random(45, 3, 2050, false), DType::F32),
+        (
+            Problem::random(46, 2, 4104, false).into_bf16_values(),
+            DType::BF16,
+        ),
     ]
 }
 

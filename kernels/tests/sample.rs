@@ -277,11 +277,19 @@ fn batch_invariance_on_cpu() {
 #[test]
 fn batch_invariance_on_emu() {
     check_batch_invariance(&Backend::emu_with_seed(1), &sp(5, 1.0, 0, 1.0), 300);
+    // V = 2050: a row's alignment (and so its load path) changes with its place in the batch.
+    check_batch_invariance(&Backend::emu_with_seed(1), &sp(5, 1.0, 0, 1.0), 2050);
 }
 
 /// The sampler's log-prob equals is_gate_loss's logp bit for bit for the same rows.
 fn check_shared_logprob(be: &Backend, dtype: DType) {
-    let mut bt = Batch::random(13, 17, 300, 2.0);
+    for v in [300, 4104, 2050] {
+        check_shared_logprob_v(be, dtype, v);
+    }
+}
+
+fn check_shared_logprob_v(be: &Backend, dtype: DType, v: usize) {
+    let mut bt = Batch::random(13, 5, v, 2.0);
     bt.logits[7] = f32::NEG_INFINITY;
     for p in [
         sp(21, 1.0, 0, 1.0),
@@ -340,6 +348,10 @@ fn check_device(be: &Backend, name: &str) {
         (7usize, 300usize, DType::F32),
         (1, 1000, DType::F32),
         (5, 257, DType::BF16),
+        // Full 2048-entry tiles (16-byte loads) and tails; 2050 misaligns odd f32 rows.
+        (2, 4104, DType::F32),
+        (3, 2050, DType::F32),
+        (2, 4104, DType::BF16),
     ] {
         let mut bt = Batch::random(30 + v as u64, b, v, 2.0);
         if dtype == DType::BF16 {

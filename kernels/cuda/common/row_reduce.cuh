@@ -96,14 +96,86 @@ __device__ __forceinline__ T block_tree(T v, T* sh, F f) {
     return total;
 }
 
+// 16-byte loads: a thread loads ROW_VEC = 8 consecutive entries, so a block covers a tile of
+// ROW_TILE = 2048 entries per step.
+constexpr int ROW_VEC = 8;
+constexpr int ROW_TILE = ROW_THREADS * ROW_VEC;
+
+__device__ __forceinline__ float float_of_bits(uint32_t b) {
+    float f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+
+// Entries p[0..8) as f32; p 16-byte aligned.
+__device__ __forceinline__ void load_vec8(const float* p, float v[ROW_VEC]) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+__device__ __forceinline__ void load_vec8(const __nv_bfloat16* p, float v[ROW_VEC]) {
+    // A bf16 is the top half of an f32: widening by a shift is exact (= __bfloat162float).
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        v[2 * k] = float_of_bits(w[k] << 16);
+        v[2 * k + 1] = float_of_bits(w[k] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void store_vec8(float* p, const float v[ROW_VEC]) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+__device__ __forceinline__ void store_vec8(__nv_bfloat16* p, const float v[ROW_VEC]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const __nv_bfloat16 lo = __float2bfloat16(v[2 * k]), hi = __float2bfloat16(v[2 * k + 1]);
+        uint16_t bl, bh;
+        memcpy(&bl, &lo, sizeof bl);
+        memcpy(&bh, &hi, sizeof bh);
+        w[k] = (uint32_t)bl | ((uint32_t)bh << 16);
+    }
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
 // This thread's part of the row pass over z_j = row[j] * scale, j = t, t + 256, ...;
 // visit(j, z_j) sees every element in that order (the sampler fuses its argmax here).
+// Where the row is 16-byte aligned, full tiles of 2048 entries are loaded 8 consecutive entries
+// per thread (16-byte loads), staged in shared memory, and read back by each thread in ITS order
+// (t, t + 256, ..., t + 1792 of the tile): the same pushes in the same order as the scalar loop,
+// so the same bits whichever path a row takes. Called by all threads of the block (barriers).
 template <typename T, typename Visit>
 __device__ __forceinline__ LseState row_lse_pass(const T* row, int V, float scale, Visit&& visit) {
+    __shared__ float tile[ROW_TILE];
     LseState st = lse_empty();
-    // Unrolled so several loads are in flight per thread (the order of the pushes is unchanged).
+    const int t = threadIdx.x;
+    int done = 0;
+    if (aligned16(row)) {
+        done = (V / ROW_TILE) * ROW_TILE;
+        for (int base = 0; base < done; base += ROW_TILE) {
+            float v[ROW_VEC];
+            load_vec8(row + base + t * ROW_VEC, v);
+            store_vec8(tile + t * ROW_VEC, v);
+            __syncthreads();
+#pragma unroll
+            for (int k = 0; k < ROW_VEC; ++k) {
+                const float z = rr_mul(tile[t + k * ROW_THREADS], scale);
+                lse_push(st, z);
+                visit(base + t + k * ROW_THREADS, z);
+            }
+            __syncthreads();
+        }
+    }
+    // The rest (or a misaligned row): scalar loads, unrolled so several are in flight.
 #pragma unroll 4
-    for (int j = threadIdx.x; j < V; j += ROW_THREADS) {
+    for (int j = done + t; j < V; j += ROW_THREADS) {
         const float z = rr_mul(load_logit(row, j), scale);
         lse_push(st, z);
         visit(j, z);
