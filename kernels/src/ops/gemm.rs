@@ -312,6 +312,40 @@ pub fn gemm(backend: &Backend, a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// [`gemm`] with the bf16 kernel chosen explicitly (tests run both paths side by side).
 pub fn gemm_with_path(backend: &Backend, a: &Tensor, b: &Tensor, path: GemmPath) -> Result<Tensor> {
+    let (m, n, _) = plain_dims(a, b)?;
+    let mut c = Tensor::poisoned(backend, &[m, n], DType::F32)?;
+    gemm_into_with_path(backend, a, b, &mut c, path)?;
+    Ok(c)
+}
+
+/// [`gemm`] into an existing F32 tensor `c` [M,N] on the same device (its contents are
+/// overwritten; nothing is allocated).
+pub fn gemm_into(backend: &Backend, a: &Tensor, b: &Tensor, c: &mut Tensor) -> Result<()> {
+    gemm_into_with_path(backend, a, b, c, GemmPath::from_env()?)
+}
+
+/// [`gemm_into`] with the bf16 kernel chosen explicitly.
+pub fn gemm_into_with_path(
+    backend: &Backend,
+    a: &Tensor,
+    b: &Tensor,
+    c: &mut Tensor,
+    path: GemmPath,
+) -> Result<()> {
+    let (m, n, k) = plain_dims(a, b)?;
+    c.expect_dtype("c", DType::F32)?;
+    if c.shape() != [m, n] {
+        return Err(Error::shape(
+            "c",
+            format!("[{m},{n}] (M from `a`, N from `b`)"),
+            c.shape(),
+        ));
+    }
+    batched(backend, a, b, c, 1, m, n, k, false, path)
+}
+
+/// (M, N, K) of a plain product, after checking the ranks and that K agrees.
+fn plain_dims(a: &Tensor, b: &Tensor) -> Result<(usize, usize, usize)> {
     a.expect_rank("a", 2, "[M,K]")?;
     let (m, k) = (a.shape()[0], a.shape()[1]);
     if b.shape().len() != 2 || b.shape()[1] != k {
@@ -321,9 +355,7 @@ pub fn gemm_with_path(backend: &Backend, a: &Tensor, b: &Tensor, path: GemmPath)
             b.shape(),
         ));
     }
-    let n = b.shape()[0];
-    let c = batched(backend, a, b, 1, m, n, k, false, path)?;
-    c.reshape(&[m, n])
+    Ok((m, b.shape()[0], k))
 }
 
 /// Batched: C[i] = A[i] · B[i]^T with `a` [batch,M,K], `b` [batch,N,K] (or [N,K], one matrix
@@ -355,28 +387,32 @@ pub fn gemm_batched_with_path(
         ));
     }
     let n = b.shape()[b.shape().len() - 2];
-    batched(backend, a, b, batch, m, n, k, shared_b, path)
+    let mut c = Tensor::poisoned(backend, &[batch, m, n], DType::F32)?;
+    batched(backend, a, b, &mut c, batch, m, n, k, shared_b, path)?;
+    Ok(c)
 }
 
 #[allow(clippy::too_many_arguments)]
+/// Runs the batched form into `c` (batch*m*n F32 elements, shape checked by the caller).
 fn batched(
     backend: &Backend,
     a: &Tensor,
     b: &Tensor,
+    c: &mut Tensor,
     batch: usize,
     m: usize,
     n: usize,
     k: usize,
     shared_b: bool,
     path: GemmPath,
-) -> Result<Tensor> {
+) -> Result<()> {
     let dtype = float_dtype(a, b)?;
     dims_fit_i32(&[("M", m), ("N", n), ("K", k), ("batch", batch)])?;
     match backend {
         Backend::Cpu => {
             let af = a.to_f32_vec()?;
             let bf = b.to_f32_vec()?;
-            let mut c = vec![0.0f32; batch * m * n];
+            let c = c.host_slice_mut::<f32>()?;
             for i in 0..batch {
                 let bi = if shared_b { 0 } else { i };
                 if m * n > 0 {
@@ -390,13 +426,12 @@ fn batched(
                     );
                 }
             }
-            Tensor::from_slice(backend, &[batch, m, n], &c)
+            Ok(())
         }
         _ => {
             check_path(backend, dtype, path)?;
-            let c = Tensor::poisoned(backend, &[batch, m, n], DType::F32)?;
             if batch * m * n == 0 {
-                return Ok(c);
+                return Ok(());
             }
             if batch > 65535 {
                 return Err(Error::Invalid(format!(
@@ -414,7 +449,7 @@ fn batched(
                 .shared_bytes(t.shared_bytes)
                 .arg_tensor(a)
                 .arg_tensor(b)
-                .arg_tensor(&c)
+                .arg_tensor(c)
                 .arg_u64(0) // offsets: null = batched mode
                 .arg_i32(m as i32)
                 .arg_i32(n as i32)
@@ -423,8 +458,7 @@ fn batched(
                 .arg_i64((m * k) as i64)
                 .arg_i64(if shared_b { 0 } else { (n * k) as i64 })
                 .arg_i64((m * n) as i64);
-            backend.launch(&launch)?;
-            Ok(c)
+            backend.launch(&launch)
         }
     }
 }
