@@ -413,8 +413,15 @@ fn assert_bits_eq(label: &str, x: &[f32], y: &[f32]) {
     }
 }
 
-const EMU_SHAPES: [(usize, usize, usize); 4] =
-    [(17, 33, 40), (1, 1, 1), (127, 17, 64), (5, 130, 70)];
+/// Small ragged shapes for the emulator. (3, 140, 264): two column tiles and five K steps of 64,
+/// one more than the wgmma kernel's four stages, so its ring wraps and the barrier parity flips.
+const EMU_SHAPES: [(usize, usize, usize); 5] = [
+    (17, 33, 40),
+    (1, 1, 1),
+    (127, 17, 64),
+    (5, 130, 70),
+    (3, 140, 264),
+];
 
 #[test]
 fn emu_matches_cpu_with_two_seeds_bit_identical() {
