@@ -136,7 +136,7 @@ fn cuda(c: &mut Criterion) {
                 flops(m, n, k) as f64 / t.as_secs_f64() / 1e12
             );
             group.bench_function(BenchmarkId::new(format!("{label}_{dtype}"), s), |bench| {
-                bench.iter(|| run())
+                bench.iter(&mut run)
             });
         }
 
@@ -212,7 +212,7 @@ fn cuda(c: &mut Criterion) {
             flops(m, n, k) as f64 / t.as_secs_f64() / 1e12
         );
         group.bench_function(BenchmarkId::new(format!("cublas_{dtype}"), s), |bench| {
-            bench.iter(|| cublas_run())
+            bench.iter(&cublas_run)
         });
     }
     group.finish();
