@@ -8,10 +8,13 @@ pub mod gemm;
 pub mod rmsnorm;
 pub mod rope;
 pub mod swiglu;
+pub mod topk;
 
-/// The ops of `sluice kernel`, in `--list` order.
+/// The ops of `sluice kernel`, in `--list` order: DESIGN.md section 7's table first, then the
+/// supporting ops of the model.
 pub static RUNNER_OPS: &[&OpSpec] = &[
     &gemm::SPEC,
+    &topk::SPEC,
     &rmsnorm::SPEC,
     &rmsnorm::BACKWARD_SPEC,
     &rope::SPEC,
