@@ -4,6 +4,7 @@ use crate::runner::OpSpec;
 
 pub mod elementwise;
 pub mod embedding;
+pub mod gemm;
 pub mod rmsnorm;
 pub mod rope;
 pub mod swiglu;
@@ -12,6 +13,7 @@ pub mod topk;
 /// The ops of `sluice kernel`, in `--list` order: DESIGN.md section 7's table first, then the
 /// supporting ops of the model.
 pub static RUNNER_OPS: &[&OpSpec] = &[
+    &gemm::SPEC,
     &topk::SPEC,
     &rmsnorm::SPEC,
     &rmsnorm::BACKWARD_SPEC,
