@@ -24,6 +24,22 @@ fn dtype_name(dtype: DType) -> &'static str {
     }
 }
 
+fn gemm_case(m: usize, n: usize, k: usize, dtype: DType) -> BenchCase {
+    BenchCase {
+        op: "gemm",
+        shape: format!("M={m} N={n} K={k} {}", dtype_name(dtype)),
+        // read A and B once, write C (f32)
+        bytes: ((m * k + n * k) * dtype.size_bytes() + m * n * 4) as f64,
+        flops: 2.0 * m as f64 * n as f64 * k as f64,
+        prepare: Box::new(move |b| {
+            let a = random(b, &[m, k], dtype, 5)?;
+            let w = random(b, &[n, k], dtype, 6)?;
+            let run: BenchRun = Box::new(move |b: &Backend| ops::gemm::gemm(b, &a, &w).map(|_| ()));
+            Ok(run)
+        }),
+    }
+}
+
 fn topk_case(t: usize, e: usize, k: usize, dtype: DType) -> BenchCase {
     BenchCase {
         op: "topk",
@@ -75,12 +91,17 @@ fn softmax_case(t: usize, n: usize, dtype: DType) -> BenchCase {
 pub fn all_cases(quick: bool) -> Vec<BenchCase> {
     if quick {
         vec![
+            gemm_case(512, 512, 512, DType::F32),
+            gemm_case(256, 256, 256, DType::BF16),
             topk_case(4096, 256, 8, DType::F32),
             rmsnorm_case(1024, 1024, DType::F32),
             softmax_case(256, 4096, DType::F32),
         ]
     } else {
         vec![
+            gemm_case(4096, 4096, 4096, DType::BF16),
+            gemm_case(8192, 8192, 8192, DType::BF16),
+            gemm_case(4096, 4096, 4096, DType::F32),
             topk_case(65536, 256, 8, DType::F32),
             topk_case(65536, 256, 8, DType::BF16),
             rmsnorm_case(16384, 2048, DType::BF16),
