@@ -2,5 +2,7 @@
 
 use crate::runner::OpSpec;
 
+pub mod attention;
+
 /// The ops of `sluice kernel`, in `--list` order.
-pub static RUNNER_OPS: &[&OpSpec] = &[];
+pub static RUNNER_OPS: &[&OpSpec] = &[&attention::FORWARD_SPEC, &attention::BACKWARD_SPEC];
