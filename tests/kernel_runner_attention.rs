@@ -207,3 +207,82 @@ fn emu_row_matches_cpu_row() {
         );
     }
 }
+
+#[test]
+fn paged_attention_row() {
+    // Two sequences of 5 and 20 tokens in a cache of 4 blocks of 16 slots, GQA 2.
+    let mut rng = Rng::new(91);
+    let (b, nb, bs, mb) = (2usize, 4usize, 16usize, 2usize);
+    let q = rng.normal_vec(b * H * D, 1.0);
+    let kc = rng.normal_vec(nb * bs * HKV * D, 1.0);
+    let vc = rng.normal_vec(nb * bs * HKV * D, 1.0);
+    let table = [3i32, -1, 0, 2];
+    let ctx = [5i32, 20];
+    let cpu = Backend::Cpu;
+    let t = |shape: &[usize], x: &[f32]| Tensor::from_slice(&cpu, shape, x).unwrap();
+    let (tq, tk, tv) = (
+        t(&[b, H, D], &q),
+        t(&[nb, bs, HKV, D], &kc),
+        t(&[nb, bs, HKV, D], &vc),
+    );
+    let tb = Tensor::from_slice(&cpu, &[b, mb], &table).unwrap();
+    let tc = Tensor::from_slice(&cpu, &[b], &ctx).unwrap();
+    let inp = tmp("paged_in.safetensors");
+    let out = tmp("paged_out.safetensors");
+    let named = [
+        ("q", &tq),
+        ("k_cache", &tk),
+        ("v_cache", &tv),
+        ("block_table", &tb),
+        ("context_lens", &tc),
+    ];
+    write_safetensors(&inp, &named, &BTreeMap::new()).unwrap();
+    run_kernel("paged_attention", &inp, &out, Device::Cpu).unwrap();
+    let got = read_out(&out, "out");
+    // Independent: naive f64 softmax over each sequence's slots.
+    let scale = 1.0 / (D as f64).sqrt();
+    let mut want = vec![0.0f64; b * H * D];
+    for s in 0..b {
+        for h in 0..H {
+            let g = h / (H / HKV);
+            let qi = (s * H + h) * D;
+            let rows: Vec<usize> = (0..ctx[s] as usize)
+                .map(|j| ((table[s * mb + j / bs] as usize * bs + j % bs) * HKV + g) * D)
+                .collect();
+            let sc: Vec<f64> = rows
+                .iter()
+                .map(|&r| {
+                    (0..D)
+                        .map(|d| q[qi + d] as f64 * kc[r + d] as f64)
+                        .sum::<f64>()
+                        * scale
+                })
+                .collect();
+            let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = sc.iter().map(|a| (a - mx).exp()).sum();
+            for (n, &r) in rows.iter().enumerate() {
+                for d in 0..D {
+                    want[qi + d] += (sc[n] - mx).exp() / z * vc[r + d] as f64;
+                }
+            }
+        }
+    }
+    assert!(rel_norm(&got, &want) <= F32_TOL);
+
+    // A misshapen cache names the tensor and the shape expected.
+    let bad = t(&[nb, bs, HKV, D / 2], &kc[..nb * bs * HKV * D / 2]);
+    let named = [
+        ("q", &tq),
+        ("k_cache", &bad),
+        ("v_cache", &tv),
+        ("block_table", &tb),
+        ("context_lens", &tc),
+    ];
+    write_safetensors(&inp, &named, &BTreeMap::new()).unwrap();
+    let e = run_kernel("paged_attention", &inp, &out, Device::Cpu).unwrap_err();
+    assert!(e.is_bad_input());
+    assert!(
+        e.to_string().contains("`k_cache`") && e.to_string().contains("[NB,BS,Hkv,D]"),
+        "{e}"
+    );
+}
