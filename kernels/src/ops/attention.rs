@@ -43,8 +43,34 @@ pub struct RowState {
     acc: Vec<f32>,
 }
 
+/// Defines `$name`, which runs `$body_fn` compiled with hardware FMA when the CPU has it. The
+/// results are the same either way (a fused multiply-add rounds once, in hardware or in the
+/// software `fmaf`); without it every `mul_add` of the reference is a library call, several
+/// times slower. The bodies are `#[inline(always)]` so they compile into the FMA-enabled wrapper.
+macro_rules! fma_dispatch {
+    ($(#[$m:meta])* $vis:vis fn $name:ident<$($lt:lifetime,)* $($g:ident: $bound:path),*>($($a:ident: $t:ty),* $(,)?) -> $r:ty = $body_fn:ident;) => {
+        $(#[$m])*
+        #[allow(clippy::too_many_arguments)]
+        $vis fn $name<$($lt,)* $($g: $bound),*>($($a: $t),*) -> $r {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "fma")]
+                #[allow(clippy::too_many_arguments)]
+                fn fast<$($lt,)* $($g: $bound),*>($($a: $t),*) -> $r {
+                    $body_fn($($a),*)
+                }
+                if std::is_x86_feature_detected!("fma") {
+                    // SAFETY: `fast` only needs the FMA instructions, and the CPU has them.
+                    return unsafe { fast($($a),*) };
+                }
+            }
+            $body_fn($($a),*)
+        }
+    };
+}
+
 /// Dot product in ascending index order with fused multiply-adds from 0 (the kernels' order).
-#[inline]
+#[inline(always)]
 pub fn dot_fma(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)
@@ -52,7 +78,7 @@ pub fn dot_fma(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// The pairwise tree sum of 32 values (halves 16, 8, 4, 2, 1), as every lane computes it.
-#[inline]
+#[inline(always)]
 fn tree_sum32(x: &[f32; KEY_CHUNK]) -> f32 {
     let mut t = [0.0f32; 16];
     for i in 0..16 {
@@ -79,12 +105,26 @@ impl RowState {
     }
 
     /// Advances over one chunk of `keys.len()` (1..=KEY_CHUNK) keys with their values.
+    #[inline(always)]
     pub fn chunk_step(&mut self, q: &[f32], keys: &[&[f32]], values: &[&[f32]], scale: f32) {
         let n = keys.len();
         debug_assert!((1..=KEY_CHUNK).contains(&n) && values.len() == n);
         let mut s = [f32::NEG_INFINITY; KEY_CHUNK];
-        for (sj, kj) in s.iter_mut().zip(keys) {
-            *sj = dot_fma(q, kj) * scale;
+        // Eight keys' dot products interleaved (independent FMA chains hide the FMA latency);
+        // each key's own chain is still d ascending from 0, so the bits are those of dot_fma.
+        let mut j0 = 0;
+        while j0 < n {
+            let m = 8.min(n - j0);
+            let mut acc = [0.0f32; 8];
+            for (dd, &qd) in q.iter().enumerate() {
+                for jj in 0..m {
+                    acc[jj] = qd.mul_add(keys[j0 + jj][dd], acc[jj]);
+                }
+            }
+            for jj in 0..m {
+                s[j0 + jj] = acc[jj] * scale;
+            }
+            j0 += 8;
         }
         let cm = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
         let m_new = self.m.max(cm);
@@ -113,6 +153,7 @@ impl RowState {
     }
 
     /// Writes out[d] = acc[d] / l; returns the row's logsumexp m + ln(l).
+    #[inline(always)]
     pub fn finish(&self, out: &mut [f32]) -> f32 {
         for (o, &a) in out.iter_mut().zip(&self.acc) {
             *o = a / self.l;
@@ -125,11 +166,30 @@ impl RowState {
 /// the sequence start) in THE ORDER; writes `out` (D values) and returns the logsumexp. The one
 /// routine of both the training reference and the paged decode reference. With no keys the
 /// output is zero and the logsumexp -inf.
-pub fn attend_row<'a>(
+pub fn attend_row<'a, F: Fn(usize) -> (&'a [f32], &'a [f32])>(
     q: &[f32],
     n_keys: usize,
     scale: f32,
-    kv: impl Fn(usize) -> (&'a [f32], &'a [f32]),
+    kv: F,
+    out: &mut [f32],
+) -> f32 {
+    attend_row_dispatch(q, n_keys, scale, kv, out)
+}
+
+fma_dispatch! {
+    fn attend_row_dispatch<'a, F: KeyValueFn<'a>>(q: &[f32], n_keys: usize, scale: f32, kv: F, out: &mut [f32]) -> f32 = attend_row_body;
+}
+
+/// Where a row's key j and its value live (a trait alias, for the macro).
+pub trait KeyValueFn<'a>: Fn(usize) -> (&'a [f32], &'a [f32]) {}
+impl<'a, F: Fn(usize) -> (&'a [f32], &'a [f32])> KeyValueFn<'a> for F {}
+
+#[inline(always)]
+fn attend_row_body<'a, F: Fn(usize) -> (&'a [f32], &'a [f32])>(
+    q: &[f32],
+    n_keys: usize,
+    scale: f32,
+    kv: F,
     out: &mut [f32],
 ) -> f32 {
     if n_keys == 0 {
@@ -327,67 +387,111 @@ pub fn attention_backward_reference(
             out.len(), dout.len(), dq.len(), lse.len(), t * h, dk.len(), dv.len()
         )));
     }
-    let group = h / hkv;
     let delta: Vec<f32> = (0..t * h)
         .map(|r| dot_fma(&dout[r * d..(r + 1) * d], &out[r * d..(r + 1) * d]))
         .collect();
 
     // dq: one row per (token, head); keys ascending.
-    dq.par_chunks_mut(d).enumerate().for_each(|(r, dqr)| {
-        let (tok, head) = (r / h, r % h);
-        let g = head / group;
-        let (s0, n) = key_range(cu_seqlens, tok, causal);
-        let qr = &q[r * d..(r + 1) * d];
-        let dor = &dout[r * d..(r + 1) * d];
-        dqr.fill(0.0);
-        for j in 0..n {
-            let row = ((s0 + j) * hkv + g) * d;
-            let kr = &k[row..row + d];
-            let p = (dot_fma(qr, kr) * scale - lse[r]).exp();
-            let dp = dot_fma(dor, &v[row..row + d]);
-            let ds = p * (dp - delta[r]);
-            for (a, &x) in dqr.iter_mut().zip(kr) {
-                *a = ds.mul_add(x, *a);
-            }
-        }
-        for a in dqr.iter_mut() {
-            *a *= scale;
-        }
-    });
+    let ctx = BwdCtx {
+        q,
+        k,
+        v,
+        cu_seqlens,
+        dims,
+        causal,
+        scale,
+        lse,
+        dout,
+        delta: &delta,
+    };
+    dq.par_chunks_mut(d)
+        .enumerate()
+        .for_each(|(r, dqr)| dq_row(&ctx, r, dqr));
 
     // dk, dv: one row per (token, kv head); heads of the group ascending, queries ascending.
     dk.par_chunks_mut(d)
         .zip(dv.par_chunks_mut(d))
         .enumerate()
-        .for_each(|(r, (dkr, dvr))| {
-            let (tok, g) = (r / hkv, r % hkv);
-            let (s0, s1) = sequence_of(cu_seqlens, tok);
-            let q_begin = if causal { tok } else { s0 };
-            let kr = &k[r * d..(r + 1) * d];
-            let vr = &v[r * d..(r + 1) * d];
-            dkr.fill(0.0);
-            dvr.fill(0.0);
-            for head in g * group..(g + 1) * group {
-                for i in q_begin..s1 {
-                    let qi = i * h + head;
-                    let qr = &q[qi * d..(qi + 1) * d];
-                    let dor = &dout[qi * d..(qi + 1) * d];
-                    let p = (dot_fma(kr, qr) * scale - lse[qi]).exp();
-                    let dp = dot_fma(vr, dor);
-                    let ds = p * (dp - delta[qi]);
-                    for ((a, b), (&x, &y)) in
-                        dvr.iter_mut().zip(dkr.iter_mut()).zip(dor.iter().zip(qr))
-                    {
-                        *a = p.mul_add(x, *a);
-                        *b = ds.mul_add(y, *b);
-                    }
-                }
-            }
-            for b in dkr.iter_mut() {
-                *b *= scale;
-            }
-        });
+        .for_each(|(r, (dkr, dvr))| dkdv_row(&ctx, r, dkr, dvr));
     Ok(())
+}
+
+/// The inputs of the backward's row routines.
+struct BwdCtx<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    cu_seqlens: &'a [i32],
+    dims: AttnDims,
+    causal: bool,
+    scale: f32,
+    lse: &'a [f32],
+    dout: &'a [f32],
+    delta: &'a [f32],
+}
+
+fma_dispatch! {
+    fn dq_row<'a,>(c: &BwdCtx<'a>, r: usize, dqr: &mut [f32]) -> () = dq_row_body;
+}
+
+fma_dispatch! {
+    fn dkdv_row<'a,>(c: &BwdCtx<'a>, r: usize, dkr: &mut [f32], dvr: &mut [f32]) -> () = dkdv_row_body;
+}
+
+/// dq row r = (token, head): keys ascending.
+#[inline(always)]
+fn dq_row_body(c: &BwdCtx<'_>, r: usize, dqr: &mut [f32]) {
+    let AttnDims { h, hkv, d, .. } = c.dims;
+    let (tok, head) = (r / h, r % h);
+    let g = head / (h / hkv);
+    let (s0, n) = key_range(c.cu_seqlens, tok, c.causal);
+    let qr = &c.q[r * d..(r + 1) * d];
+    let dor = &c.dout[r * d..(r + 1) * d];
+    dqr.fill(0.0);
+    for j in 0..n {
+        let row = ((s0 + j) * hkv + g) * d;
+        let kr = &c.k[row..row + d];
+        let p = (dot_fma(qr, kr) * c.scale - c.lse[r]).exp();
+        let dp = dot_fma(dor, &c.v[row..row + d]);
+        let ds = p * (dp - c.delta[r]);
+        for (a, &x) in dqr.iter_mut().zip(kr) {
+            *a = ds.mul_add(x, *a);
+        }
+    }
+    for a in dqr.iter_mut() {
+        *a *= c.scale;
+    }
+}
+
+/// dk, dv row r = (token, kv head): heads of the GQA group ascending, then queries ascending.
+#[inline(always)]
+fn dkdv_row_body(c: &BwdCtx<'_>, r: usize, dkr: &mut [f32], dvr: &mut [f32]) {
+    let AttnDims { h, hkv, d, .. } = c.dims;
+    let group = h / hkv;
+    let (tok, g) = (r / hkv, r % hkv);
+    let (s0, s1) = sequence_of(c.cu_seqlens, tok);
+    let q_begin = if c.causal { tok } else { s0 };
+    let kr = &c.k[r * d..(r + 1) * d];
+    let vr = &c.v[r * d..(r + 1) * d];
+    dkr.fill(0.0);
+    dvr.fill(0.0);
+    for head in g * group..(g + 1) * group {
+        for i in q_begin..s1 {
+            let qi = i * h + head;
+            let qr = &c.q[qi * d..(qi + 1) * d];
+            let dor = &c.dout[qi * d..(qi + 1) * d];
+            let p = (dot_fma(kr, qr) * c.scale - c.lse[qi]).exp();
+            let dp = dot_fma(vr, dor);
+            let ds = p * (dp - c.delta[qi]);
+            for ((a, b), (&x, &y)) in dvr.iter_mut().zip(dkr.iter_mut()).zip(dor.iter().zip(qr)) {
+                *a = p.mul_add(x, *a);
+                *b = ds.mul_add(y, *b);
+            }
+        }
+    }
+    for b in dkr.iter_mut() {
+        *b *= c.scale;
+    }
 }
 
 /// The forward's outputs: out[T,H,D] and lse[T,H], both F32.
