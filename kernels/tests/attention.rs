@@ -347,38 +347,55 @@ fn run_all(b: &Backend, c: &Case, dtype: DType) -> [Vec<f32>; 5] {
     [f.out, f.lse, g.dq, g.dk, g.dv].map(|t| t.to_vec::<f32>().unwrap())
 }
 
-fn bits(x: &[f32]) -> Vec<u32> {
-    x.iter().map(|a| a.to_bits()).collect()
+/// Asserts bit-identical slices; on failure reports the count and the first mismatch (not the
+/// whole slices).
+#[track_caller]
+fn assert_bits_eq(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths differ");
+    let bad: Vec<usize> = (0..a.len())
+        .filter(|&i| a[i].to_bits() != b[i].to_bits())
+        .collect();
+    if let Some(&i) = bad.first() {
+        panic!(
+            "{what}: {} of {} values differ in bits; first at {i}: {} vs {}",
+            bad.len(),
+            a.len(),
+            a[i],
+            b[i]
+        );
+    }
 }
 
-/// A sequence packed alone and at an offset among others gives bit-identical rows (forward and
-/// backward): rows depend only on their own sequence.
+/// A sequence packed alone and at several offsets among others gives bit-identical rows
+/// (forward, lse and all three gradients): rows depend only on their own sequence. The sequence
+/// has 33 tokens, so its rows span two key chunks.
 fn check_batch_invariance(b: &Backend, dtype: DType) {
+    let (h, hkv, d) = (4, 2, 16);
     for causal in [true, false] {
-        let alone = Case::new(21, &[17], 4, 2, 16, causal);
-        let others = Case::new(22, &[5, 17, 33], 4, 2, 16, causal);
-        let mut packed = others.clone();
-        // Put `alone`'s sequence in the middle slot (tokens 5..22).
-        let (h, hkv, d) = (4, 2, 16);
-        packed.q[5 * h * d..22 * h * d].copy_from_slice(&alone.q);
-        packed.k[5 * hkv * d..22 * hkv * d].copy_from_slice(&alone.k);
-        packed.v[5 * hkv * d..22 * hkv * d].copy_from_slice(&alone.v);
-        packed.dout[5 * h * d..22 * h * d].copy_from_slice(&alone.dout);
+        let alone = Case::new(21, &[33], h, hkv, d, causal);
         let a = run_all(b, &alone, dtype);
-        let p = run_all(b, &packed, dtype);
-        let ranges = [
-            (h * d, 5, 22),
-            (h, 5, 22),
-            (h * d, 5, 22),
-            (hkv * d, 5, 22),
-            (hkv * d, 5, 22),
-        ];
-        for (i, (w, s, e)) in ranges.into_iter().enumerate() {
-            assert_eq!(
-                bits(&a[i]),
-                bits(&p[i][s * w..e * w]),
-                "output {i} causal {causal} on {b:?}"
-            );
+        // (lens of the packed batch, index of the slot holding `alone`'s sequence)
+        for (lens, slot) in [
+            (vec![5, 33, 2], 1),
+            (vec![33, 7], 0),
+            (vec![1, 0, 6, 33], 3),
+        ] {
+            let mut packed = Case::new(22, &lens, h, hkv, d, causal);
+            let s: usize = lens[..slot].iter().sum();
+            let e = s + 33;
+            packed.q[s * h * d..e * h * d].copy_from_slice(&alone.q);
+            packed.k[s * hkv * d..e * hkv * d].copy_from_slice(&alone.k);
+            packed.v[s * hkv * d..e * hkv * d].copy_from_slice(&alone.v);
+            packed.dout[s * h * d..e * h * d].copy_from_slice(&alone.dout);
+            let p = run_all(b, &packed, dtype);
+            let widths = [h * d, h, h * d, hkv * d, hkv * d];
+            for (i, w) in widths.into_iter().enumerate() {
+                assert_bits_eq(
+                    &a[i],
+                    &p[i][s * w..e * w],
+                    &format!("output {i} causal {causal} lens {lens:?} on {b:?} {dtype}"),
+                );
+            }
         }
     }
 }
@@ -394,7 +411,7 @@ fn cpu_deterministic() {
     let a = run_all(&Backend::Cpu, &c, DType::F32);
     let b = run_all(&Backend::Cpu, &c, DType::F32);
     for i in 0..5 {
-        assert_eq!(bits(&a[i]), bits(&b[i]));
+        assert_bits_eq(&a[i], &b[i], &format!("cpu run twice, output {i}"));
     }
 }
 
@@ -402,9 +419,9 @@ fn cpu_deterministic() {
 /// compute in f32 on exactly the same values), and two runs (or emulator seeds) bit-identical.
 fn check_device(b1: &Backend, b2: &Backend) {
     let emu_cases = [
-        Case::new(41, &[1, 17, 33], 4, 1, 16, true),  // GQA 4
-        Case::new(42, &[1, 17, 33], 2, 2, 32, false), // GQA 1, non-causal
-        Case::new(43, &[3, 0, 37], 4, 2, 32, true),   // an empty sequence
+        Case::new(41, &[1, 6, 33], 4, 1, 16, true),   // GQA 4
+        Case::new(42, &[1, 17, 22], 2, 2, 32, false), // GQA 1, non-causal
+        Case::new(43, &[3, 0, 37], 4, 2, 32, true),   // an empty sequence, 2 chunks
     ];
     for c in &emu_cases {
         for dtype in [DType::F32, DType::BF16] {
@@ -423,10 +440,10 @@ fn check_device(b1: &Backend, b2: &Backend) {
                     "{b1:?} output {i} {dtype} lens {:?}: {err}",
                     cc.lens
                 );
-                assert_eq!(
-                    bits(&got1[i]),
-                    bits(&got2[i]),
-                    "{b1:?} vs {b2:?} output {i} {dtype}"
+                assert_bits_eq(
+                    &got1[i],
+                    &got2[i],
+                    &format!("{b1:?} vs {b2:?} output {i} {dtype}"),
                 );
             }
         }

@@ -191,8 +191,23 @@ impl Batch {
     }
 }
 
-fn bits(x: &[f32]) -> Vec<u32> {
-    x.iter().map(|a| a.to_bits()).collect()
+/// Asserts bit-identical slices; on failure reports the count and the first mismatch (not the
+/// whole slices).
+#[track_caller]
+fn assert_bits_eq(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths differ");
+    let bad: Vec<usize> = (0..a.len())
+        .filter(|&i| a[i].to_bits() != b[i].to_bits())
+        .collect();
+    if let Some(&i) = bad.first() {
+        panic!(
+            "{what}: {} of {} values differ in bits; first at {i}: {} vs {}",
+            bad.len(),
+            a.len(),
+            a[i],
+            b[i]
+        );
+    }
 }
 
 #[test]
@@ -245,13 +260,13 @@ fn check_bit_identity(be: &Backend) {
     for dtype in [DType::F32, DType::BF16] {
         for (seed, h, hkv, d, bs) in [(11u64, 4, 1, 16, 16), (12, 2, 2, 32, 5), (13, 4, 2, 16, 64)]
         {
-            let bt = Batch::new(seed, &[1, 17, 33, 40], h, hkv, d, bs, dtype);
+            let bt = Batch::new(seed, &[1, 6, 33], h, hkv, d, bs, dtype);
             let decode = bt.decode(be, dtype);
             let train = bt.training_last_rows(be, dtype);
-            assert_eq!(
-                bits(&decode),
-                bits(&train),
-                "{be:?} {dtype} h {h} hkv {hkv} d {d} bs {bs}"
+            assert_bits_eq(
+                &decode,
+                &train,
+                &format!("{be:?} {dtype} h {h} hkv {hkv} d {d} bs {bs}"),
             );
         }
     }
@@ -276,7 +291,7 @@ fn check_device(be1: &Backend, be2: &Backend) {
         let want64: Vec<f64> = want.iter().map(|&a| a as f64).collect();
         // Same f32 arithmetic on the same values; only exp/log may differ by an ulp.
         assert!(rel_norm(&got1, &want64) <= F32_TOL, "{be1:?} {dtype}");
-        assert_eq!(bits(&got1), bits(&got2), "{be1:?} vs {be2:?} {dtype}");
+        assert_bits_eq(&got1, &got2, &format!("{be1:?} vs {be2:?} {dtype}"));
         // The empty context (sequence 2) gives zeros.
         assert!(got1[2 * 4 * 32..3 * 4 * 32].iter().all(|&x| x == 0.0));
     }
