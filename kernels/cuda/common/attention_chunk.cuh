@@ -81,12 +81,14 @@ __device__ __forceinline__ float tree_sum32(const float* x) {
     float t[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) t[i] = x[i] + x[i + 16];
+    // Halves 8, 4, 2, 1 written out, so the array lives in registers.
 #pragma unroll
-    for (int h = 8; h >= 1; h >>= 1) {
+    for (int i = 0; i < 8; ++i) t[i] = t[i] + t[i + 8];
 #pragma unroll
-        for (int i = 0; i < h; ++i) t[i] = t[i] + t[i + h];
-    }
-    return t[0];
+    for (int i = 0; i < 4; ++i) t[i] = t[i] + t[i + 4];
+    t[0] = t[0] + t[2];
+    t[1] = t[1] + t[3];
+    return t[0] + t[1];
 }
 
 // Advances one row (one warp) over one chunk. q_s: the row's query in shared memory as f32 (D
