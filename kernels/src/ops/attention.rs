@@ -43,9 +43,9 @@ pub struct RowState {
     acc: Vec<f32>,
 }
 
-/// Defines `$name`, which runs `$body_fn` compiled with hardware FMA when the CPU has it. The
-/// results are the same either way (a fused multiply-add rounds once, in hardware or in the
-/// software `fmaf`); without it every `mul_add` of the reference is a library call, several
+/// Defines `$name`, which runs `$body_fn` compiled with hardware FMA (and AVX2 vectors) when the
+/// CPU has them. The results are the same either way (a fused multiply-add rounds once, in
+/// hardware or in the software `fmaf`, and vectorisation only spans independent output dims); without it every `mul_add` of the reference is a library call, several
 /// times slower. The bodies are `#[inline(always)]` so they compile into the FMA-enabled wrapper.
 macro_rules! fma_dispatch {
     ($(#[$m:meta])* $vis:vis fn $name:ident<$($lt:lifetime,)* $($g:ident: $bound:path),*>($($a:ident: $t:ty),* $(,)?) -> $r:ty = $body_fn:ident;) => {
@@ -54,13 +54,13 @@ macro_rules! fma_dispatch {
         $vis fn $name<$($lt,)* $($g: $bound),*>($($a: $t),*) -> $r {
             #[cfg(target_arch = "x86_64")]
             {
-                #[target_feature(enable = "fma")]
+                #[target_feature(enable = "avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
                 fn fast<$($lt,)* $($g: $bound),*>($($a: $t),*) -> $r {
                     $body_fn($($a),*)
                 }
-                if std::is_x86_feature_detected!("fma") {
-                    // SAFETY: `fast` only needs the FMA instructions, and the CPU has them.
+                if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                    // SAFETY: `fast` only needs AVX2 and FMA instructions, and the CPU has them.
                     return unsafe { fast($($a),*) };
                 }
             }
