@@ -450,6 +450,25 @@ fn check_device(b1: &Backend, b2: &Backend) {
     }
 }
 
+/// BF16 inputs with an F32 dout give the same bits as F32 inputs holding the same (bf16) values.
+fn check_mixed_dout(be: &Backend) {
+    let c = Case::new(51, &[1, 6, 33], 4, 2, 16, true).rounded_to_bf16();
+    let [q, k, v, cu, _] = c.tensors(be, DType::BF16);
+    let [q32, k32, v32, _, dout] = c.tensors(be, DType::F32);
+    let g = attention_backward(be, &q, &k, &v, &cu, &dout, true, None).unwrap();
+    let w = attention_backward(be, &q32, &k32, &v32, &cu, &dout, true, None).unwrap();
+    for (a, b) in [(&g.dq, &w.dq), (&g.dk, &w.dk), (&g.dv, &w.dv)] {
+        let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+        assert_bits_eq(&a, &b, &format!("{be:?} bf16 inputs with f32 dout"));
+    }
+}
+
+#[test]
+fn mixed_dout_dtype_cpu_and_emu() {
+    check_mixed_dout(&Backend::Cpu);
+    check_mixed_dout(&Backend::emu_with_seed(1));
+}
+
 #[test]
 fn emu_matches_reference_and_seeds_agree() {
     check_device(&Backend::emu_with_seed(1), &Backend::emu_with_seed(2));
@@ -513,6 +532,11 @@ fn bad_inputs_are_errors_naming_the_tensor() {
     let bwd =
         |dout: &Tensor| attention_backward(&cpu, &q, &k, &v, &good, dout, true, None).map(|_| ());
     assert!(msg(bwd(&f(&[6, 4, 8], DType::F32))).contains("`dout`"));
-    assert!(msg(bwd(&f(&[6, 4, 16], DType::BF16))).contains("`dout`"));
+    let bf = |t: &Tensor| t.cast(&cpu, DType::BF16).unwrap();
+    let bwd_bf = |dout: &Tensor| {
+        attention_backward(&cpu, &bf(&q), &bf(&k), &bf(&v), &good, dout, true, None).map(|_| ())
+    };
+    assert!(msg(bwd_bf(&cu(&[0; 384]).reshape(&[6, 4, 16]).unwrap())).contains("`dout`"));
+    assert!(bwd_bf(&f(&[6, 4, 16], DType::F32)).is_ok());
     assert!(bwd(&f(&[6, 4, 16], DType::F32)).is_ok());
 }

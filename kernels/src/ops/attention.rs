@@ -671,7 +671,7 @@ pub fn attention_backward(
 }
 
 /// The attention backward from the forward's saved `out` [T,H,D] and `lse` [T,H] (F32), and
-/// dout[T,H,D] (the dtype of q). Returns dq, dk, dv (F32).
+/// dout[T,H,D] (the dtype of q, or F32 for BF16 inputs). Returns dq, dk, dv (F32).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_saved(
     backend: &Backend,
@@ -692,7 +692,31 @@ pub fn attention_backward_saved(
     if dout.shape() != q.shape() {
         return Err(Error::shape("dout", q_shape, dout.shape()));
     }
-    dout.expect_dtype("dout", q.dtype())?;
+    if dout.dtype() == DType::F32 && q.dtype() == DType::BF16 && !matches!(backend, Backend::Cpu) {
+        // An f32 gradient for bf16 inputs: the bf16 kernels widen every input to f32 exactly,
+        // so running the f32 kernels on widened copies gives the same bits a mixed kernel would
+        // (at the cost of the copies).
+        let widen = |t: &Tensor| t.cast(backend, DType::F32);
+        return attention_backward_saved(
+            backend,
+            &widen(q)?,
+            &widen(k)?,
+            &widen(v)?,
+            cu_seqlens,
+            out,
+            lse,
+            dout,
+            causal,
+            Some(scale),
+        );
+    }
+    if dout.dtype() != q.dtype() && !(dout.dtype() == DType::F32 && q.dtype() == DType::BF16) {
+        return Err(Error::DType {
+            tensor: "dout".into(),
+            expected: format!("{} (the dtype of q) or F32", q.dtype()),
+            got: dout.dtype().to_string(),
+        });
+    }
     if out.shape() != q.shape() {
         return Err(Error::shape("out", q_shape, out.shape()));
     }
