@@ -17,6 +17,9 @@
 //                                         several) cache blocks: chunks never depend on block
 //                                         boundaries, and the output equals the training
 //                                         forward's for that query bit for bit.
+//   paged_attention_prefill_{f32,bf16}    chunked prefill: several new queries per sequence (a
+//                                         prompt, an observation turn) over the cache, one warp per
+//                                         (token, head), the same chunk_step and chunks.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -86,6 +89,57 @@ __device__ void decode_impl(const T* __restrict__ q, const T* __restrict__ k_cac
     }
 }
 
+// Chunked prefill: several new queries per sequence over the cache (which already holds their own
+// keys, appended by kv_append). Sequence b's new tokens are cu_seqlens[b] .. cu_seqlens[b+1]-1 of
+// q; its cache holds context_lens[b] keys, the last n_b of them the new tokens', so new token i
+// sits at position context_lens[b] - n_b + i and sees keys 0 ..= that position (causal). One warp
+// per (token, head), the same chunk_step: a row's bits equal attention_forward's for that token.
+template <typename T>
+__device__ void prefill_impl(const T* __restrict__ q, const T* __restrict__ k_cache,
+                             const T* __restrict__ v_cache, const int* __restrict__ block_table,
+                             const int* __restrict__ cu_seqlens,
+                             const int* __restrict__ context_lens, int B, int T_tokens, int H,
+                             int Hkv, int D, int BS, int MB, float scale,
+                             float* __restrict__ out) {
+    constexpr int WARPS = 4;
+    __shared__ float q_s[WARPS][MAX_HEAD_DIM];
+    __shared__ ChunkScratch<T> scratch[WARPS];
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int t = blockIdx.x * WARPS + warp;
+    const int h = blockIdx.y;
+    if (t < T_tokens) {  // warp-uniform
+        int lo = 0, hi = B - 1;  // the last b with cu_seqlens[b] <= t
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (cu_seqlens[mid] <= t) lo = mid;
+            else hi = mid - 1;
+        }
+        const int b = lo;
+        const int n_new = cu_seqlens[b + 1] - cu_seqlens[b];
+        const int n_keys = context_lens[b] - n_new + (t - cu_seqlens[b]) + 1;
+        const int g = h / (H / Hkv);
+        const size_t qrow = ((size_t)t * H + h) * D;
+        load_row_f32(q_s[warp], q + qrow, D, lane);
+        RowState st;
+        row_init(st);
+        const int* table = block_table + (size_t)b * MB;
+        for (int c0 = 0; c0 < n_keys; c0 += KEY_CHUNK) {
+            const int j = c0 + lane;
+            const T* kp = nullptr;
+            const T* vp = nullptr;
+            if (j < n_keys) {
+                const size_t slot = (size_t)table[j / BS] * BS + (j % BS);
+                const size_t row = (slot * Hkv + g) * D;
+                kp = k_cache + row;
+                vp = v_cache + row;
+            }
+            chunk_step(st, q_s[warp], kp, vp, D, scale, &scratch[warp], lane);
+        }
+        row_finish(st, out + qrow, D, lane);
+    }
+}
+
 }  // namespace sluice_paged
 
 using namespace sluice_paged;
@@ -106,4 +160,13 @@ extern "C" __global__ void __launch_bounds__(32) paged_attention_decode_f32(cons
 
 extern "C" __global__ void __launch_bounds__(32) paged_attention_decode_bf16(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache, const __nv_bfloat16* __restrict__ v_cache, const int* __restrict__ block_table, const int* __restrict__ context_lens, int H, int Hkv, int D, int BS, int MB, float scale, float* __restrict__ out) {
     decode_impl<__nv_bfloat16>(q, k_cache, v_cache, block_table, context_lens, H, Hkv, D, BS, MB, scale, out);
+}
+
+// grid (ceil(T / 4), H), block 128.
+extern "C" __global__ void __launch_bounds__(128) paged_attention_prefill_f32(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache, const int* __restrict__ block_table, const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens, int B, int T_tokens, int H, int Hkv, int D, int BS, int MB, float scale, float* __restrict__ out) {
+    prefill_impl<float>(q, k_cache, v_cache, block_table, cu_seqlens, context_lens, B, T_tokens, H, Hkv, D, BS, MB, scale, out);
+}
+
+extern "C" __global__ void __launch_bounds__(128) paged_attention_prefill_bf16(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache, const __nv_bfloat16* __restrict__ v_cache, const int* __restrict__ block_table, const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens, int B, int T_tokens, int H, int Hkv, int D, int BS, int MB, float scale, float* __restrict__ out) {
+    prefill_impl<__nv_bfloat16>(q, k_cache, v_cache, block_table, cu_seqlens, context_lens, B, T_tokens, H, Hkv, D, BS, MB, scale, out);
 }

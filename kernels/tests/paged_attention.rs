@@ -3,7 +3,7 @@
 
 use sluice_kernels::ops::attention::attention_forward;
 use sluice_kernels::ops::paged_attention::{
-    kv_append, paged_attention, paged_attention_reference, PagedDims,
+    kv_append, paged_attention, paged_attention_reference, paged_prefill, PagedDims,
 };
 use sluice_kernels::testing::{rel_norm, Rng, F32_TOL};
 use sluice_kernels::{Backend, DType, Tensor};
@@ -295,6 +295,92 @@ fn check_device(be1: &Backend, be2: &Backend) {
         // The empty context (sequence 2) gives zeros.
         assert!(got1[2 * 4 * 32..3 * 4 * 32].iter().all(|&x| x == 0.0));
     }
+}
+
+/// Chunked prefill of each sequence's last `n_new[b]` tokens over the cache (holding the whole
+/// sequence) equals attention_forward's rows for those tokens, bit for bit; and the f64 oracle.
+fn check_prefill(be: &Backend) {
+    for dtype in [DType::F32, DType::BF16] {
+        for (seed, h, hkv, d, bs) in [(31u64, 4, 1, 16, 16), (32, 2, 2, 32, 5)] {
+            let bt = Batch::new(seed, &[1, 6, 33], h, hkv, d, bs, dtype);
+            let n_new = [1usize, 6, 20];
+            let (kc, vc) = bt.caches(be, dtype);
+            let hd = h * d;
+            let cu_full = bt.cu();
+            let mut q_new = Vec::new();
+            let mut rows = Vec::new();
+            let mut cu_new = vec![0i32];
+            for (b, &n) in n_new.iter().enumerate() {
+                let end = cu_full[b + 1] as usize;
+                for tok in end - n..end {
+                    q_new.extend_from_slice(&bt.q[tok * hd..(tok + 1) * hd]);
+                    rows.push(tok);
+                }
+                cu_new.push(cu_new[b] + n as i32);
+            }
+            let t = rows.len();
+            let q = Tensor::from_f32_as(be, &[t, h, d], dtype, &q_new).unwrap();
+            let tb = Tensor::from_slice(be, &[3, bt.mb], &bt.table).unwrap();
+            let cu = Tensor::from_slice(be, &[4], &cu_new).unwrap();
+            let cl = Tensor::from_slice(be, &[3], &bt.ctx()).unwrap();
+            let got = paged_prefill(be, &q, &kc, &vc, &tb, &cu, &cl, None)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap();
+            // attention_forward over the whole batch, the rows of the new tokens.
+            let tt = bt.t();
+            let fq = Tensor::from_f32_as(be, &[tt, h, d], dtype, &bt.q).unwrap();
+            let fk = Tensor::from_f32_as(be, &[tt, hkv, d], dtype, &bt.k).unwrap();
+            let fv = Tensor::from_f32_as(be, &[tt, hkv, d], dtype, &bt.v).unwrap();
+            let fcu = Tensor::from_slice(be, &[4], &cu_full).unwrap();
+            let full = attention_forward(be, &fq, &fk, &fv, &fcu, true, None)
+                .unwrap()
+                .out
+                .to_vec::<f32>()
+                .unwrap();
+            let want: Vec<f32> = rows
+                .iter()
+                .flat_map(|&tok| full[tok * hd..(tok + 1) * hd].to_vec())
+                .collect();
+            assert_bits_eq(
+                &got,
+                &want,
+                &format!("{be:?} {dtype} prefill h {h} hkv {hkv} bs {bs}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn cpu_prefill_bit_identical_to_training_forward() {
+    check_prefill(&Backend::Cpu);
+}
+
+#[test]
+fn emu_prefill_bit_identical_to_training_forward() {
+    check_prefill(&Backend::emu_with_seed(1));
+    check_prefill(&Backend::emu_with_seed(2));
+}
+
+#[test]
+fn prefill_rejects_more_new_tokens_than_context() {
+    let cpu = Backend::Cpu;
+    let q = Tensor::from_slice(&cpu, &[3, 2, 8], &[0.5f32; 48]).unwrap();
+    let kc = Tensor::from_slice(&cpu, &[2, 4, 1, 8], &[0.5f32; 64]).unwrap();
+    let tb = Tensor::from_slice(&cpu, &[1, 2], &[0i32, 1]).unwrap();
+    let cu = Tensor::from_slice(&cpu, &[2], &[0i32, 3]).unwrap();
+    let ok = Tensor::from_slice(&cpu, &[1], &[5i32]).unwrap();
+    let short = Tensor::from_slice(&cpu, &[1], &[2i32]).unwrap();
+    assert!(paged_prefill(&cpu, &q, &kc, &kc, &tb, &cu, &ok, None).is_ok());
+    let e = paged_prefill(&cpu, &q, &kc, &kc, &tb, &cu, &short, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("context_lens"), "{e}");
+    let bad_cu = Tensor::from_slice(&cpu, &[2], &[0i32, 4]).unwrap();
+    let e = paged_prefill(&cpu, &q, &kc, &kc, &tb, &bad_cu, &ok, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("cu_seqlens"), "{e}");
 }
 
 #[test]
