@@ -3,11 +3,30 @@
 use crate::runner::OpSpec;
 
 pub mod attention;
+pub mod elementwise;
+pub mod embedding;
 pub mod paged_attention;
+pub mod rmsnorm;
+pub mod rope;
+pub mod swiglu;
+pub mod topk;
 
-/// The ops of `sluice kernel`, in `--list` order.
+/// The ops of `sluice kernel`, in `--list` order: DESIGN.md section 7's table first, then the
+/// supporting ops of the model.
 pub static RUNNER_OPS: &[&OpSpec] = &[
+    &topk::SPEC,
     &attention::FORWARD_SPEC,
     &attention::BACKWARD_SPEC,
     &paged_attention::SPEC,
+    &rmsnorm::SPEC,
+    &rmsnorm::BACKWARD_SPEC,
+    &rope::SPEC,
+    &rope::BACKWARD_SPEC,
+    &swiglu::SPEC,
+    &swiglu::BACKWARD_SPEC,
+    &embedding::SPEC,
+    &embedding::BACKWARD_SPEC,
+    &elementwise::RESIDUAL_ADD_SPEC,
+    &elementwise::SOFTMAX_SPEC,
+    &elementwise::SOFTMAX_BACKWARD_SPEC,
 ];
