@@ -142,16 +142,14 @@ __device__ void dq_impl(const T* __restrict__ q, const T* __restrict__ k, const 
             sc->ds[lane] = ds;
             sc->k[lane] = kp;
             __syncwarp();
+            for (int jj = 0; jj < KEY_CHUNK; ++jj) {
+                const T* kj = sc->k[jj];
+                if (kj == nullptr) break;  // absent keys are the chunk's tail
+                const float dsj = sc->ds[jj];
 #pragma unroll
-            for (int i = 0; i < DIMS_PER_LANE; ++i) {
-                const int d = lane + 32 * i;
-                if (d < D) {
-                    float a = acc[i];
-                    for (int jj = 0; jj < KEY_CHUNK; ++jj) {
-                        const T* kj = sc->k[jj];
-                        if (kj != nullptr) a = fmaf(sc->ds[jj], load_f32(kj + d), a);
-                    }
-                    acc[i] = a;
+                for (int i = 0; i < DIMS_PER_LANE; ++i) {
+                    const int d = lane + 32 * i;
+                    if (d < D) acc[i] = fmaf(dsj, load_f32(kj + d), acc[i]);
                 }
             }
             __syncwarp();
@@ -228,19 +226,18 @@ __device__ void dkdv_impl(const T* __restrict__ q, const T* __restrict__ k,
                 sc->q[lane] = qp;
                 sc->dout[lane] = dop;
                 __syncwarp();
+                for (int jj = 0; jj < KEY_CHUNK; ++jj) {
+                    const T* qj = sc->q[jj];
+                    if (qj == nullptr) break;  // absent queries are the chunk's tail
+                    const T* doj = sc->dout[jj];
+                    const float pj = sc->p[jj], dsj = sc->ds[jj];
 #pragma unroll
-                for (int i = 0; i < DIMS_PER_LANE; ++i) {
-                    const int d = lane + 32 * i;
-                    if (d < D) {
-                        float ak = acc_k[i], av = acc_v[i];
-                        for (int jj = 0; jj < KEY_CHUNK; ++jj) {
-                            if (sc->q[jj] != nullptr) {
-                                av = fmaf(sc->p[jj], load_f32(sc->dout[jj] + d), av);
-                                ak = fmaf(sc->ds[jj], load_f32(sc->q[jj] + d), ak);
-                            }
+                    for (int i = 0; i < DIMS_PER_LANE; ++i) {
+                        const int d = lane + 32 * i;
+                        if (d < D) {
+                            acc_v[i] = fmaf(pj, load_f32(doj + d), acc_v[i]);
+                            acc_k[i] = fmaf(dsj, load_f32(qj + d), acc_k[i]);
                         }
-                        acc_k[i] = ak;
-                        acc_v[i] = av;
                     }
                 }
                 __syncwarp();
@@ -279,20 +276,21 @@ extern "C" __global__ void __launch_bounds__(128) attention_bwd_delta_bf16(const
     delta_impl<__nv_bfloat16>(dout, out, rows, D, delta);
 }
 
-// grid (ceil(T / 4), H), block 128.
-extern "C" __global__ void __launch_bounds__(128) attention_bwd_dq_f32(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, const int* __restrict__ cu_seqlens, const float* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta, int B, int T_tokens, int H, int Hkv, int D, int causal, float scale, float* __restrict__ dq) {
+// grid (ceil(T / 4), H), block 128. No __launch_bounds__ on dq/dkdv: with it ptxas 13.0 spills
+// a few registers on sm_90a (at 40-48 registers); without it they use 48-62 and none spill.
+extern "C" __global__ void attention_bwd_dq_f32(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, const int* __restrict__ cu_seqlens, const float* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta, int B, int T_tokens, int H, int Hkv, int D, int causal, float scale, float* __restrict__ dq) {
     dq_impl<float>(q, k, v, cu_seqlens, dout, lse, delta, B, T_tokens, H, Hkv, D, causal, scale, dq);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_bwd_dq_bf16(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v, const int* __restrict__ cu_seqlens, const __nv_bfloat16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta, int B, int T_tokens, int H, int Hkv, int D, int causal, float scale, float* __restrict__ dq) {
+extern "C" __global__ void attention_bwd_dq_bf16(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v, const int* __restrict__ cu_seqlens, const __nv_bfloat16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta, int B, int T_tokens, int H, int Hkv, int D, int causal, float scale, float* __restrict__ dq) {
     dq_impl<__nv_bfloat16>(q, k, v, cu_seqlens, dout, lse, delta, B, T_tokens, H, Hkv, D, causal, scale, dq);
 }
 
 // grid (ceil(T / 4), Hkv), block 128.
-extern "C" __global__ void __launch_bounds__(128) attention_bwd_dkdv_f32(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, const int* __restrict__ cu_seqlens, const float* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta, int B, int T_tokens, int H, int Hkv, int D, int causal, float scale, float* __restrict__ dk, float* __restrict__ dv) {
+extern "C" __global__ void attention_bwd_dkdv_f32(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, const int* __restrict__ cu_seqlens, const float* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta, int B, int T_tokens, int H, int Hkv, int D, int causal, float scale, float* __restrict__ dk, float* __restrict__ dv) {
     dkdv_impl<float>(q, k, v, cu_seqlens, dout, lse, delta, B, T_tokens, H, Hkv, D, causal, scale, dk, dv);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_bwd_dkdv_bf16(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v, const int* __restrict__ cu_seqlens, const __nv_bfloat16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta, int B, int T_tokens, int H, int Hkv, int D, int causal, float scale, float* __restrict__ dk, float* __restrict__ dv) {
+extern "C" __global__ void attention_bwd_dkdv_bf16(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v, const int* __restrict__ cu_seqlens, const __nv_bfloat16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta, int B, int T_tokens, int H, int Hkv, int D, int causal, float scale, float* __restrict__ dk, float* __restrict__ dv) {
     dkdv_impl<__nv_bfloat16>(q, k, v, cu_seqlens, dout, lse, delta, B, T_tokens, H, Hkv, D, causal, scale, dk, dv);
 }

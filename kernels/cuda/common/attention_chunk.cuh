@@ -116,16 +116,19 @@ __device__ __forceinline__ void chunk_step(RowState& st, const float* q_s, const
     const float csum = tree_sum32(sc->p);
     st.l = fmaf(st.l, alpha, csum);
     st.m = m_new;
+    // Per output dim: the alpha rescale, then the keys ascending (the loops are nested keys
+    // outside, dims inside, so each key's pointer and weight are loaded once; every dim still
+    // sees the same sequence of operations).
 #pragma unroll
-    for (int i = 0; i < DIMS_PER_LANE; ++i) {
-        const int d = lane + 32 * i;
-        if (d < D) {
-            float a = mul_rn(st.acc[i], alpha);
-            for (int j = 0; j < KEY_CHUNK; ++j) {
-                const T* vj = sc->v[j];
-                if (vj != nullptr) a = fmaf(sc->p[j], load_f32(vj + d), a);
-            }
-            st.acc[i] = a;
+    for (int i = 0; i < DIMS_PER_LANE; ++i) st.acc[i] = mul_rn(st.acc[i], alpha);
+    for (int j = 0; j < KEY_CHUNK; ++j) {
+        const T* vj = sc->v[j];
+        if (vj == nullptr) break;  // absent keys are the chunk's tail
+        const float pj = sc->p[j];
+#pragma unroll
+        for (int i = 0; i < DIMS_PER_LANE; ++i) {
+            const int d = lane + 32 * i;
+            if (d < D) st.acc[i] = fmaf(pj, load_f32(vj + d), st.acc[i]);
         }
     }
     __syncwarp();
