@@ -2,9 +2,11 @@
 
 use crate::runner::OpSpec;
 
+pub mod attention;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
+pub mod paged_attention;
 pub mod rmsnorm;
 pub mod rope;
 pub mod swiglu;
@@ -15,6 +17,9 @@ pub mod topk;
 pub static RUNNER_OPS: &[&OpSpec] = &[
     &gemm::SPEC,
     &topk::SPEC,
+    &attention::FORWARD_SPEC,
+    &attention::BACKWARD_SPEC,
+    &paged_attention::SPEC,
     &rmsnorm::SPEC,
     &rmsnorm::BACKWARD_SPEC,
     &rope::SPEC,
