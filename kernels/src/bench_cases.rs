@@ -12,9 +12,19 @@ use crate::ops;
 use crate::tensor::Tensor;
 use crate::testing::Rng;
 
+/// Inputs for timing: uniform in [-4, 4), from a hash of the index (fast and parallel even for
+/// the 1.25e9 logits of the is_gate_loss target; the distribution does not matter for a timing).
 fn random(backend: &Backend, shape: &[usize], dtype: DType, seed: u64) -> Result<Tensor> {
+    use rayon::prelude::*;
     let n: usize = shape.iter().product();
-    Tensor::from_f32_as(backend, shape, dtype, &Rng::new(seed).normal_vec(n, 1.0))
+    let data: Vec<f32> = (0..n as u64)
+        .into_par_iter()
+        .map(|i| {
+            let bits = Rng::new(seed ^ i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).next_u64();
+            (bits >> 40) as f32 / (1u64 << 24) as f32 * 8.0 - 4.0
+        })
+        .collect();
+    Tensor::from_f32_as(backend, shape, dtype, &data)
 }
 
 fn dtype_name(dtype: DType) -> &'static str {
@@ -112,6 +122,57 @@ fn paged_attention_case(
     }
 }
 
+/// The fused policy loss: two reads and one write of the logits (DESIGN 3.6).
+fn is_gate_loss_case(n: usize, v: usize, dtype: DType) -> BenchCase {
+    BenchCase {
+        op: "is_gate_loss",
+        shape: format!("N={n} V={v} {}", dtype_name(dtype)),
+        bytes: (3 * n * v * dtype.size_bytes() + n * 4 * 5) as f64,
+        flops: (5 * n * v) as f64,
+        prepare: Box::new(move |b| {
+            let logits = random(b, &[n, v], dtype, 13)?;
+            let tokens: Vec<i32> = (0..n).map(|i| ((i * 7919) % v) as i32).collect();
+            let tokens = Tensor::from_slice(b, &[n], &tokens)?;
+            let behavior = Tensor::from_slice(b, &[n], &vec![-12.0f32; n])?;
+            let advantages = Tensor::from_slice(b, &[n], &vec![1.0f32; n])?;
+            let mask = Tensor::from_slice(b, &[n], &vec![1.0f32; n])?;
+            let params = ops::is_gate_loss::GateParams::default();
+            let run: BenchRun = Box::new(move |b: &Backend| {
+                let batch = ops::is_gate_loss::TokenBatch {
+                    tokens: &tokens,
+                    behavior_logp: &behavior,
+                    advantages: &advantages,
+                    mask: &mask,
+                    weight: None,
+                };
+                ops::is_gate_loss::is_gate_loss(b, &logits, &batch, &params).map(|_| ())
+            });
+            Ok(run)
+        }),
+    }
+}
+
+/// Sampling at temperature 1 with no truncation (the RL default): one read of the logits.
+fn sample_case(batch: usize, v: usize, dtype: DType) -> BenchCase {
+    BenchCase {
+        op: "sample",
+        shape: format!("B={batch} V={v} {}", dtype_name(dtype)),
+        bytes: (batch * v * dtype.size_bytes() + batch * 16) as f64,
+        flops: (4 * batch * v) as f64,
+        prepare: Box::new(move |b| {
+            let logits = random(b, &[batch, v], dtype, 14)?;
+            let ids: Vec<u64> = (0..batch as u64).collect();
+            let ids = Tensor::from_slice(b, &[batch], &ids)?;
+            let positions = Tensor::from_slice(b, &[batch], &vec![7i32; batch])?;
+            let params = ops::sample::SampleParams::default();
+            let run: BenchRun = Box::new(move |b: &Backend| {
+                ops::sample::sample(b, &logits, &ids, &positions, &params).map(|_| ())
+            });
+            Ok(run)
+        }),
+    }
+}
+
 fn topk_case(t: usize, e: usize, k: usize, dtype: DType) -> BenchCase {
     BenchCase {
         op: "topk",
@@ -166,6 +227,8 @@ pub fn all_cases(quick: bool) -> Vec<BenchCase> {
             gemm_case(512, 512, 512, DType::F32),
             gemm_case(256, 256, 256, DType::BF16),
             topk_case(4096, 256, 8, DType::F32),
+            is_gate_loss_case(256, 32768, DType::F32),
+            sample_case(64, 32768, DType::F32),
             attention_case(2, 128, 4, 2, 64, DType::F32),
             paged_attention_case(8, 512, 8, 2, 64, DType::F32),
             rmsnorm_case(1024, 1024, DType::F32),
@@ -177,6 +240,8 @@ pub fn all_cases(quick: bool) -> Vec<BenchCase> {
             gemm_case(8192, 8192, 8192, DType::BF16),
             gemm_case(4096, 4096, 4096, DType::F32),
             topk_case(65536, 256, 8, DType::F32),
+            is_gate_loss_case(8192, 152064, DType::BF16),
+            sample_case(256, 152064, DType::BF16),
             attention_case(8, 4096, 32, 32, 128, DType::BF16),
             paged_attention_case(256, 4096, 32, 32, 128, DType::BF16),
             topk_case(65536, 256, 8, DType::BF16),
