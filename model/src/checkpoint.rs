@@ -138,7 +138,9 @@ pub fn save_with_extra(
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
-    let out = safetensors::serialize(views, Some(metadata)).map_err(|e| io(path, e.to_string()))?;
+    let mut out =
+        safetensors::serialize(views, Some(metadata)).map_err(|e| io(path, e.to_string()))?;
+    canonical_header(&mut out);
     let tmp = path.with_file_name(format!(
         "{}.tmp",
         path.file_name()
@@ -147,6 +149,50 @@ pub fn save_with_extra(
     ));
     std::fs::write(&tmp, out).map_err(|e| io(&tmp, e.to_string()))?;
     std::fs::rename(&tmp, path).map_err(|e| io(path, format!("renaming {}: {e}", tmp.display())))
+}
+
+/// Rewrites the JSON header of serialised safetensors bytes with its keys sorted, in place.
+///
+/// The safetensors crate takes the metadata as a `HashMap`, whose iteration order is random
+/// per process, so two saves of the same model would differ in the header's byte order. Sorting
+/// makes a checkpoint's bytes a function of its contents (digests compare across runs). The
+/// sorted header is the same JSON with keys reordered, so it has exactly the original length
+/// and the tensor offsets are unchanged; if that ever did not hold, the bytes are left as
+/// they were.
+fn canonical_header(bytes: &mut [u8]) {
+    let Some(n) = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as usize)
+    else {
+        return;
+    };
+    let Some(header) = bytes.get(8..8 + n) else {
+        return;
+    };
+    let Ok(parsed) = serde_json::from_slice::<BTreeMap<String, serde_json::Value>>(header) else {
+        return;
+    };
+    // Nested objects (the metadata map) sorted too, whatever serde_json's map ordering is.
+    let sorted: BTreeMap<String, serde_json::Value> = parsed
+        .into_iter()
+        .map(|(k, v)| {
+            let v = match v {
+                serde_json::Value::Object(m) => {
+                    let m: BTreeMap<String, serde_json::Value> = m.into_iter().collect();
+                    serde_json::to_value(m).unwrap_or_default()
+                }
+                other => other,
+            };
+            (k, v)
+        })
+        .collect();
+    let Ok(text) = serde_json::to_vec(&sorted) else {
+        return;
+    };
+    if text.len() <= n {
+        bytes[8..8 + text.len()].copy_from_slice(&text);
+        bytes[8 + text.len()..8 + n].fill(b' ');
+    }
 }
 
 /// A checkpoint file read and checked at the file level (header, format, config, checksums).

@@ -61,8 +61,8 @@ fn fill_normal(out: &mut [f32], seed: u64, name_hash: u64, chunk: usize, std: f6
     }
 }
 
-/// The initial values of the whole arena (padding zero) for `seed`.
-pub fn initial_values(layout: &Layout, seed: u64) -> Vec<f32> {
+/// The initial values of the whole arena (padding zero) for `seed` and `init_std`.
+pub fn initial_values(layout: &Layout, seed: u64, init_std: f64) -> Vec<f32> {
     let mut out = vec![0.0f32; layout.len()];
     // Split the arena into (view, chunk) jobs over disjoint windows, then fill them in parallel.
     let mut jobs: Vec<(&mut [f32], InitRule, u64, usize)> = Vec::new();
@@ -82,7 +82,7 @@ pub fn initial_values(layout: &Layout, seed: u64) -> Vec<f32> {
     jobs.into_par_iter()
         .for_each(|(chunk, rule, name_hash, c)| match rule {
             InitRule::Ones => chunk.fill(1.0),
-            InitRule::Normal { std } => fill_normal(chunk, seed, name_hash, c, std),
+            InitRule::Normal { scale } => fill_normal(chunk, seed, name_hash, c, scale * init_std),
         });
     out
 }

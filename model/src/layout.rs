@@ -91,8 +91,11 @@ impl fmt::Display for OptimClass {
 /// How a view is initialised (see [`crate::init`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum InitRule {
-    /// Independent normal draws with mean 0 and this standard deviation.
-    Normal { std: f64 },
+    /// Independent normal draws with mean 0 and standard deviation `scale * init_std`
+    /// (`init_std` from the config; the scale is 1, or 1/sqrt(2 n_layers) for output
+    /// projections). The layout holds the scale, not the std, so it depends on the architecture
+    /// alone.
+    Normal { scale: f64 },
     /// All ones (RMSNorm scales).
     Ones,
 }
@@ -279,12 +282,12 @@ impl Layout {
     /// [`ModelConfig::validate`], which calls this); only checks the sizes for overflow.
     pub fn new(cfg: &ModelConfig) -> Result<Layout> {
         let d = cfg.d_model;
-        let std = cfg.init_std;
         // Output projections (W_o, W2) write into the residual stream, which sums 2 per layer:
         // scaling their init by 1/sqrt(2 n_layers) keeps the stream's variance O(1) at init.
-        let out_std = std / ((2 * cfg.n_layers) as f64).sqrt();
-        let normal = InitRule::Normal { std };
-        let out_normal = InitRule::Normal { std: out_std };
+        let normal = InitRule::Normal { scale: 1.0 };
+        let out_normal = InitRule::Normal {
+            scale: 1.0 / ((2 * cfg.n_layers) as f64).sqrt(),
+        };
         let mut b = Builder {
             views: Vec::new(),
             next: 0,

@@ -37,7 +37,7 @@ impl Model {
     pub fn new(config: ModelConfig, backend: &Backend) -> Result<Model> {
         config.validate()?;
         let layout = Arc::new(Layout::new(&config)?);
-        let values = init::initial_values(&layout, config.seed);
+        let values = init::initial_values(&layout, config.seed, config.init_std);
         let params = Arena::from_f32(backend, layout.clone(), &values)?;
         let grads = Arena::zeros(backend, layout, DType::F32)?;
         Ok(Model {

@@ -168,9 +168,9 @@ fn muon_blocks_cover_each_matrix_exactly_once() {
 fn init_follows_the_rules_and_is_deterministic() {
     let cfg = ModelConfig::small();
     let layout = Layout::new(&cfg).unwrap();
-    let a = init::initial_values(&layout, 1);
-    let b = init::initial_values(&layout, 1);
-    let c = init::initial_values(&layout, 2);
+    let a = init::initial_values(&layout, 1, 0.02);
+    let b = init::initial_values(&layout, 1, 0.02);
+    let c = init::initial_values(&layout, 2, 0.02);
     assert_eq!(
         a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
         b.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
@@ -184,7 +184,8 @@ fn init_follows_the_rules_and_is_deterministic() {
                 assert!(va.iter().all(|&x| x == 1.0), "{}", v.name);
                 assert_eq!(va, vc);
             }
-            InitRule::Normal { std } => {
+            InitRule::Normal { scale } => {
+                let std = scale * 0.02;
                 // Sample mean and std within 5 standard errors of the target.
                 let n = va.len() as f64;
                 let mean = va.iter().map(|&x| x as f64).sum::<f64>() / n;
@@ -213,13 +214,13 @@ fn init_follows_the_rules_and_is_deterministic() {
     assert_eq!(
         wo,
         InitRule::Normal {
-            std: 0.02 / 8f64.sqrt()
+            scale: 1.0 / 8f64.sqrt()
         }
     );
     assert_eq!(layout.view("layers.0.moe.w2").unwrap().init, wo);
     assert_eq!(
         layout.view("layers.0.attn.wq").unwrap().init,
-        InitRule::Normal { std: 0.02 }
+        InitRule::Normal { scale: 1.0 }
     );
 }
 
@@ -230,7 +231,10 @@ fn a_views_values_depend_only_on_seed_name_and_shape() {
     two.n_layers = 2;
     let four = ModelConfig::small();
     let (l2, l4) = (Layout::new(&two).unwrap(), Layout::new(&four).unwrap());
-    let (a, b) = (init::initial_values(&l2, 5), init::initial_values(&l4, 5));
+    let (a, b) = (
+        init::initial_values(&l2, 5, 0.02),
+        init::initial_values(&l4, 5, 0.02),
+    );
     for name in ["embed.weight", "layers.1.moe.w1", "layers.0.attn.wq"] {
         let (va, vb) = (l2.view(name).unwrap(), l4.view(name).unwrap());
         assert_eq!(&a[va.range()], &b[vb.range()], "{name}");
@@ -245,7 +249,7 @@ fn model_arenas_on_cpu() {
     assert_eq!(m.params.as_slice().unwrap().len(), m.layout().len());
     assert!(m.grads.as_slice().unwrap().iter().all(|&x| x == 0.0));
     assert!(Arc::ptr_eq(m.params.layout(), m.grads.layout()));
-    let want = init::initial_values(m.layout(), 0);
+    let want = init::initial_values(m.layout(), 0, 0.2);
     assert_eq!(m.params.as_slice().unwrap(), want.as_slice());
     // Views by name and by index agree; views_mut hands out every view, disjoint.
     let v = m.params.view("layers.1.moe.router").unwrap().to_vec();
