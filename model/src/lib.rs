@@ -5,17 +5,20 @@
 //! - [`arena`]: one contiguous buffer holding every view (parameters, gradients, optimizer state,
 //!   a bf16 compute copy);
 //! - [`init`]: the seeded, documented initialisation;
+//! - [`batch`]: packed variable-length batches (tokens, cu_seqlens, positions);
 //! - [`checkpoint`]: safetensors checkpoints, validated on load and swapped in all or nothing.
 //!
 //! docs/model.md describes the architecture, the config keys, the layout and the file format.
 
 pub mod arena;
+pub mod batch;
 pub mod checkpoint;
 pub mod config;
 pub mod init;
 pub mod layout;
 
 pub use arena::Arena;
+pub use batch::PackedBatch;
 pub use config::{ModelConfig, ScoreFn};
 pub use layout::{HeadAxis, Layout, OptimClass, OptimKind, ViewSpec};
 pub use sluice_kernels as kernels;
