@@ -13,6 +13,8 @@ use std::path::Path;
 pub const MAX_EXPERTS: usize = 512;
 /// The largest top-k the router supports (DESIGN.md section 3.2: k <= 16).
 pub const MAX_TOP_K: usize = 16;
+/// The largest head dimension the attention kernels take (kernels/src/ops/attention.rs).
+pub const MAX_HEAD_DIM: usize = 256;
 
 /// How the router turns logits into gate scores (DESIGN.md section 3.4).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -282,6 +284,15 @@ impl ModelConfig {
                 "head_dim",
                 format!(
                     "{} is odd; RoPE rotates pairs of dimensions, so head_dim must be even",
+                    self.head_dim
+                ),
+            ));
+        }
+        if self.head_dim > MAX_HEAD_DIM {
+            return Err(bad(
+                "head_dim",
+                format!(
+                    "{} exceeds the attention kernels' limit of {MAX_HEAD_DIM}",
                     self.head_dim
                 ),
             ));

@@ -85,6 +85,7 @@ fn every_bad_value_names_its_key() {
     rejects("expert_ffn_dim", |c| c.expert_ffn_dim = 0);
     rejects("n_kv_heads", |c| c.n_kv_heads = 3);
     rejects("head_dim", |c| c.head_dim = 31);
+    rejects("head_dim", |c| c.head_dim = 258);
     rejects("top_k", |c| c.top_k = 9);
     rejects("top_k", |c| {
         c.n_experts = 64;
