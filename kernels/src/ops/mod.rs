@@ -2,5 +2,26 @@
 
 use crate::runner::OpSpec;
 
-/// The ops of `sluice kernel`, in `--list` order.
-pub static RUNNER_OPS: &[&OpSpec] = &[];
+pub mod elementwise;
+pub mod embedding;
+pub mod rmsnorm;
+pub mod rope;
+pub mod swiglu;
+pub mod topk;
+
+/// The ops of `sluice kernel`, in `--list` order: DESIGN.md section 7's table first, then the
+/// supporting ops of the model.
+pub static RUNNER_OPS: &[&OpSpec] = &[
+    &topk::SPEC,
+    &rmsnorm::SPEC,
+    &rmsnorm::BACKWARD_SPEC,
+    &rope::SPEC,
+    &rope::BACKWARD_SPEC,
+    &swiglu::SPEC,
+    &swiglu::BACKWARD_SPEC,
+    &embedding::SPEC,
+    &embedding::BACKWARD_SPEC,
+    &elementwise::RESIDUAL_ADD_SPEC,
+    &elementwise::SOFTMAX_SPEC,
+    &elementwise::SOFTMAX_BACKWARD_SPEC,
+];

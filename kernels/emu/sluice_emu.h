@@ -1,0 +1,528 @@
+// sluice_emu.h — CUDA built-ins for compiling kernels/cuda/*.cu as host C++ (the `emu` device).
+//
+// Force-included (`-include sluice_emu.h`) into every translation unit of the emulator build, before
+// the .cu file's own includes. <cuda_runtime.h>, <cuda_bf16.h>, <cuda_fp16.h> and friends resolve to
+// the stand-ins in kernels/emu/include/, which only include this file.
+//
+// Execution model (see docs/emulator.md and runtime.cpp):
+//   * every CUDA thread of a block is a fiber on one host thread; fibers switch only inside
+//     __syncthreads, the warp-synchronous intrinsics (__shfl*_sync, __ballot_sync, __syncwarp, ...) and
+//     the collective helpers below; between those points a fiber runs alone, so plain shared-memory
+//     code is "atomic" between barriers and the order in which fibers run is drawn from a generator
+//     seeded by (seed, kernel name, block index);
+//   * blocks run one at a time per host thread, several host threads in parallel.
+//
+// threadIdx/blockIdx/blockDim/gridDim are thread_local variables that the scheduler updates on every
+// switch, so they can be printed in a debugger. Static __shared__ is `thread_local` (one instance per
+// host thread = per running block; fibers never migrate between host threads). `extern __shared__`
+// dynamic shared memory is rewritten by build_emu.rs into a pointer to the host thread's dynamic
+// shared memory region (NaN-poisoned, 0xFF bytes, at every block start).
+#ifndef SLUICE_EMU_H
+#define SLUICE_EMU_H
+
+#ifndef SLUICE_EMU
+#define SLUICE_EMU 1
+#endif
+
+// Standard headers first: the macros below (__noinline__ in particular) must not leak into them.
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cfloat>
+#include <climits>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>  // bits/shared_ptr_base.h spells __attribute__((__noinline__)): include before the macro
+#include <math.h>
+#include <new>
+#include <source_location>
+#include <stdint.h>
+#include <stdio.h>
+#include <type_traits>
+#include <utility>
+#include <assert.h>  // resolves to kernels/emu/include/assert.h (assert reports an emulator error)
+
+// ---------------------------------------------------------------------------------------------
+// Qualifiers
+// ---------------------------------------------------------------------------------------------
+#define __global__
+#define __device__
+#define __host__
+#define __constant__
+#define __managed__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+#define __grid_constant__
+// Block-scope `__shared__ T x[N];` becomes a block-scope thread_local (static storage per host
+// thread). `extern __shared__ T x[];` never reaches the compiler: build_emu.rs rewrites it.
+#define __shared__ thread_local
+#ifndef __restrict__
+#define __restrict__ __restrict
+#endif
+#define __CUDACC_EMU__ 1
+
+// ---------------------------------------------------------------------------------------------
+// Vector types (same layout and alignment as CUDA's vector_types.h)
+// ---------------------------------------------------------------------------------------------
+#define SLUICE_EMU_VEC(T, N, A)                                                                     \
+  struct alignas(A) N##1 { T x; };                                                                  \
+  struct alignas(A * 2) N##2 { T x, y; };                                                           \
+  struct N##3 { T x, y, z; };                                                                       \
+  struct alignas(A * 4 > 16 ? 16 : A * 4) N##4 { T x, y, z, w; };                                   \
+  static inline N##1 make_##N##1(T x) { return N##1{x}; }                                          \
+  static inline N##2 make_##N##2(T x, T y) { return N##2{x, y}; }                                   \
+  static inline N##3 make_##N##3(T x, T y, T z) { return N##3{x, y, z}; }                           \
+  static inline N##4 make_##N##4(T x, T y, T z, T w) { return N##4{x, y, z, w}; }
+SLUICE_EMU_VEC(signed char, char, 1)
+SLUICE_EMU_VEC(unsigned char, uchar, 1)
+SLUICE_EMU_VEC(short, short, 2)
+SLUICE_EMU_VEC(unsigned short, ushort, 2)
+SLUICE_EMU_VEC(int, int, 4)
+SLUICE_EMU_VEC(unsigned int, uint, 4)
+SLUICE_EMU_VEC(float, float, 4)
+SLUICE_EMU_VEC(long long, longlong, 8)
+SLUICE_EMU_VEC(unsigned long long, ulonglong, 8)
+SLUICE_EMU_VEC(double, double, 8)
+#undef SLUICE_EMU_VEC
+
+struct dim3 {
+  unsigned int x, y, z;
+  constexpr dim3(unsigned int vx = 1, unsigned int vy = 1, unsigned int vz = 1) : x(vx), y(vy), z(vz) {}
+  constexpr dim3(uint3 v) : x(v.x), y(v.y), z(v.z) {}
+  constexpr operator uint3() const { return uint3{x, y, z}; }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Built-in variables (defined in runtime.cpp; updated by the scheduler)
+// ---------------------------------------------------------------------------------------------
+extern thread_local uint3 threadIdx;
+extern thread_local uint3 blockIdx;
+extern thread_local dim3 blockDim;
+extern thread_local dim3 gridDim;
+constexpr int warpSize = 32;
+
+// ---------------------------------------------------------------------------------------------
+// Runtime entry points used by the intrinsics below (runtime.cpp)
+// ---------------------------------------------------------------------------------------------
+namespace sluice_emu {
+
+enum class WarpOp : unsigned {
+  Shfl, ShflUp, ShflDown, ShflXor,  // in: T, out: T, arg: lane/delta/mask, width
+  Ballot, Any, All,                 // in: int predicate, out: unsigned / int
+  SyncWarp,                         // no data
+  Gather,                           // in: T, out: T[32]; full warp only
+  ReduceAdd, ReduceMin, ReduceMax,  // in/out: unsigned or int (arg = 1 for signed)
+  ReduceAnd, ReduceOr, ReduceXor,   // in/out: unsigned
+  MatchAny, MatchAll,               // in: T, out: unsigned mask (MatchAll: arg points at int pred)
+};
+
+// One lane's arrival at a warp-synchronous operation. Blocks until every lane named in `mask` has
+// arrived at the same operation, then writes this lane's result to `out`. A mask that does not
+// include the caller, names a lane that does not exist or has exited, or that the named lanes
+// never reach, is reported as an error of the launch (the block is abandoned, never a hang).
+void warp_op(WarpOp op, unsigned mask, const void* in, void* out, unsigned size, int arg, int width,
+             const std::source_location& loc);
+// Every thread of the current 128-thread warpgroup (threads 128*g .. 128*g+127 of the block)
+// contributes `size` bytes at `in`; every thread receives all 128 values in thread order at `out`.
+void warpgroup_gather(const void* in, void* out, unsigned size, const std::source_location& loc);
+// __syncthreads and friends. kind: 0 plain, 1 count, 2 and, 3 or. Returns the reduced predicate.
+int barrier(int kind, int pred, const std::source_location& loc);
+// Named barrier (bar.sync id, count): waits until `count` threads (a multiple of 32) arrived at
+// barrier `id` (0..15). Id 0 with count == blockDim is the same as __syncthreads.
+void named_barrier(unsigned id, unsigned count, const std::source_location& loc);
+// Lets the other threads of the block run (the caller stays ready). For spin-waits, e.g. an
+// emulated mbarrier wait: `while (!done) emu_yield();`. A block whose threads only yield (no
+// barrier, warp operation or exit for 4 M yields) is reported as a hung spin-wait.
+void yield_now(const std::source_location& loc);
+// Reports an error for the running launch and abandons the block. Never returns.
+[[noreturn]] void fail(const char* what, const char* file, unsigned line);
+// Mask of the lanes of the caller's warp that exist and have not exited.
+unsigned live_lanes();
+// Base of the dynamic shared memory of the host thread (stable for the host thread's lifetime).
+unsigned char* dynamic_shared_base();
+// Called (by code that build_emu.rs inserts) each time a thread passes the declaration of a
+// block-scope static __shared__ variable: the first call of each block fills it with 0xFF bytes.
+void touch_shared(const volatile void* p, std::size_t bytes);
+
+}  // namespace sluice_emu
+
+// ---------------------------------------------------------------------------------------------
+// Barriers and warp-synchronous intrinsics
+// ---------------------------------------------------------------------------------------------
+inline void __syncthreads(std::source_location loc = std::source_location::current()) {
+  sluice_emu::barrier(0, 1, loc);
+}
+inline int __syncthreads_count(int pred, std::source_location loc = std::source_location::current()) {
+  return sluice_emu::barrier(1, pred, loc);
+}
+inline int __syncthreads_and(int pred, std::source_location loc = std::source_location::current()) {
+  return sluice_emu::barrier(2, pred, loc);
+}
+inline int __syncthreads_or(int pred, std::source_location loc = std::source_location::current()) {
+  return sluice_emu::barrier(3, pred, loc);
+}
+inline void __syncwarp(unsigned mask = 0xffffffffu,
+                       std::source_location loc = std::source_location::current()) {
+  sluice_emu::warp_op(sluice_emu::WarpOp::SyncWarp, mask, nullptr, nullptr, 0, 0, 32, loc);
+}
+inline unsigned __activemask() { return sluice_emu::live_lanes(); }
+
+#define SLUICE_EMU_SHFL(NAME, OP)                                                                \
+  template <class T>                                                                             \
+  inline T NAME(unsigned mask, T var, int arg, int width = 32,                                   \
+                std::source_location loc = std::source_location::current()) {                   \
+    static_assert(std::is_trivially_copyable_v<T>, #NAME " needs a trivially copyable type");    \
+    T out = var;                                                                                 \
+    sluice_emu::warp_op(sluice_emu::WarpOp::OP, mask, &var, &out, sizeof(T), arg, width, loc);   \
+    return out;                                                                                  \
+  }
+SLUICE_EMU_SHFL(__shfl_sync, Shfl)
+SLUICE_EMU_SHFL(__shfl_up_sync, ShflUp)
+SLUICE_EMU_SHFL(__shfl_down_sync, ShflDown)
+SLUICE_EMU_SHFL(__shfl_xor_sync, ShflXor)
+#undef SLUICE_EMU_SHFL
+
+inline unsigned __ballot_sync(unsigned mask, int pred,
+                              std::source_location loc = std::source_location::current()) {
+  unsigned out = 0;
+  sluice_emu::warp_op(sluice_emu::WarpOp::Ballot, mask, &pred, &out, sizeof(int), 0, 32, loc);
+  return out;
+}
+inline int __any_sync(unsigned mask, int pred, std::source_location loc = std::source_location::current()) {
+  int out = 0;
+  sluice_emu::warp_op(sluice_emu::WarpOp::Any, mask, &pred, &out, sizeof(int), 0, 32, loc);
+  return out;
+}
+inline int __all_sync(unsigned mask, int pred, std::source_location loc = std::source_location::current()) {
+  int out = 0;
+  sluice_emu::warp_op(sluice_emu::WarpOp::All, mask, &pred, &out, sizeof(int), 0, 32, loc);
+  return out;
+}
+#define SLUICE_EMU_REDUCE(NAME, OP, T, SIGNED)                                                   \
+  inline T NAME(unsigned mask, T value, std::source_location loc = std::source_location::current()) { \
+    T out = value;                                                                               \
+    sluice_emu::warp_op(sluice_emu::WarpOp::OP, mask, &value, &out, sizeof(T), SIGNED, 32, loc); \
+    return out;                                                                                  \
+  }
+SLUICE_EMU_REDUCE(__reduce_add_sync, ReduceAdd, unsigned, 0)
+SLUICE_EMU_REDUCE(__reduce_add_sync, ReduceAdd, int, 1)
+SLUICE_EMU_REDUCE(__reduce_min_sync, ReduceMin, unsigned, 0)
+SLUICE_EMU_REDUCE(__reduce_min_sync, ReduceMin, int, 1)
+SLUICE_EMU_REDUCE(__reduce_max_sync, ReduceMax, unsigned, 0)
+SLUICE_EMU_REDUCE(__reduce_max_sync, ReduceMax, int, 1)
+SLUICE_EMU_REDUCE(__reduce_and_sync, ReduceAnd, unsigned, 0)
+SLUICE_EMU_REDUCE(__reduce_or_sync, ReduceOr, unsigned, 0)
+SLUICE_EMU_REDUCE(__reduce_xor_sync, ReduceXor, unsigned, 0)
+#undef SLUICE_EMU_REDUCE
+
+template <class T>
+inline unsigned __match_any_sync(unsigned mask, T value,
+                                 std::source_location loc = std::source_location::current()) {
+  unsigned out = 0;
+  sluice_emu::warp_op(sluice_emu::WarpOp::MatchAny, mask, &value, &out, sizeof(T), 0, 32, loc);
+  return out;
+}
+template <class T>
+inline unsigned __match_all_sync(unsigned mask, T value, int* pred,
+                                 std::source_location loc = std::source_location::current()) {
+  unsigned out = 0;
+  sluice_emu::warp_op(sluice_emu::WarpOp::MatchAll, mask, &value, &out, sizeof(T), 0, 32, loc);
+  *pred = out != 0;
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Collective exchange primitives for emulating tensor-core instructions (mma.sync, ldmatrix,
+// wgmma) from their documented fragment layouts in kernels/cuda/common. Only under SLUICE_EMU.
+//
+//   emu_warp_gather(mine, all32): every lane of the caller's warp (all 32 must be alive and call
+//     it; it is a full-warp rendezvous like __shfl_sync(0xffffffff, ...)) contributes `mine`;
+//     afterwards all32[i] holds lane i's value, in every lane.
+//   emu_warpgroup_gather(mine, all128): the same over the 128 threads of the caller's warpgroup
+//     (threads 128*g .. 128*g+127 of the block, g = linear thread index / 128); the block must
+//     have a multiple of 128 threads. all128[i] holds the value of thread 128*g + i.
+//   emu_lane_id(), emu_warp_id(): lane within the warp and warp index within the block (from the
+//     linear thread index x + y*Dx + z*Dx*Dy, as on the GPU).
+// T must be trivially copyable; any size (a whole fragment struct is fine).
+// ---------------------------------------------------------------------------------------------
+template <class T>
+inline void emu_warp_gather(const T& mine, T* all32,
+                            std::source_location loc = std::source_location::current()) {
+  static_assert(std::is_trivially_copyable_v<T>, "emu_warp_gather needs a trivially copyable type");
+  sluice_emu::warp_op(sluice_emu::WarpOp::Gather, 0xffffffffu, &mine, all32, sizeof(T), 0, 32, loc);
+}
+template <class T>
+inline void emu_warpgroup_gather(const T& mine, T* all128,
+                                 std::source_location loc = std::source_location::current()) {
+  static_assert(std::is_trivially_copyable_v<T>, "emu_warpgroup_gather needs a trivially copyable type");
+  sluice_emu::warpgroup_gather(&mine, all128, sizeof(T), loc);
+}
+inline unsigned emu_linear_tid() {
+  return threadIdx.x + threadIdx.y * blockDim.x + threadIdx.z * blockDim.x * blockDim.y;
+}
+inline unsigned emu_lane_id() { return emu_linear_tid() & 31u; }
+inline unsigned emu_warp_id() { return emu_linear_tid() >> 5; }
+// bar.sync id, count (named barriers, e.g. for warp-specialised kernels).
+inline void emu_named_barrier(unsigned id, unsigned count,
+                              std::source_location loc = std::source_location::current()) {
+  sluice_emu::named_barrier(id, count, loc);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors, fences, timers
+// ---------------------------------------------------------------------------------------------
+[[noreturn]] inline void __trap(std::source_location loc = std::source_location::current()) {
+  sluice_emu::fail("__trap() called", loc.file_name(), loc.line());
+}
+[[noreturn]] inline void __brkpt(std::source_location loc = std::source_location::current()) {
+  sluice_emu::fail("__brkpt() called", loc.file_name(), loc.line());
+}
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+// __nanosleep yields to the other threads of the block, so spin-wait loops make progress.
+inline void __nanosleep(unsigned, std::source_location loc = std::source_location::current()) {
+  sluice_emu::yield_now(loc);
+}
+inline void emu_yield(std::source_location loc = std::source_location::current()) { sluice_emu::yield_now(loc); }
+// clock64(): a monotonic nanosecond counter. clock() is the C library's (process CPU time).
+long long clock64();
+
+// ---------------------------------------------------------------------------------------------
+// Memory access hints: plain loads and stores on the host
+// ---------------------------------------------------------------------------------------------
+template <class T> inline T __ldg(const T* p) { return *p; }
+template <class T> inline T __ldca(const T* p) { return *p; }
+template <class T> inline T __ldcg(const T* p) { return *p; }
+template <class T> inline T __ldcs(const T* p) { return *p; }
+template <class T> inline T __ldlu(const T* p) { return *p; }
+template <class T> inline T __ldcv(const T* p) { return *p; }
+template <class T> inline void __stwb(T* p, T v) { *p = v; }
+template <class T> inline void __stcg(T* p, T v) { *p = v; }
+template <class T> inline void __stcs(T* p, T v) { *p = v; }
+template <class T> inline void __stwt(T* p, T v) { *p = v; }
+
+// ---------------------------------------------------------------------------------------------
+// Atomics. Fibers of one block never interleave inside an operation, but blocks run on parallel
+// host threads, so every atomic is a real std::atomic_ref operation.
+// ---------------------------------------------------------------------------------------------
+namespace sluice_emu {
+template <class T> inline std::atomic_ref<T> aref(T* p) { return std::atomic_ref<T>(*p); }
+template <class T, class F> inline T atomic_update(T* p, F f) {
+  auto a = aref(p);
+  T old = a.load(std::memory_order_relaxed);
+  while (!a.compare_exchange_weak(old, f(old), std::memory_order_seq_cst)) {
+  }
+  return old;
+}
+}  // namespace sluice_emu
+
+#define SLUICE_EMU_ATOMIC_INT(T)                                                                  \
+  inline T atomicAdd(T* p, T v) { return sluice_emu::aref(p).fetch_add(v); }                      \
+  inline T atomicSub(T* p, T v) { return sluice_emu::aref(p).fetch_sub(v); }                      \
+  inline T atomicExch(T* p, T v) { return sluice_emu::aref(p).exchange(v); }                      \
+  inline T atomicAnd(T* p, T v) { return sluice_emu::aref(p).fetch_and(v); }                      \
+  inline T atomicOr(T* p, T v) { return sluice_emu::aref(p).fetch_or(v); }                        \
+  inline T atomicXor(T* p, T v) { return sluice_emu::aref(p).fetch_xor(v); }                      \
+  inline T atomicMax(T* p, T v) {                                                                 \
+    return sluice_emu::atomic_update(p, [v](T o) { return o > v ? o : v; });                     \
+  }                                                                                               \
+  inline T atomicMin(T* p, T v) {                                                                 \
+    return sluice_emu::atomic_update(p, [v](T o) { return o < v ? o : v; });                     \
+  }                                                                                               \
+  inline T atomicCAS(T* p, T cmp, T v) {                                                          \
+    sluice_emu::aref(p).compare_exchange_strong(cmp, v);                                          \
+    return cmp;                                                                                   \
+  }                                                                                               \
+  inline T atomicAdd_block(T* p, T v) { return atomicAdd(p, v); }                                 \
+  inline T atomicMax_block(T* p, T v) { return atomicMax(p, v); }                                 \
+  inline T atomicMin_block(T* p, T v) { return atomicMin(p, v); }                                 \
+  inline T atomicCAS_block(T* p, T c, T v) { return atomicCAS(p, c, v); }                         \
+  inline T atomicExch_block(T* p, T v) { return atomicExch(p, v); }
+SLUICE_EMU_ATOMIC_INT(int)
+SLUICE_EMU_ATOMIC_INT(unsigned int)
+SLUICE_EMU_ATOMIC_INT(long long)
+SLUICE_EMU_ATOMIC_INT(unsigned long long)
+#undef SLUICE_EMU_ATOMIC_INT
+inline unsigned short atomicCAS(unsigned short* p, unsigned short cmp, unsigned short v) {
+  sluice_emu::aref(p).compare_exchange_strong(cmp, v);
+  return cmp;
+}
+inline unsigned atomicInc(unsigned* p, unsigned lim) {
+  return sluice_emu::atomic_update(p, [lim](unsigned o) { return o >= lim ? 0u : o + 1u; });
+}
+inline unsigned atomicDec(unsigned* p, unsigned lim) {
+  return sluice_emu::atomic_update(p, [lim](unsigned o) { return (o == 0u || o > lim) ? lim : o - 1u; });
+}
+// Float atomics exist for completeness; sluice's determinism rule forbids them in reductions.
+inline float atomicAdd(float* p, float v) { return sluice_emu::aref(p).fetch_add(v); }
+inline double atomicAdd(double* p, double v) { return sluice_emu::aref(p).fetch_add(v); }
+inline float atomicExch(float* p, float v) { return sluice_emu::aref(p).exchange(v); }
+inline float atomicAdd_block(float* p, float v) { return atomicAdd(p, v); }
+
+// ---------------------------------------------------------------------------------------------
+// Integer and bit intrinsics
+// ---------------------------------------------------------------------------------------------
+inline int __popc(unsigned x) { return std::popcount(x); }
+inline int __popcll(unsigned long long x) { return std::popcount(x); }
+inline int __clz(int x) { return std::countl_zero(static_cast<unsigned>(x)); }
+inline int __clzll(long long x) { return std::countl_zero(static_cast<unsigned long long>(x)); }
+inline int __ffs(int x) { return x == 0 ? 0 : std::countr_zero(static_cast<unsigned>(x)) + 1; }
+inline int __ffsll(long long x) {
+  return x == 0 ? 0 : std::countr_zero(static_cast<unsigned long long>(x)) + 1;
+}
+inline unsigned __brev(unsigned x) {
+  x = ((x >> 1) & 0x55555555u) | ((x & 0x55555555u) << 1);
+  x = ((x >> 2) & 0x33333333u) | ((x & 0x33333333u) << 2);
+  x = ((x >> 4) & 0x0f0f0f0fu) | ((x & 0x0f0f0f0fu) << 4);
+  x = ((x >> 8) & 0x00ff00ffu) | ((x & 0x00ff00ffu) << 8);
+  return (x >> 16) | (x << 16);
+}
+inline unsigned long long __brevll(unsigned long long x) {
+  return (static_cast<unsigned long long>(__brev(static_cast<unsigned>(x))) << 32) |
+         __brev(static_cast<unsigned>(x >> 32));
+}
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  unsigned long long v = (static_cast<unsigned long long>(y) << 32) | x;
+  unsigned r = 0;
+  for (int i = 0; i < 4; ++i) r |= static_cast<unsigned>((v >> (((s >> (4 * i)) & 7u) * 8)) & 0xffu) << (8 * i);
+  return r;
+}
+inline unsigned __funnelshift_l(unsigned lo, unsigned hi, unsigned sh) {
+  unsigned long long v = (static_cast<unsigned long long>(hi) << 32) | lo;
+  return static_cast<unsigned>((v << (sh & 31u)) >> 32);
+}
+inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
+  unsigned long long v = (static_cast<unsigned long long>(hi) << 32) | lo;
+  return static_cast<unsigned>(v >> (sh & 31u));
+}
+inline int __mulhi(int a, int b) { return static_cast<int>((static_cast<long long>(a) * b) >> 32); }
+inline unsigned __umulhi(unsigned a, unsigned b) {
+  return static_cast<unsigned>((static_cast<unsigned long long>(a) * b) >> 32);
+}
+inline long long __mul64hi(long long a, long long b) {
+  return static_cast<long long>((static_cast<__int128>(a) * b) >> 64);
+}
+inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
+  return static_cast<unsigned long long>((static_cast<unsigned __int128>(a) * b) >> 64);
+}
+inline int __mul24(int a, int b) { return ((a << 8) >> 8) * ((b << 8) >> 8); }
+inline unsigned __umul24(unsigned a, unsigned b) { return (a & 0xffffffu) * (b & 0xffffffu); }
+inline int __sad(int a, int b, unsigned c) { return (a > b ? a - b : b - a) + static_cast<int>(c); }
+inline unsigned __usad(unsigned a, unsigned b, unsigned c) { return (a > b ? a - b : b - a) + c; }
+
+// CUDA's global min/max overloads (math_functions.hpp)
+#define SLUICE_EMU_MINMAX(R, A, B)                                  \
+  inline R min(A a, B b) { return static_cast<R>(a) < static_cast<R>(b) ? static_cast<R>(a) : static_cast<R>(b); } \
+  inline R max(A a, B b) { return static_cast<R>(a) > static_cast<R>(b) ? static_cast<R>(a) : static_cast<R>(b); }
+SLUICE_EMU_MINMAX(int, int, int)
+SLUICE_EMU_MINMAX(unsigned, unsigned, unsigned)
+SLUICE_EMU_MINMAX(unsigned, int, unsigned)
+SLUICE_EMU_MINMAX(unsigned, unsigned, int)
+SLUICE_EMU_MINMAX(long, long, long)
+SLUICE_EMU_MINMAX(unsigned long, unsigned long, unsigned long)
+SLUICE_EMU_MINMAX(unsigned long, long, unsigned long)
+SLUICE_EMU_MINMAX(unsigned long, unsigned long, long)
+SLUICE_EMU_MINMAX(long long, long long, long long)
+SLUICE_EMU_MINMAX(unsigned long long, unsigned long long, unsigned long long)
+SLUICE_EMU_MINMAX(unsigned long long, long long, unsigned long long)
+SLUICE_EMU_MINMAX(unsigned long long, unsigned long long, long long)
+#undef SLUICE_EMU_MINMAX
+inline float min(float a, float b) { return fminf(a, b); }
+inline float max(float a, float b) { return fmaxf(a, b); }
+inline double min(double a, double b) { return fmin(a, b); }
+inline double max(double a, double b) { return fmax(a, b); }
+inline double min(float a, double b) { return fmin(a, b); }
+inline double max(float a, double b) { return fmax(a, b); }
+inline double min(double a, float b) { return fmin(a, b); }
+inline double max(double a, float b) { return fmax(a, b); }
+inline unsigned umin(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned umax(unsigned a, unsigned b) { return a > b ? a : b; }
+inline long long llmin(long long a, long long b) { return a < b ? a : b; }
+inline long long llmax(long long a, long long b) { return a > b ? a : b; }
+inline unsigned long long ullmin(unsigned long long a, unsigned long long b) { return a < b ? a : b; }
+inline unsigned long long ullmax(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
+
+// ---------------------------------------------------------------------------------------------
+// Float intrinsics. Functions of the C library (expf, logf, sqrtf, tanhf, ...) come from <math.h>
+// and are correctly rounded or within 1 ulp on glibc; the GPU's versions are within 1-2 ulp, so
+// results can differ in the last bits. The __fast intrinsics below imitate the GPU's formulation
+// (exp via exp2, log via log2) but not its exact approximation error. See docs/emulator.md.
+// ---------------------------------------------------------------------------------------------
+inline float __int_as_float(int x) { return std::bit_cast<float>(x); }
+inline int __float_as_int(float x) { return std::bit_cast<int>(x); }
+inline float __uint_as_float(unsigned x) { return std::bit_cast<float>(x); }
+inline unsigned __float_as_uint(float x) { return std::bit_cast<unsigned>(x); }
+inline double __longlong_as_double(long long x) { return std::bit_cast<double>(x); }
+inline long long __double_as_longlong(double x) { return std::bit_cast<long long>(x); }
+inline double __hiloint2double(int hi, int lo) {
+  return std::bit_cast<double>((static_cast<unsigned long long>(static_cast<unsigned>(hi)) << 32) |
+                               static_cast<unsigned>(lo));
+}
+
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline double rsqrt(double x) { return 1.0 / sqrt(x); }
+inline float rcbrtf(float x) { return 1.0f / cbrtf(x); }
+inline float __expf(float x) { return exp2f(x * 1.4426950408889634f); }
+inline float __exp10f(float x) { return exp2f(x * 3.3219280948873623f); }
+inline float __logf(float x) { return log2f(x) * 0.6931471805599453f; }
+inline float __log2f(float x) { return log2f(x); }
+inline float __log10f(float x) { return log2f(x) * 0.3010299956639812f; }
+inline float __powf(float a, float b) { return exp2f(b * log2f(a)); }
+inline float __sinf(float x) { return sinf(x); }
+inline float __cosf(float x) { return cosf(x); }
+inline float __tanf(float x) { return tanf(x); }
+inline void __sincosf(float x, float* s, float* c) { *s = sinf(x); *c = cosf(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float fdividef(float a, float b) { return a / b; }
+inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float __frsqrt_rn(float x) { return 1.0f / sqrtf(x); }
+inline float __fsqrt_rn(float x) { return sqrtf(x); }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+inline float __fmaf_rz(float a, float b, float c) { return fmaf(a, b, c); }
+inline double __fma_rn(double a, double b, double c) { return fma(a, b, c); }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline float __saturatef(float x) { return x != x ? 0.0f : (x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x)); }
+inline float saturatef(float x) { return __saturatef(x); }
+inline float normcdff(float x) { return 0.5f * erfcf(-x * 0.70710678118654752f); }
+inline double normcdf(double x) { return 0.5 * erfc(-x * 0.70710678118654752); }
+inline int __float2int_rn(float x) { return static_cast<int>(nearbyintf(x)); }
+inline int __float2int_rz(float x) { return static_cast<int>(x); }
+inline int __float2int_rd(float x) { return static_cast<int>(floorf(x)); }
+inline int __float2int_ru(float x) { return static_cast<int>(ceilf(x)); }
+inline unsigned __float2uint_rn(float x) { return static_cast<unsigned>(nearbyintf(x)); }
+inline unsigned __float2uint_rz(float x) { return static_cast<unsigned>(x); }
+inline long long __float2ll_rn(float x) { return static_cast<long long>(nearbyintf(x)); }
+inline long long __float2ll_rz(float x) { return static_cast<long long>(x); }
+inline float __int2float_rn(int x) { return static_cast<float>(x); }
+inline float __uint2float_rn(unsigned x) { return static_cast<float>(x); }
+inline float __ll2float_rn(long long x) { return static_cast<float>(x); }
+inline float __double2float_rn(double x) { return static_cast<float>(x); }
+inline int __double2int_rn(double x) { return static_cast<int>(nearbyint(x)); }
+using std::isfinite;
+using std::isinf;
+using std::isnan;
+using std::signbit;
+
+// ---------------------------------------------------------------------------------------------
+// printf / assert
+// ---------------------------------------------------------------------------------------------
+// printf is the host's printf (stdout is shared by the host threads; lines of different blocks
+// may interleave, as on the GPU).
+// assert() is redefined by kernels/emu/include/assert.h to call sluice_emu_assert_fail.
+
+#include "sluice_emu_half.h"
+
+#endif  // SLUICE_EMU_H
