@@ -2,17 +2,30 @@
 
 use crate::runner::OpSpec;
 
+pub mod attention;
 pub mod elementwise;
 pub mod embedding;
+pub mod gemm;
+pub mod is_gate_loss;
+pub mod paged_attention;
+pub mod philox;
 pub mod rmsnorm;
 pub mod rope;
+pub mod row_reduce;
+pub mod sample;
 pub mod swiglu;
 pub mod topk;
 
 /// The ops of `sluice kernel`, in `--list` order: DESIGN.md section 7's table first, then the
 /// supporting ops of the model.
 pub static RUNNER_OPS: &[&OpSpec] = &[
+    &gemm::SPEC,
     &topk::SPEC,
+    &sample::SPEC,
+    &is_gate_loss::SPEC,
+    &attention::FORWARD_SPEC,
+    &attention::BACKWARD_SPEC,
+    &paged_attention::SPEC,
     &rmsnorm::SPEC,
     &rmsnorm::BACKWARD_SPEC,
     &rope::SPEC,

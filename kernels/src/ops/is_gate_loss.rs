@@ -1,0 +1,838 @@
+//! `is_gate_loss`: the fused importance-sampling-gate policy loss over logits[N,V]
+//! (DESIGN.md 3.6): the shared row log-sum-exp ([`super::row_reduce`]), the sampled token's
+//! log-prob, the ratio `rho = exp(logp - behavior_logp)`, the gate, the loss, d loss / d logits
+//! (to a separate buffer or in place over the logits) and the audit counters, without
+//! materialising probabilities. CUDA: `kernels/cuda/is_gate_loss.cu`.
+//!
+//! Definitions (all f32; the device computes the same expressions in the same order):
+//! - `m_t` = mask[t] (F32, or U8 converted to 0/1), `c_t` = weight[t] (default 1). A token is
+//!   *masked* (in the loss) when `m_t != 0`. Its loss factor is `k_t = m_t * c_t`.
+//! - `D = sum_t k_t` (fixed order). The loss is the weighted token mean
+//!   `L = (1/D) sum_t term_t`; with no weight input `D` is the number of masked tokens
+//!   (DESIGN's `D = sum m`). Per-token weights `c_t = 1/|sequence|` make `L` the sequence mean,
+//!   `c_t = 1/|prompt group tokens|` the prompt mean. `D <= 0` (e.g. every token unmasked) gives
+//!   `L = 0` and a zero gradient, never NaN. Weights must be finite and non-negative.
+//! - `logp_t = logits[t, token_t] - lse_t` (-inf when the row is all -inf),
+//!   `rho_t = exp(logp_t - behavior_logp_t)`.
+//! - `dis`: inside = `1 - eps_low < rho < 1 + eps_high` (open); `term = -k * rho * A * logp`
+//!   (rho a stop-gradient weight); d term / d logp = `-k * rho * A`. Gated low: `rho <= 1 -
+//!   eps_low`; high: `rho >= 1 + eps_high`.
+//! - `icepop`: inside = `1/beta <= rho <= beta` (closed); inside tokens use the PPO surrogate
+//!   below, outside tokens contribute 0 to the loss and the gradient. Gated low: `rho < 1/beta`,
+//!   high: `rho > beta`.
+//! - `ppo`: `s1 = rho * A`, `s2 = clamp(rho, 1 - eps_low, 1 + eps_high) * A`,
+//!   `term = -k * min(s1, s2)`; the gradient flows through rho where the unclipped branch is
+//!   the minimum (`s1 <= s2`, ties included): d term / d logp = `-k * A * rho`, else 0.
+//! - `pg`: `term = -k * A * logp`, d term / d logp = `-k * A`.
+//! - Gated-out and unmasked tokens contribute exactly 0 (no `0 * inf`). A masked token whose
+//!   logit is -inf has logp = -inf and rho = 0: `dis` and `icepop` gate it low, `ppo` clips it
+//!   to a finite term with zero gradient, and `pg` adds 0 to the loss value for it (-A log 0 is
+//!   infinite, and two of opposite signs would make the loss NaN) while keeping its finite
+//!   gradient. The loss is never NaN for finite advantages, weights and behavior log-probs.
+//! - `dlogits[t, j] = coef_t * ([j == token_t] - exp(logits[t, j] - lse_t))`,
+//!   `coef_t = (d term_t / d logp_t) / D`; `coef_t = 0` when D <= 0 and in a row whose logits
+//!   are all -inf (no mass: its gradient is 0 in every mode).
+//!   dlogits has the logits' dtype (F32 or BF16, rounded to nearest even).
+//! - `accepted[t]` = masked and inside the hard gate (`ppo`, `pg`: every masked token).
+//! - Counters (F32[8], this order): 0 masked tokens, 1 accepted tokens, 2 ratio mean, 3 ratio
+//!   min, 4 ratio max (over masked tokens; 0, 0, 0 when none), 5 gated low, 6 gated high,
+//!   7 mean over masked tokens of (behavior_logp - logp) (0 when none).
+//!
+//! Reductions over N (D, the loss, the counters) use [`ROW_LANES`] lanes (lane l takes rows
+//! l, l + 256, ... in order) and the fixed tree of [`lane_tree`]; the device runs the same
+//! order in one block of a second and third tiny kernel. No atomics anywhere.
+
+use super::row_reduce::{
+    exp_fast, lane_tree, row_logprob, row_lse, softmax_grad_row, Logit, ROW_LANES,
+};
+use crate::device::Backend;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::launch::Launch;
+use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
+use crate::tensor::Tensor;
+use half::bf16;
+use rayon::prelude::*;
+
+/// The gate of DESIGN.md 3.6.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GateMode {
+    /// GLM-5 direct double-sided importance sampling (open interval, stop-gradient ratio).
+    Dis,
+    /// Hard gate on the closed [1/beta, beta], PPO surrogate inside.
+    Icepop,
+    /// The clipped surrogate alone.
+    Ppo,
+    /// Plain policy gradient.
+    Pg,
+}
+
+impl GateMode {
+    /// The integer the kernels take.
+    pub fn code(self) -> i32 {
+        match self {
+            GateMode::Dis => 0,
+            GateMode::Icepop => 1,
+            GateMode::Ppo => 2,
+            GateMode::Pg => 3,
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<GateMode> {
+        match s.trim() {
+            "dis" => Ok(GateMode::Dis),
+            "icepop" => Ok(GateMode::Icepop),
+            "ppo" => Ok(GateMode::Ppo),
+            "pg" => Ok(GateMode::Pg),
+            other => Err(Error::param(
+                "mode",
+                format!("`{other}` is not one of dis, icepop, ppo, pg"),
+            )),
+        }
+    }
+}
+
+/// Scalar parameters of the loss (defaults of DESIGN.md 3.6).
+#[derive(Clone, Copy, Debug)]
+pub struct GateParams {
+    pub mode: GateMode,
+    pub eps_low: f32,
+    pub eps_high: f32,
+    pub beta: f32,
+}
+
+impl Default for GateParams {
+    fn default() -> Self {
+        GateParams {
+            mode: GateMode::Dis,
+            eps_low: 0.2,
+            eps_high: 0.28,
+            beta: 2.0,
+        }
+    }
+}
+
+impl GateParams {
+    pub fn validate(&self) -> Result<()> {
+        if !(self.eps_low.is_finite() && (0.0..1.0).contains(&self.eps_low)) {
+            return Err(Error::param("eps_low", "must be in [0, 1)"));
+        }
+        if !(self.eps_high.is_finite() && self.eps_high >= 0.0) {
+            return Err(Error::param("eps_high", "must be finite and >= 0"));
+        }
+        if !(self.beta.is_finite() && self.beta >= 1.0) {
+            return Err(Error::param("beta", "must be finite and >= 1"));
+        }
+        Ok(())
+    }
+}
+
+/// Where a token falls relative to the hard gate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gate {
+    Inside,
+    Low,
+    High,
+    /// Neither inside nor out (a NaN ratio).
+    Undefined,
+}
+
+/// The gate of a ratio (the device's `gate_of`, expression for expression).
+#[inline]
+pub fn gate_of(p: &GateParams, rho: f32) -> Gate {
+    let (inside, low, high) = match p.mode {
+        GateMode::Dis => {
+            let lo = 1.0 - p.eps_low;
+            let hi = 1.0 + p.eps_high;
+            (rho > lo && rho < hi, rho <= lo, rho >= hi)
+        }
+        GateMode::Icepop => {
+            let lo = 1.0 / p.beta;
+            let hi = p.beta;
+            (rho >= lo && rho <= hi, rho < lo, rho > hi)
+        }
+        GateMode::Ppo | GateMode::Pg => (true, false, false),
+    };
+    if inside {
+        Gate::Inside
+    } else if low {
+        Gate::Low
+    } else if high {
+        Gate::High
+    } else {
+        Gate::Undefined
+    }
+}
+
+/// One token's gate, loss term (before the 1/D) and d term / d logp.
+#[derive(Clone, Copy, Debug)]
+pub struct TokenTerm {
+    pub rho: f32,
+    pub gate: Gate,
+    pub accepted: bool,
+    pub term: f32,
+    pub dterm: f32,
+}
+
+/// The per-token math of DESIGN.md 3.6 (the device's `token_term`, in the same order).
+#[inline]
+pub fn token_term(p: &GateParams, logp: f32, behavior: f32, adv: f32, m: f32, c: f32) -> TokenTerm {
+    let rho = (logp - behavior).exp();
+    let gate = gate_of(p, rho);
+    let masked = m != 0.0;
+    let k = m * c;
+    let accepted = masked && gate == Gate::Inside;
+    let (mut term, mut dterm) = (0.0f32, 0.0f32);
+    if accepted && k != 0.0 {
+        match p.mode {
+            GateMode::Dis | GateMode::Pg => {
+                let g = if p.mode == GateMode::Dis {
+                    k * rho * adv
+                } else {
+                    k * adv
+                };
+                if g != 0.0 {
+                    // A zero-probability token (logp = -inf) would make the term infinite
+                    // (and two of opposite signs NaN): its term is 0, its gradient is kept.
+                    if logp != f32::NEG_INFINITY {
+                        term = -(g * logp);
+                    }
+                    dterm = -g;
+                }
+            }
+            GateMode::Icepop | GateMode::Ppo => {
+                let s1 = rho * adv;
+                let clipped = rho.max(1.0 - p.eps_low).min(1.0 + p.eps_high);
+                let s2 = clipped * adv;
+                term = -(k * s1.min(s2));
+                if s1 <= s2 {
+                    dterm = -(k * adv * rho);
+                }
+            }
+        }
+    }
+    TokenTerm {
+        rho,
+        gate,
+        accepted,
+        term,
+        dterm,
+    }
+}
+
+/// The sums of the finishing reduction (one per lane, then the fixed tree).
+#[derive(Clone, Copy, Debug)]
+struct Partial {
+    term: f32,
+    masked: f32,
+    accepted: f32,
+    ratio_sum: f32,
+    ratio_min: f32,
+    ratio_max: f32,
+    low: f32,
+    high: f32,
+    diff: f32,
+}
+
+impl Partial {
+    const ZERO: Partial = Partial {
+        term: 0.0,
+        masked: 0.0,
+        accepted: 0.0,
+        ratio_sum: 0.0,
+        ratio_min: f32::INFINITY,
+        ratio_max: f32::NEG_INFINITY,
+        low: 0.0,
+        high: 0.0,
+        diff: 0.0,
+    };
+    fn combine(a: Partial, b: Partial) -> Partial {
+        Partial {
+            term: a.term + b.term,
+            masked: a.masked + b.masked,
+            accepted: a.accepted + b.accepted,
+            ratio_sum: a.ratio_sum + b.ratio_sum,
+            ratio_min: a.ratio_min.min(b.ratio_min),
+            ratio_max: a.ratio_max.max(b.ratio_max),
+            low: a.low + b.low,
+            high: a.high + b.high,
+            diff: a.diff + b.diff,
+        }
+    }
+}
+
+/// `D = sum_t mask[t] * weight[t]` in the fixed lane order.
+pub fn denominator(mask: &[f32], weight: Option<&[f32]>) -> f32 {
+    let mut lanes = [0.0f32; ROW_LANES];
+    for (t, &m) in mask.iter().enumerate() {
+        let c = weight.map_or(1.0, |w| w[t]);
+        lanes[t % ROW_LANES] += m * c;
+    }
+    lane_tree(&mut lanes, |a, b| a + b)
+}
+
+/// Everything the loss returns except the gradient.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GateReference {
+    pub loss: f32,
+    pub logp: Vec<f32>,
+    pub ratio: Vec<f32>,
+    pub accepted: Vec<u8>,
+    pub counters: [f32; 8],
+}
+
+/// The per-token inputs of the CPU reference.
+#[derive(Clone, Copy, Debug)]
+pub struct TokenInputs<'a> {
+    pub tokens: &'a [i32],
+    pub behavior_logp: &'a [f32],
+    pub advantages: &'a [f32],
+    pub mask: &'a [f32],
+    pub weight: Option<&'a [f32]>,
+}
+
+fn check_len(name: &str, len: usize, n: usize) -> Result<()> {
+    if len != n {
+        return Err(Error::shape(
+            name,
+            format!("[N] with N = {n} (the rows of logits)"),
+            &[len],
+        ));
+    }
+    Ok(())
+}
+
+fn check_tokens(tokens: &[i32], v: usize) -> Result<()> {
+    if let Some((t, &tok)) = tokens
+        .iter()
+        .enumerate()
+        .find(|(_, &x)| x < 0 || x as usize >= v)
+    {
+        return Err(Error::Invalid(format!(
+            "tensor `tokens`: row {t} holds {tok}, outside the vocabulary [0, {v})"
+        )));
+    }
+    Ok(())
+}
+
+/// The CPU reference: `logits` is [n, v] row-major; writes d loss / d logits to `dlogits`
+/// (same shape and dtype) and returns the rest.
+pub fn is_gate_loss_reference<T: Logit>(
+    logits: &[T],
+    n: usize,
+    v: usize,
+    inputs: &TokenInputs<'_>,
+    params: &GateParams,
+    dlogits: &mut [T],
+) -> Result<GateReference> {
+    if logits.len() != n * v {
+        return Err(Error::shape(
+            "logits",
+            format!("[{n},{v}] (N x V elements)"),
+            &[logits.len()],
+        ));
+    }
+    reference_impl(Some(logits), dlogits, n, v, inputs, params)
+}
+
+/// The CPU reference in place: overwrites `logits` ([n, v]) with d loss / d logits.
+pub fn is_gate_loss_reference_in_place<T: Logit>(
+    logits: &mut [T],
+    n: usize,
+    v: usize,
+    inputs: &TokenInputs<'_>,
+    params: &GateParams,
+) -> Result<GateReference> {
+    reference_impl(None, logits, n, v, inputs, params)
+}
+
+/// The reference over rows read from `src`, or from `grad` itself when `src` is None.
+fn reference_impl<T: Logit>(
+    src: Option<&[T]>,
+    grad: &mut [T],
+    n: usize,
+    v: usize,
+    inputs: &TokenInputs<'_>,
+    params: &GateParams,
+) -> Result<GateReference> {
+    params.validate()?;
+    if n == 0 || v == 0 || grad.len() != n * v {
+        return Err(Error::shape(
+            if src.is_some() { "dlogits" } else { "logits" },
+            format!("[N,V] = [{n},{v}] with N >= 1 and V >= 1"),
+            &[grad.len()],
+        ));
+    }
+    check_len("tokens", inputs.tokens.len(), n)?;
+    check_len("behavior_logp", inputs.behavior_logp.len(), n)?;
+    check_len("advantages", inputs.advantages.len(), n)?;
+    check_len("mask", inputs.mask.len(), n)?;
+    if let Some(w) = inputs.weight {
+        check_len("weight", w.len(), n)?;
+    }
+    check_tokens(inputs.tokens, v)?;
+
+    let d = denominator(inputs.mask, inputs.weight);
+    // One row per task: lse pass, token math, gradient pass (two reads of the row, one write).
+    let work = |t: usize, row: Option<&[T]>, grad: &mut [T]| -> (f32, TokenTerm) {
+        let tok = inputs.tokens[t] as usize;
+        let (lse, x_tok) = {
+            let r = row.unwrap_or(grad);
+            (row_lse(r, 1.0), r[tok].to_f32())
+        };
+        let logp = row_logprob(x_tok, lse);
+        let c = inputs.weight.map_or(1.0, |w| w[t]);
+        let tt = token_term(
+            params,
+            logp,
+            inputs.behavior_logp[t],
+            inputs.advantages[t],
+            inputs.mask[t],
+            c,
+        );
+        let live = lse != f32::NEG_INFINITY;
+        // A row with no mass (all -inf) has no softmax to move: zero gradient in every mode.
+        let coef = if d > 0.0 && live { tt.dterm / d } else { 0.0 };
+        if live {
+            softmax_grad_row(row, grad, coef, lse);
+            grad[tok] = T::from_f32(coef * (1.0 - exp_fast(x_tok - lse)));
+        } else {
+            // No mass: softmax is taken as 0.
+            for g in grad.iter_mut() {
+                *g = T::from_f32(coef * 0.0);
+            }
+            grad[tok] = T::from_f32(coef);
+        }
+        (logp, tt)
+    };
+    let rows: Vec<(f32, TokenTerm)> = match src {
+        Some(logits) => logits
+            .par_chunks(v)
+            .zip(grad.par_chunks_mut(v))
+            .enumerate()
+            .map(|(t, (row, g))| work(t, Some(row), g))
+            .collect(),
+        None => grad
+            .par_chunks_mut(v)
+            .enumerate()
+            .map(|(t, g)| work(t, None, g))
+            .collect(),
+    };
+
+    let mut lanes = [Partial::ZERO; ROW_LANES];
+    for (t, (logp, tt)) in rows.iter().enumerate() {
+        let lane = &mut lanes[t % ROW_LANES];
+        lane.term += tt.term;
+        if inputs.mask[t] != 0.0 {
+            lane.masked += 1.0;
+            lane.accepted += if tt.accepted { 1.0 } else { 0.0 };
+            lane.ratio_sum += tt.rho;
+            lane.ratio_min = lane.ratio_min.min(tt.rho);
+            lane.ratio_max = lane.ratio_max.max(tt.rho);
+            lane.low += if tt.gate == Gate::Low { 1.0 } else { 0.0 };
+            lane.high += if tt.gate == Gate::High { 1.0 } else { 0.0 };
+            lane.diff += inputs.behavior_logp[t] - logp;
+        }
+    }
+    let total = lane_tree(&mut lanes, Partial::combine);
+    let any = total.masked > 0.0;
+    let counters = [
+        total.masked,
+        total.accepted,
+        if any {
+            total.ratio_sum / total.masked
+        } else {
+            0.0
+        },
+        if any { total.ratio_min } else { 0.0 },
+        if any { total.ratio_max } else { 0.0 },
+        total.low,
+        total.high,
+        if any { total.diff / total.masked } else { 0.0 },
+    ];
+    Ok(GateReference {
+        loss: if d > 0.0 { total.term / d } else { 0.0 },
+        logp: rows.iter().map(|r| r.0).collect(),
+        ratio: rows.iter().map(|r| r.1.rho).collect(),
+        accepted: rows.iter().map(|r| r.1.accepted as u8).collect(),
+        counters,
+    })
+}
+
+/// The per-token tensors of the device entry point (all [N] on the launch's backend).
+#[derive(Clone, Copy, Debug)]
+pub struct TokenBatch<'a> {
+    /// I32 token ids in [0, V).
+    pub tokens: &'a Tensor,
+    /// F32 log-probs under the behavior (rollout) policy.
+    pub behavior_logp: &'a Tensor,
+    /// F32 advantages.
+    pub advantages: &'a Tensor,
+    /// F32 (any value; non-zero = in the loss) or U8 (0/1, converted to F32).
+    pub mask: &'a Tensor,
+    /// Optional F32 per-token weight (default 1).
+    pub weight: Option<&'a Tensor>,
+}
+
+/// The loss's outputs on the backend.
+#[derive(Debug)]
+pub struct GateOutputs {
+    /// F32[1].
+    pub loss: Tensor,
+    /// F32[N].
+    pub logp: Tensor,
+    /// F32[N].
+    pub ratio: Tensor,
+    /// U8[N].
+    pub accepted: Tensor,
+    /// F32[8], in the order of the module comment.
+    pub counters: Tensor,
+}
+
+/// Validates the inputs; returns (N, V) and the mask as F32 (converted from U8 if needed).
+fn validate(
+    backend: &Backend,
+    logits: &Tensor,
+    batch: &TokenBatch<'_>,
+    params: &GateParams,
+) -> Result<(usize, usize, Option<Tensor>)> {
+    params.validate()?;
+    logits.expect_rank("logits", 2, "[N,V]")?;
+    if !logits.dtype().is_float() {
+        return Err(Error::DType {
+            tensor: "logits".into(),
+            expected: "F32 or BF16".into(),
+            got: logits.dtype().to_string(),
+        });
+    }
+    let (n, v) = (logits.shape()[0], logits.shape()[1]);
+    if n == 0 || v == 0 || n > i32::MAX as usize || v > i32::MAX as usize {
+        return Err(Error::shape(
+            "logits",
+            "[N,V] with 1 <= N, V < 2^31",
+            logits.shape(),
+        ));
+    }
+    let vec_n = |name: &str, t: &Tensor, dtypes: &[DType]| -> Result<()> {
+        if t.shape() != [n] {
+            return Err(Error::shape(
+                name,
+                format!("[N] with N = {n} (the rows of logits)"),
+                t.shape(),
+            ));
+        }
+        if !dtypes.contains(&t.dtype()) {
+            let names: Vec<_> = dtypes.iter().map(|d| d.name()).collect();
+            return Err(Error::DType {
+                tensor: name.into(),
+                expected: names.join(" or "),
+                got: t.dtype().to_string(),
+            });
+        }
+        Ok(())
+    };
+    vec_n("tokens", batch.tokens, &[DType::I32])?;
+    vec_n("behavior_logp", batch.behavior_logp, &[DType::F32])?;
+    vec_n("advantages", batch.advantages, &[DType::F32])?;
+    vec_n("mask", batch.mask, &[DType::F32, DType::U8])?;
+    if let Some(w) = batch.weight {
+        vec_n("weight", w, &[DType::F32])?;
+    }
+    for t in [
+        batch.tokens,
+        batch.behavior_logp,
+        batch.advantages,
+        batch.mask,
+    ]
+    .into_iter()
+    .chain(batch.weight)
+    {
+        if !t.is_on(backend.device()) {
+            return Err(Error::Invalid(format!(
+                "an input of is_gate_loss lives on {}, not on {}",
+                t.device_kind(),
+                backend.device()
+            )));
+        }
+    }
+    // Token ids index the logits: check them here (N * 4 bytes) rather than read out of bounds.
+    check_tokens(&batch.tokens.to_vec::<i32>()?, v)?;
+    let mask_f32 = if batch.mask.dtype() == DType::U8 {
+        let m: Vec<f32> = batch
+            .mask
+            .to_vec::<u8>()?
+            .iter()
+            .map(|&b| if b != 0 { 1.0 } else { 0.0 })
+            .collect();
+        Some(Tensor::from_slice(backend, &[n], &m)?)
+    } else {
+        None
+    };
+    Ok((n, v, mask_f32))
+}
+
+/// Runs the loss; returns the outputs and d loss / d logits (a new tensor, logits' dtype).
+pub fn is_gate_loss(
+    backend: &Backend,
+    logits: &Tensor,
+    batch: &TokenBatch<'_>,
+    params: &GateParams,
+) -> Result<(GateOutputs, Tensor)> {
+    let (n, v, mask_f32) = validate(backend, logits, batch, params)?;
+    let mask = mask_f32.as_ref().unwrap_or(batch.mask);
+    // The CPU reference writes every element; zeros (lazily mapped pages) spare it the extra
+    // pass of filling a poison pattern. Device outputs are poisoned.
+    let mut dlogits = match backend {
+        Backend::Cpu => Tensor::zeros(backend, &[n, v], logits.dtype())?,
+        _ => Tensor::poisoned(backend, &[n, v], logits.dtype())?,
+    };
+    let out = match backend {
+        Backend::Cpu => cpu_run(logits, &mut dlogits, batch, mask, params, n, v)?,
+        _ => device_run(backend, logits, &dlogits, batch, mask, params, n, v)?,
+    };
+    Ok((out, dlogits))
+}
+
+/// Runs the loss writing d loss / d logits over the logits themselves (no second [N,V] buffer).
+pub fn is_gate_loss_in_place(
+    backend: &Backend,
+    logits: &mut Tensor,
+    batch: &TokenBatch<'_>,
+    params: &GateParams,
+) -> Result<GateOutputs> {
+    let (n, v, mask_f32) = validate(backend, logits, batch, params)?;
+    let mask = mask_f32.as_ref().unwrap_or(batch.mask);
+    match backend {
+        Backend::Cpu => cpu_run_in_place(logits, batch, mask, params, n, v),
+        // The kernel's gradient pass reads each logit before the same thread overwrites it, and
+        // starts after the lse pass has finished (a block barrier), so in place is safe.
+        _ => device_run(backend, logits, logits, batch, mask, params, n, v),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn cpu_run(
+    logits: &Tensor,
+    dlogits: &mut Tensor,
+    batch: &TokenBatch<'_>,
+    mask: &Tensor,
+    params: &GateParams,
+    n: usize,
+    v: usize,
+) -> Result<GateOutputs> {
+    let tokens = batch.tokens.host_slice::<i32>()?;
+    let inputs = TokenInputs {
+        tokens,
+        behavior_logp: batch.behavior_logp.host_slice::<f32>()?,
+        advantages: batch.advantages.host_slice::<f32>()?,
+        mask: mask.host_slice::<f32>()?,
+        weight: match batch.weight {
+            Some(w) => Some(w.host_slice::<f32>()?),
+            None => None,
+        },
+    };
+    let r = match logits.dtype() {
+        DType::F32 => is_gate_loss_reference(
+            logits.host_slice::<f32>()?,
+            n,
+            v,
+            &inputs,
+            params,
+            dlogits.host_slice_mut::<f32>()?,
+        )?,
+        _ => is_gate_loss_reference(
+            logits.host_slice::<bf16>()?,
+            n,
+            v,
+            &inputs,
+            params,
+            dlogits.host_slice_mut::<bf16>()?,
+        )?,
+    };
+    outputs_of(&r, n)
+}
+
+fn cpu_run_in_place(
+    logits: &mut Tensor,
+    batch: &TokenBatch<'_>,
+    mask: &Tensor,
+    params: &GateParams,
+    n: usize,
+    v: usize,
+) -> Result<GateOutputs> {
+    let inputs = TokenInputs {
+        tokens: batch.tokens.host_slice::<i32>()?,
+        behavior_logp: batch.behavior_logp.host_slice::<f32>()?,
+        advantages: batch.advantages.host_slice::<f32>()?,
+        mask: mask.host_slice::<f32>()?,
+        weight: match batch.weight {
+            Some(w) => Some(w.host_slice::<f32>()?),
+            None => None,
+        },
+    };
+    let r = match logits.dtype() {
+        DType::F32 => {
+            is_gate_loss_reference_in_place(logits.host_slice_mut::<f32>()?, n, v, &inputs, params)?
+        }
+        _ => is_gate_loss_reference_in_place(
+            logits.host_slice_mut::<bf16>()?,
+            n,
+            v,
+            &inputs,
+            params,
+        )?,
+    };
+    outputs_of(&r, n)
+}
+
+fn outputs_of(r: &GateReference, n: usize) -> Result<GateOutputs> {
+    let b = &Backend::Cpu;
+    Ok(GateOutputs {
+        loss: Tensor::from_slice(b, &[1], &[r.loss])?,
+        logp: Tensor::from_slice(b, &[n], &r.logp)?,
+        ratio: Tensor::from_slice(b, &[n], &r.ratio)?,
+        accepted: Tensor::from_slice(b, &[n], &r.accepted)?,
+        counters: Tensor::from_slice(b, &[8], &r.counters)?,
+    })
+}
+
+/// Threads per block of every is_gate_loss kernel (the lanes of the fixed order).
+const THREADS: u32 = ROW_LANES as u32;
+
+#[allow(clippy::too_many_arguments)]
+fn device_run(
+    backend: &Backend,
+    logits: &Tensor,
+    dlogits: &Tensor,
+    batch: &TokenBatch<'_>,
+    mask: &Tensor,
+    params: &GateParams,
+    n: usize,
+    v: usize,
+) -> Result<GateOutputs> {
+    let logp = Tensor::poisoned(backend, &[n], DType::F32)?;
+    let ratio = Tensor::poisoned(backend, &[n], DType::F32)?;
+    let accepted = Tensor::poisoned(backend, &[n], DType::U8)?;
+    let loss = Tensor::poisoned(backend, &[1], DType::F32)?;
+    let counters = Tensor::poisoned(backend, &[8], DType::F32)?;
+    // Per-row loss terms [0, N) and D at [N]: the per-block partials of the deterministic
+    // reduction (no atomics: the finishing kernel sums them in a fixed order).
+    let scratch = Tensor::poisoned(backend, &[n + 1], DType::F32)?;
+    let (weight, has_weight) = match batch.weight {
+        Some(w) => (w, 1),
+        None => (mask, 0),
+    };
+    let (n32, v32) = (n as i32, v as i32);
+    backend.launch(
+        &Launch::new("is_gate_loss_denom", [1, 1, 1], [THREADS, 1, 1])
+            .arg_tensor(mask)
+            .arg_tensor(weight)
+            .arg_i32(has_weight)
+            .arg_tensor(&scratch)
+            .arg_i32(n32),
+    )?;
+    let kernel = match logits.dtype() {
+        DType::F32 => "is_gate_loss_f32",
+        _ => "is_gate_loss_bf16",
+    };
+    backend.launch(
+        &Launch::new(kernel, [n as u32, 1, 1], [THREADS, 1, 1])
+            .arg_tensor(logits)
+            .arg_tensor(dlogits)
+            .arg_tensor(batch.tokens)
+            .arg_tensor(batch.behavior_logp)
+            .arg_tensor(batch.advantages)
+            .arg_tensor(mask)
+            .arg_tensor(weight)
+            .arg_i32(has_weight)
+            .arg_tensor(&logp)
+            .arg_tensor(&ratio)
+            .arg_tensor(&accepted)
+            .arg_tensor(&scratch)
+            .arg_i32(n32)
+            .arg_i32(v32)
+            .arg_i32(params.mode.code())
+            .arg_f32(params.eps_low)
+            .arg_f32(params.eps_high)
+            .arg_f32(params.beta),
+    )?;
+    backend.launch(
+        &Launch::new("is_gate_loss_finish", [1, 1, 1], [THREADS, 1, 1])
+            .arg_tensor(mask)
+            .arg_tensor(batch.behavior_logp)
+            .arg_tensor(&logp)
+            .arg_tensor(&ratio)
+            .arg_tensor(&accepted)
+            .arg_tensor(&scratch)
+            .arg_i32(n32)
+            .arg_i32(params.mode.code())
+            .arg_f32(params.eps_low)
+            .arg_f32(params.eps_high)
+            .arg_f32(params.beta)
+            .arg_tensor(&loss)
+            .arg_tensor(&counters),
+    )?;
+    Ok(GateOutputs {
+        loss,
+        logp,
+        ratio,
+        accepted,
+        counters,
+    })
+}
+
+fn run_spec(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
+    let params = GateParams {
+        mode: GateMode::parse(call.param("mode")?)?,
+        eps_low: call.param_f32("eps_low")?,
+        eps_high: call.param_f32("eps_high")?,
+        beta: call.param_f32("beta")?,
+    };
+    let batch = TokenBatch {
+        tokens: call.tensor("tokens")?,
+        behavior_logp: call.tensor("behavior_logp")?,
+        advantages: call.tensor("advantages")?,
+        mask: call.tensor("mask")?,
+        weight: call.optional_tensor("weight"),
+    };
+    let (out, dlogits) = is_gate_loss(backend, call.tensor("logits")?, &batch, &params)?;
+    Ok(vec![
+        ("loss", out.loss),
+        ("dlogits", dlogits),
+        ("logp", out.logp),
+        ("ratio", out.ratio),
+        ("accepted", out.accepted),
+        ("counters", out.counters),
+    ])
+}
+
+/// The `sluice kernel is_gate_loss` row (DESIGN.md section 7).
+pub static SPEC: OpSpec = OpSpec {
+    name: "is_gate_loss",
+    summary: "fused IS-gate policy loss (modes dis|icepop|ppo|pg); loss = sum(term)/D, D = sum(mask*weight); \
+              dlogits in the logits' dtype; counters = [masked, accepted, ratio_mean, ratio_min, ratio_max, \
+              gated_low, gated_high, mean(behavior_logp - logp)]",
+    inputs: &[
+        TensorSpec { name: "logits", shape: "[N,V]", dtypes: "F32|BF16" },
+        TensorSpec { name: "tokens", shape: "[N]", dtypes: "I32" },
+        TensorSpec { name: "behavior_logp", shape: "[N]", dtypes: "F32" },
+        TensorSpec { name: "advantages", shape: "[N]", dtypes: "F32" },
+        TensorSpec { name: "mask", shape: "[N]", dtypes: "F32|U8" },
+        TensorSpec { name: "weight", shape: "[N]", dtypes: "F32 (optional, default 1)" },
+    ],
+    params: &[
+        ParamSpec { name: "mode", default: Some("dis"), help: "dis | icepop | ppo | pg" },
+        ParamSpec { name: "eps_low", default: Some("0.2"), help: "lower clip/gate epsilon" },
+        ParamSpec { name: "eps_high", default: Some("0.28"), help: "upper clip/gate epsilon" },
+        ParamSpec { name: "beta", default: Some("2"), help: "icepop gate [1/beta, beta]" },
+    ],
+    outputs: &[
+        TensorSpec { name: "loss", shape: "[1]", dtypes: "F32" },
+        TensorSpec { name: "dlogits", shape: "[N,V]", dtypes: "F32|BF16 (the logits' dtype)" },
+        TensorSpec { name: "logp", shape: "[N]", dtypes: "F32" },
+        TensorSpec { name: "ratio", shape: "[N]", dtypes: "F32" },
+        TensorSpec { name: "accepted", shape: "[N]", dtypes: "U8" },
+        TensorSpec { name: "counters", shape: "[8]", dtypes: "F32" },
+    ],
+    run: run_spec,
+};
