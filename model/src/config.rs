@@ -1,7 +1,7 @@
 //! The model config: architecture and initialisation, read from TOML (configs/model/*.toml).
 //!
 //! Every key is checked by [`ModelConfig::validate`]; a bad value is an
-//! [`Error::Param`](sluice_kernels::Error::Param) whose name is the config key (`model.<key>`) and
+//! [`Error::Param`] whose name is the config key (`model.<key>`) and
 //! whose message says what is wrong and what is allowed. Unknown keys are rejected when parsing,
 //! so a typo (`n_expert = 8`) is an error, not a silently ignored line.
 

@@ -4,6 +4,7 @@
 //! - [`layout`]: the table of named views (name, offset, shape, optimizer class, init rule);
 //! - [`arena`]: one contiguous buffer holding every view (parameters, gradients, optimizer state,
 //!   a bf16 compute copy);
+//! - [`forward`]: the forward, the supervised loss and the hand-written backward (cpu);
 //! - [`gradcheck`]: finite-difference checks of a gradient arena, view by view;
 //! - [`init`]: the seeded, documented initialisation;
 //! - [`batch`]: packed variable-length batches (tokens, cu_seqlens, positions);
@@ -15,6 +16,7 @@ pub mod arena;
 pub mod batch;
 pub mod checkpoint;
 pub mod config;
+pub mod forward;
 pub mod gradcheck;
 pub mod init;
 pub mod layout;
