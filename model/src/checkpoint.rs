@@ -292,6 +292,29 @@ pub fn load_with_extra(
     params: &mut Arena,
     extra: &mut [(&str, &mut Arena)],
 ) -> Result<ModelConfig> {
+    let parsed = parse(path)?;
+    load_parsed(parsed, path, backend, config, params, extra)
+}
+
+/// Reads a checkpoint into a new parameter arena on `backend`, shaped by the checkpoint's own
+/// config (the file is read once). Returns the config and the arena.
+pub fn load_new(path: &Path, backend: &Backend) -> Result<(ModelConfig, Arena)> {
+    let parsed = parse(path)?;
+    let config = parsed.config.clone();
+    let layout = Arc::new(Layout::new(&config)?);
+    let mut params = Arena::zeros(backend, layout, DType::F32)?;
+    let config = load_parsed(parsed, path, backend, &config, &mut params, &mut [])?;
+    Ok((config, params))
+}
+
+fn load_parsed(
+    parsed: Parsed,
+    path: &Path,
+    backend: &Backend,
+    config: &ModelConfig,
+    params: &mut Arena,
+    extra: &mut [(&str, &mut Arena)],
+) -> Result<ModelConfig> {
     params
         .tensor()
         .expect_dtype("parameter arena", DType::F32)?;
@@ -300,7 +323,6 @@ pub fn load_with_extra(
             .tensor()
             .expect_dtype(&format!("arena `{prefix}`"), DType::F32)?;
     }
-    let parsed = parse(path)?;
     if let Some(diff) = config.architecture_diff(&parsed.config) {
         return Err(io(
             path,

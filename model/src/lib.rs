@@ -56,11 +56,8 @@ impl Model {
 
     /// A model read from a checkpoint (its config from the file's metadata).
     pub fn from_checkpoint(path: &Path, backend: &Backend) -> Result<Model> {
-        let config = checkpoint::read_config(path)?;
-        let layout = Arc::new(Layout::new(&config)?);
-        let mut params = Arena::zeros(backend, layout.clone(), DType::F32)?;
-        let config = checkpoint::load_into(path, backend, &config, &mut params)?;
-        let grads = Arena::zeros(backend, layout, DType::F32)?;
+        let (config, params) = checkpoint::load_new(path, backend)?;
+        let grads = Arena::zeros(backend, params.layout().clone(), DType::F32)?;
         Ok(Model {
             config,
             params,
