@@ -1,7 +1,84 @@
-//! sluice-model: the Mixture-of-Experts transformer that sluice trains.
+//! sluice-model: the Mixture-of-Experts transformer that sluice trains (DESIGN.md section 5).
 //!
-//! The model itself (config, parameter arena, forward/backward, checkpoints) arrives with the
-//! model issue; until then this crate only fixes the place of the model in the dependency chain
-//! kernels <- model <- runtime <- trainer (DESIGN.md section 1).
+//! - [`config`]: the architecture, read from TOML and validated key by key;
+//! - [`layout`]: the table of named views (name, offset, shape, optimizer class, init rule);
+//! - [`arena`]: one contiguous buffer holding every view (parameters, gradients, optimizer state,
+//!   a bf16 compute copy);
+//! - [`forward`]: the forward, the supervised loss and the hand-written backward (cpu);
+//! - [`gradcheck`]: finite-difference checks of a gradient arena, view by view;
+//! - [`init`]: the seeded, documented initialisation;
+//! - [`batch`]: packed variable-length batches (tokens, cu_seqlens, positions);
+//! - [`checkpoint`]: safetensors checkpoints, validated on load and swapped in all or nothing.
+//!
+//! docs/model.md describes the architecture, the config keys, the layout and the file format.
 
+pub mod arena;
+pub mod batch;
+pub mod checkpoint;
+pub mod config;
+pub mod forward;
+pub mod gradcheck;
+pub mod init;
+pub mod layout;
+
+pub use arena::Arena;
+pub use batch::PackedBatch;
+pub use config::{ModelConfig, ScoreFn};
+pub use layout::{HeadAxis, Layout, OptimClass, OptimKind, ViewSpec};
 pub use sluice_kernels as kernels;
+
+use sluice_kernels::{Backend, DType, Result};
+use std::path::Path;
+use std::sync::Arc;
+
+/// A model: its config, the shared layout, the f32 parameters and the f32 gradients.
+#[derive(Debug)]
+pub struct Model {
+    pub config: ModelConfig,
+    pub params: Arena,
+    pub grads: Arena,
+}
+
+impl Model {
+    /// A freshly initialised model (from `config.seed`) with zero gradients, on `backend`.
+    pub fn new(config: ModelConfig, backend: &Backend) -> Result<Model> {
+        config.validate()?;
+        let layout = Arc::new(Layout::new(&config)?);
+        let values = init::initial_values(&layout, config.seed, config.init_std);
+        let params = Arena::from_f32(backend, layout.clone(), &values)?;
+        let grads = Arena::zeros(backend, layout, DType::F32)?;
+        Ok(Model {
+            config,
+            params,
+            grads,
+        })
+    }
+
+    /// A model read from a checkpoint (its config from the file's metadata).
+    pub fn from_checkpoint(path: &Path, backend: &Backend) -> Result<Model> {
+        let (config, params) = checkpoint::load_new(path, backend)?;
+        let grads = Arena::zeros(backend, params.layout().clone(), DType::F32)?;
+        Ok(Model {
+            config,
+            params,
+            grads,
+        })
+    }
+
+    pub fn layout(&self) -> &Arc<Layout> {
+        self.params.layout()
+    }
+
+    /// Saves the parameters to a safetensors checkpoint.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        checkpoint::save(path, &self.config, &self.params)
+    }
+
+    /// Loads parameters from a checkpoint of the same architecture; on error the model is
+    /// unchanged. The model takes the checkpoint's config (its `seed`/`init_std` may differ).
+    pub fn load(&mut self, path: &Path, backend: &Backend) -> Result<()> {
+        let config = checkpoint::load_into(path, backend, &self.config, &mut self.params)?;
+        self.config = config;
+        Ok(())
+    }
+}

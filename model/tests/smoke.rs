@@ -1,0 +1,89 @@
+//! The whole stack learns: a short supervised run on a synthetic task (reversing digit strings)
+//! drives the loss well down on the cpu device, with SGD (heavy-ball momentum 0.9, lr 0.05) over
+//! the parameter arena (the optimizer issue replaces it with Muon + AdamW). Plain SGD without
+//! momentum also learns the task but needs several times more steps.
+//!
+//! Token ids (vocab 64 of configs/model/small.toml): digits 0..=9 are ids 0..=9, BOS = 10,
+//! SEP = 11, EOS = 12. A sequence is `BOS d1 .. dn SEP dn .. d1 EOS`; the loss covers the
+//! predictions of the reversed digits and EOS (the positions from SEP on).
+
+use sluice_model::config::ModelConfig;
+use sluice_model::forward::loss_and_grad;
+use sluice_model::kernels::testing::Rng;
+use sluice_model::kernels::Backend;
+use sluice_model::{Model, PackedBatch};
+use std::time::Instant;
+
+const BOS: i32 = 10;
+const SEP: i32 = 11;
+const EOS: i32 = 12;
+
+fn task_batch(rng: &mut Rng, n_seqs: usize, vocab: usize) -> (PackedBatch, Vec<i32>, Vec<f32>) {
+    let mut seqs = Vec::with_capacity(n_seqs);
+    let mut targets = Vec::new();
+    let mut mask = Vec::new();
+    for _ in 0..n_seqs {
+        let n = 3 + rng.below(4);
+        let digits: Vec<i32> = (0..n).map(|_| rng.below(10) as i32).collect();
+        let mut s = vec![BOS];
+        s.extend(&digits);
+        s.push(SEP);
+        s.extend(digits.iter().rev());
+        s.push(EOS);
+        // Predict s[i+1] at position i; the last position predicts nothing (masked out).
+        for i in 0..s.len() {
+            targets.push(if i + 1 < s.len() { s[i + 1] } else { 0 });
+            mask.push(if i > n && i + 1 < s.len() { 1.0 } else { 0.0 });
+        }
+        seqs.push(s);
+    }
+    (PackedBatch::pack(&seqs, vocab).unwrap(), targets, mask)
+}
+
+#[test]
+fn reversing_digits_loss_drops_with_sgd() {
+    // The small config at half width and depth, so the run takes seconds on 2 cores.
+    let mut cfg = ModelConfig::small();
+    cfg.n_layers = 2;
+    cfg.d_model = 64;
+    cfg.head_dim = 16;
+    cfg.expert_ffn_dim = 128;
+    cfg.seed = 1;
+    let mut m = Model::new(cfg.clone(), &Backend::Cpu).unwrap();
+    let mut rng = Rng::new(5);
+    let start = Instant::now();
+    let lr = 0.05f32;
+    let mu = 0.9f32;
+    let mut velocity = vec![0.0f32; m.layout().len()];
+    let mut first = None;
+    let mut recent = Vec::new();
+    for step in 0..500 {
+        let (b, targets, mask) = task_batch(&mut rng, 16, cfg.vocab);
+        let loss = loss_and_grad(&mut m, &b, &targets, &mask).unwrap();
+        assert!(loss.is_finite(), "step {step}: loss {loss}");
+        first.get_or_insert(loss);
+        recent.push(loss);
+        if step % 50 == 0 {
+            println!("step {step:4} loss {loss:.4} ({:.1?})", start.elapsed());
+        }
+        // SGD with heavy-ball momentum.
+        let g = m.grads.as_slice().unwrap();
+        for (v, &g) in velocity.iter_mut().zip(g) {
+            *v = mu * *v + g;
+        }
+        for (p, v) in m.params.as_mut_slice().unwrap().iter_mut().zip(&velocity) {
+            *p -= lr * v;
+        }
+    }
+    let tail: f32 = recent[recent.len() - 20..].iter().sum::<f32>() / 20.0;
+    let first = first.unwrap();
+    println!(
+        "first loss {first:.3}, mean of the last 20 {tail:.3}, {:.1?}",
+        start.elapsed()
+    );
+    // Start: ln(64) = 4.16 (uniform over the vocabulary). Guessing digits uniformly is
+    // ln(10) = 2.30; below 1.0 the model must be reading the digits back through attention.
+    // (The run is deterministic: measured 0.43 at the commit that added this test.)
+    assert!(first > 4.0, "initial loss {first}");
+    assert!(tail < 1.0, "mean loss of the last 20 steps {tail}");
+}
