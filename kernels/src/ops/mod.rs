@@ -2,5 +2,7 @@
 
 use crate::runner::OpSpec;
 
+pub mod gemm;
+
 /// The ops of `sluice kernel`, in `--list` order.
-pub static RUNNER_OPS: &[&OpSpec] = &[];
+pub static RUNNER_OPS: &[&OpSpec] = &[&gemm::SPEC];

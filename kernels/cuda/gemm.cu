@@ -1,0 +1,469 @@
+// gemm: C[M,N] = A[M,K] . B[N,K]^T (row-major; B is the weight in the linear-layer form).
+//
+// Three kernels, each serving the plain, batched and grouped forms (kernels/src/ops/gemm.rs
+// computes the grid and picks the kernel):
+//   gemm_f32         F32 inputs, true f32 (SIMT FMA; never tf32, never tensor cores).
+//   gemm_bf16_mma    BF16 inputs, mma.sync m16n8k16 + ldmatrix, f32 accumulate (compute_80;
+//                    the default on every GPU).
+//   gemm_bf16_wgmma  BF16 inputs, Hopper wgmma + bulk async copies + mbarriers (compute_90a).
+//                    Opt-in (SLUICE_GEMM_PATH=wgmma) until verified on a GPU.
+// The output is always F32.
+//
+// Common signature (only pointers and scalars, per the kernel conventions):
+//   (a, b, c, offsets, rows, n, k, groups, stride_a, stride_b, stride_c)
+//   batched mode (offsets == nullptr): blockIdx.z is the batch entry; A, B, C advance by
+//     stride_a/b/c elements per entry (stride_b = 0 shares one B); blockIdx.x is the row tile.
+//   grouped mode (offsets != nullptr): rows offsets[g]..offsets[g+1] of A use B + g*stride_b;
+//     blockIdx.x enumerates the row tiles of all segments in order (the host launches
+//     ceil(rows/BM) + groups of them, an upper bound; the surplus exits at once).
+//   blockIdx.y is the column tile in both modes.
+//
+// Determinism and batch invariance (DESIGN.md section 2): no split-K, no atomics. Every output
+// element is produced by one thread that walks K from 0 upwards in the same steps whatever M is
+// and wherever its row sits; rows outside the matrix and k past K are loaded as zeros, and the
+// zero padding of K depends on K alone. So row i of C is bit-identical for any M.
+
+#include <stdint.h>
+#include <cuda_bf16.h>
+
+#include "common/hopper.cuh"
+#include "common/mma.cuh"
+
+namespace gemm {
+
+// The rows [row_begin, row_end) of A and C one block works on, with its A/B/C base pointers.
+template <typename T>
+struct Tile {
+    const T* a;
+    const T* b;
+    float* c;
+    int row_begin;  // first row of this block's tile (absolute row of a/c)
+    int row_end;    // one past the last valid row of the tile's matrix or segment
+    bool valid;
+};
+
+// Maps blockIdx to a tile (see the file comment for the two modes).
+template <typename T>
+__device__ __forceinline__ Tile<T> find_tile(const T* a, const T* b, float* c,
+                                             const int* offsets, int rows, int groups,
+                                             long long stride_a, long long stride_b,
+                                             long long stride_c, int block_m) {
+    Tile<T> tile;
+    tile.valid = false;
+    if (offsets == nullptr) {
+        const long long z = blockIdx.z;
+        tile.a = a + z * stride_a;
+        tile.b = b + z * stride_b;
+        tile.c = c + z * stride_c;
+        tile.row_begin = static_cast<int>(blockIdx.x) * block_m;
+        tile.row_end = rows;
+        tile.valid = tile.row_begin < rows;
+        return tile;
+    }
+    // Grouped: walk the segments in order. The host checked the offsets; they are clamped to
+    // [0, rows] and made non-decreasing here as well, so no bad value can send a load outside A.
+    int t = static_cast<int>(blockIdx.x);
+    int lo = 0;
+    for (int g = 0; g < groups; ++g) {
+        int hi = offsets[g + 1];
+        hi = hi < lo ? lo : (hi > rows ? rows : hi);
+        const int tiles = (hi - lo + block_m - 1) / block_m;
+        if (t < tiles) {
+            tile.a = a;
+            tile.b = b + static_cast<long long>(g) * stride_b;
+            tile.c = c;
+            tile.row_begin = lo + t * block_m;
+            tile.row_end = hi;
+            tile.valid = true;
+            return tile;
+        }
+        t -= tiles;
+        lo = hi;
+    }
+    return tile;
+}
+
+// ---------------------------------------------------------------------------------------------
+// gemm_f32: 64x64 tile per block, 256 threads, each 4x4 outputs (rows ty + 16i, columns
+// tx + 16j so that a warp's shared-memory reads are broadcasts or conflict-free), K in steps of
+// 16 through shared memory. Each output is one fmaf chain over k = 0, 1, ..., K-1.
+// ---------------------------------------------------------------------------------------------
+constexpr int F32_BM = 64, F32_BN = 64, F32_BK = 16, F32_THREADS = 256;
+static_assert(F32_BM * F32_BK == 4 * F32_THREADS, "the f32 loader reads 4 values a thread");
+
+}  // namespace gemm
+
+extern "C" __global__ void __launch_bounds__(256) gemm_f32(
+    const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
+    const int* __restrict__ offsets, int rows, int n, int k, int groups, long long stride_a,
+    long long stride_b, long long stride_c) {
+    using namespace gemm;
+    const Tile<float> tile =
+        find_tile(a, b, c, offsets, rows, groups, stride_a, stride_b, stride_c, F32_BM);
+    if (!tile.valid) return;  // uniform across the block, before any barrier
+    const int col0 = static_cast<int>(blockIdx.y) * F32_BN;
+
+    // Transposed tiles ([k][row]) so the inner loop reads rows of shared memory; +4 padding
+    // keeps the transposing stores from piling onto one bank.
+    __shared__ float as[F32_BK][F32_BM + 4];
+    __shared__ float bs[F32_BK][F32_BN + 4];
+
+    const int tid = threadIdx.x;
+    const int tx = tid % 16, ty = tid / 16;
+    float acc[4][4];
+    #pragma unroll
+    for (int i = 0; i < 4; ++i)
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+
+    // Loader: thread tid reads 4 consecutive k of row tid/4 (64 rows x 16 k = 1024 values).
+    const int lr = tid / 4, lk = (tid % 4) * 4;
+    for (int k0 = 0; k0 < k; k0 += F32_BK) {
+        const int ar = tile.row_begin + lr;
+        const int bc = col0 + lr;
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int kk = k0 + lk + e;
+            as[lk + e][lr] = (ar < tile.row_end && kk < k)
+                                 ? tile.a[static_cast<long long>(ar) * k + kk]
+                                 : 0.0f;
+            bs[lk + e][lr] =
+                (bc < n && kk < k) ? tile.b[static_cast<long long>(bc) * k + kk] : 0.0f;
+        }
+        __syncthreads();
+        for (int kk = 0; kk < F32_BK; ++kk) {
+            float av[4], bv[4];
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) av[i] = as[kk][ty + 16 * i];
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) bv[j] = bs[kk][tx + 16 * j];
+            #pragma unroll
+            for (int i = 0; i < 4; ++i)
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = tile.row_begin + ty + 16 * i;
+        if (r >= tile.row_end) continue;
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int col = col0 + tx + 16 * j;
+            if (col < n) tile.c[static_cast<long long>(r) * n + col] = acc[i][j];
+        }
+    }
+}
+
+namespace gemm {
+
+// ---------------------------------------------------------------------------------------------
+// gemm_bf16_mma: 128x128 tile per block, K in steps of 32, 256 threads = 8 warps as 2 (rows) x
+// 4 (columns), each warp 64x32 = 4 x 4 mma.sync m16n8k16 tiles (64 f32 accumulators a thread).
+// Shared memory holds two stages of A[128][32] and B[128][32] (rows padded to 40 bf16 = 80
+// bytes: 16-byte aligned for ldmatrix, and the 8 row addresses of one 8x8 ldmatrix fall in
+// distinct banks). The next K step is loaded into registers while the current one is computed
+// (one barrier per K step).
+// ---------------------------------------------------------------------------------------------
+constexpr int MMA_BM = 128, MMA_BN = 128, MMA_BK = 32, MMA_LD = MMA_BK + 8, MMA_THREADS = 256;
+static_assert(MMA_BM * MMA_BK == 2 * 8 * MMA_THREADS, "the mma loader reads 2 x 8 bf16 a thread");
+
+// 16 bytes (8 bf16) of row `r`, columns kk..kk+7, of a row-major [*, k] matrix, zeros outside.
+__device__ __forceinline__ uint4 load8(const __nv_bfloat16* base, int r, int r_end, int kk,
+                                       int k, bool vec_ok) {
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (r >= r_end) return v;
+    const __nv_bfloat16* p = base + static_cast<long long>(r) * k + kk;
+    if (vec_ok && kk + 8 <= k) return *reinterpret_cast<const uint4*>(p);
+    uint16_t h[8];
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        h[e] = 0;
+        if (kk + e < k) {
+            const __nv_bfloat16 x = p[e];
+            h[e] = *reinterpret_cast<const uint16_t*>(&x);
+        }
+    }
+    v.x = h[0] | (static_cast<uint32_t>(h[1]) << 16);
+    v.y = h[2] | (static_cast<uint32_t>(h[3]) << 16);
+    v.z = h[4] | (static_cast<uint32_t>(h[5]) << 16);
+    v.w = h[6] | (static_cast<uint32_t>(h[7]) << 16);
+    return v;
+}
+
+}  // namespace gemm
+
+extern "C" __global__ void __launch_bounds__(256) gemm_bf16_mma(
+    const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
+    float* __restrict__ c, const int* __restrict__ offsets, int rows, int n, int k, int groups,
+    long long stride_a, long long stride_b, long long stride_c) {
+    using namespace gemm;
+    const Tile<__nv_bfloat16> tile =
+        find_tile(a, b, c, offsets, rows, groups, stride_a, stride_b, stride_c, MMA_BM);
+    if (!tile.valid) return;  // uniform across the block, before any barrier
+    const int col0 = static_cast<int>(blockIdx.y) * MMA_BN;
+
+    __shared__ __align__(16) __nv_bfloat16 as[2][MMA_BM][MMA_LD];
+    __shared__ __align__(16) __nv_bfloat16 bs[2][MMA_BN][MMA_LD];
+
+    const int tid = threadIdx.x;
+    const int warp = tid / 32, lane = tid % 32;
+    const int wm = warp / 4, wn = warp % 4;  // warp tile: rows 64*wm.., columns 32*wn..
+    // 16-byte loads need every row start 16-byte aligned.
+    const bool vec_ok = (k % 8 == 0) && (reinterpret_cast<uintptr_t>(tile.a) % 16 == 0) &&
+                        (reinterpret_cast<uintptr_t>(tile.b) % 16 == 0);
+
+    // Loader: 128 rows x 4 chunks of 8 bf16 per matrix = 512 chunks; thread tid takes chunks
+    // tid and tid + 256 (row q/4, chunk q%4).
+    uint4 ra[2], rb[2];
+    auto load_regs = [&](int k0) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int q = tid + 256 * h;
+            const int r = q / 4, kk = k0 + (q % 4) * 8;
+            ra[h] = load8(tile.a, tile.row_begin + r, tile.row_end, kk, k, vec_ok);
+            rb[h] = load8(tile.b, col0 + r, n, kk, k, vec_ok);
+        }
+    };
+    auto store_regs = [&](int s) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int q = tid + 256 * h;
+            const int r = q / 4, kc = (q % 4) * 8;
+            *reinterpret_cast<uint4*>(&as[s][r][kc]) = ra[h];
+            *reinterpret_cast<uint4*>(&bs[s][r][kc]) = rb[h];
+        }
+    };
+
+    float acc[4][4][4];
+    #pragma unroll
+    for (int i = 0; i < 4; ++i)
+        #pragma unroll
+        for (int j = 0; j < 4; ++j)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+    const int ktiles = (k + MMA_BK - 1) / MMA_BK;
+    if (ktiles > 0) {
+        load_regs(0);
+        store_regs(0);
+    }
+    __syncthreads();
+    for (int kt = 0; kt < ktiles; ++kt) {
+        const int s = kt & 1;
+        if (kt + 1 < ktiles) load_regs((kt + 1) * MMA_BK);
+        #pragma unroll
+        #pragma unroll
+        for (int ks = 0; ks < MMA_BK; ks += 16) {
+            uint32_t af[4][4], bf[4][2];
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                // Lanes 0-15 address rows 0-15 at k ks; lanes 16-31 the same rows at ks + 8.
+                const int r = wm * 64 + i * 16 + (lane % 16);
+                sluice::ldmatrix_x4(af[i], &as[s][r][ks + (lane / 16) * 8]);
+            }
+            #pragma unroll
+            for (int jj = 0; jj < 2; ++jj) {
+                // One x4 covers two n8 tiles: matrices (n 0-7, k lo), (n 0-7, k hi),
+                // (n 8-15, k lo), (n 8-15, k hi).
+                const int nr = wn * 32 + jj * 16 + (lane / 16) * 8 + (lane % 8);
+                uint32_t r4[4];
+                sluice::ldmatrix_x4(r4, &bs[s][nr][ks + ((lane / 8) % 2) * 8]);
+                bf[2 * jj][0] = r4[0];
+                bf[2 * jj][1] = r4[1];
+                bf[2 * jj + 1][0] = r4[2];
+                bf[2 * jj + 1][1] = r4[3];
+            }
+            #pragma unroll
+            for (int i = 0; i < 4; ++i)
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) sluice::mma_m16n8k16_bf16(acc[i][j], af[i], bf[j]);
+        }
+        if (kt + 1 < ktiles) store_regs(s ^ 1);
+        __syncthreads();
+    }
+
+    const int g = lane / 4, t = lane % 4;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int col = col0 + wn * 32 + j * 8 + 2 * t;
+            #pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const int r = tile.row_begin + wm * 64 + i * 16 + g + 8 * hr;
+                if (r >= tile.row_end) continue;
+                float* out = tile.c + static_cast<long long>(r) * n;
+                if (col < n) out[col] = acc[i][j][2 * hr];
+                if (col + 1 < n) out[col + 1] = acc[i][j][2 * hr + 1];
+            }
+        }
+    }
+}
+
+namespace gemm {
+
+// ---------------------------------------------------------------------------------------------
+// gemm_bf16_wgmma (Hopper): 128x128 tile per block, one warpgroup (128 threads), K in steps of
+// 64 through a 4-stage shared-memory ring. Each stage holds A[128][64] and B[128][64] in the
+// K-major no-swizzle core-matrix layout of common/hopper.cuh: element (row, k) of a 128-row
+// tile at (k/8)*2048 + row*16 + (k%8)*2 bytes, so LBO = 2048 (next 8 k) and SBO = 128 (next 8
+// rows). Loads: every 16-byte piece (8 k of one row) that lies inside the matrix and is 16-byte
+// aligned in global memory goes by a bulk async copy (cp.async.bulk, the TMA engine) completing
+// on the stage's mbarrier; pieces at the ragged edges are written by ordinary stores with zero
+// fill, then fenced to the async proxy. Each of the 128 threads adds its own bulk bytes with
+// expect_tx and then arrives, so the barrier's phase completes when all threads have arrived and
+// all their bytes have landed. Per K step: two wgmma.m64n128k16 per k16 (rows 0-63 and 64-127),
+// four k16 steps, then wait for them, a block barrier (the stage is free), and the loads of the
+// step STAGES ahead into the freed stage.
+// ---------------------------------------------------------------------------------------------
+#if SLUICE_HOPPER_OK
+constexpr int WG_BM = 128, WG_BN = 128, WG_BK = 64, WG_STAGES = 4, WG_THREADS = 128;
+constexpr int WG_TILE_BYTES = WG_BM * WG_BK * 2;           // 16384, A and B alike (BM == BN)
+constexpr int WG_STAGE_BYTES = 2 * WG_TILE_BYTES;          // 32768
+constexpr int WG_BARRIER_OFFSET = WG_STAGES * WG_STAGE_BYTES;  // 131072; + 4 x 8-byte mbarriers
+constexpr uint32_t WG_LBO = WG_BM * 16;                    // 2048
+constexpr uint32_t WG_SBO = 128;
+static_assert(WG_BM == WG_BN, "A and B tiles share one layout and size");
+// Fills one matrix's tile of one stage: 128 rows x 8 pieces of 16 bytes; thread tid takes
+// pieces tid + 128 i (row q/8, piece q%8: consecutive threads read consecutive global bytes).
+// Returns nothing; adds this thread's bulk bytes to `bar` before issuing them.
+__device__ __forceinline__ void wg_load_tile(unsigned char* dst, const __nv_bfloat16* src,
+                                             int row0, int row_end, int k0, int k, bool bulk_ok,
+                                             uint64_t* bar) {
+    const int tid = threadIdx.x;
+    uint32_t bulk_bytes = 0;
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int q = tid + WG_THREADS * i;
+        const int r = row0 + q / 8, kk = k0 + (q % 8) * 8;
+        if (bulk_ok && r < row_end && kk + 8 <= k) bulk_bytes += 16;
+    }
+    if (bulk_bytes > 0) sluice::mbarrier_expect_tx(bar, bulk_bytes);
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int q = tid + WG_THREADS * i;
+        const int lr = q / 8, piece = q % 8;
+        const int r = row0 + lr, kk = k0 + piece * 8;
+        unsigned char* d = dst + piece * WG_LBO + lr * 16;
+        if (bulk_ok && r < row_end && kk + 8 <= k) {
+            sluice::bulk_copy_g2s(d, src + static_cast<long long>(r) * k + kk, 16, bar);
+        } else {
+            uint16_t h[8];
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                h[e] = 0;
+                if (r < row_end && kk + e < k) {
+                    const __nv_bfloat16 x = src[static_cast<long long>(r) * k + kk + e];
+                    h[e] = *reinterpret_cast<const uint16_t*>(&x);
+                }
+            }
+            uint4 v;
+            v.x = h[0] | (static_cast<uint32_t>(h[1]) << 16);
+            v.y = h[2] | (static_cast<uint32_t>(h[3]) << 16);
+            v.z = h[4] | (static_cast<uint32_t>(h[5]) << 16);
+            v.w = h[6] | (static_cast<uint32_t>(h[7]) << 16);
+            *reinterpret_cast<uint4*>(d) = v;
+        }
+    }
+}
+#endif
+
+}  // namespace gemm
+
+extern "C" __global__ void __launch_bounds__(128) gemm_bf16_wgmma(
+    const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
+    float* __restrict__ c, const int* __restrict__ offsets, int rows, int n, int k, int groups,
+    long long stride_a, long long stride_b, long long stride_c) {
+#if SLUICE_HOPPER_OK
+    using namespace gemm;
+    const Tile<__nv_bfloat16> tile =
+        find_tile(a, b, c, offsets, rows, groups, stride_a, stride_b, stride_c, WG_BM);
+    if (!tile.valid) return;  // uniform across the block, before any barrier
+    const int col0 = static_cast<int>(blockIdx.y) * WG_BN;
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    uint64_t* full = reinterpret_cast<uint64_t*>(smem + WG_BARRIER_OFFSET);
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        for (int s = 0; s < WG_STAGES; ++s) sluice::mbarrier_init(&full[s], WG_THREADS);
+        sluice::fence_mbarrier_init();
+    }
+    __syncthreads();
+
+    const bool bulk_ok = (k % 8 == 0) && (reinterpret_cast<uintptr_t>(tile.a) % 16 == 0) &&
+                         (reinterpret_cast<uintptr_t>(tile.b) % 16 == 0);
+    const int ktiles = (k + WG_BK - 1) / WG_BK;
+    auto load_stage = [&](int s, int kt) {
+        unsigned char* base = smem + s * WG_STAGE_BYTES;
+        gemm::wg_load_tile(base, tile.a, tile.row_begin, tile.row_end, kt * WG_BK, k, bulk_ok,
+                           &full[s]);
+        gemm::wg_load_tile(base + WG_TILE_BYTES, tile.b, col0, n, kt * WG_BK, k, bulk_ok,
+                           &full[s]);
+        sluice::fence_proxy_async_shared();  // this thread's ordinary stores -> async proxy
+        sluice::mbarrier_arrive(&full[s]);
+    };
+
+    float acc[2][64];
+    #pragma unroll
+    for (int h = 0; h < 2; ++h)
+        #pragma unroll
+        for (int e = 0; e < 64; ++e) acc[h][e] = 0.0f;
+
+    #pragma unroll
+    for (int s = 0; s < WG_STAGES && s < ktiles; ++s) load_stage(s, s);
+    // Orders every thread's arrivals before any wait (required by the emulated mbarrier, which
+    // cannot block; harmless on the GPU).
+    __syncthreads();
+
+    for (int kt = 0; kt < ktiles; ++kt) {
+        const int s = kt % WG_STAGES;
+        sluice::mbarrier_wait(&full[s], static_cast<uint32_t>((kt / WG_STAGES) & 1));
+        const unsigned char* base = smem + s * WG_STAGE_BYTES;
+        const uint32_t a_addr = sluice::smem_addr(smem, base);
+        const uint32_t b_addr = sluice::smem_addr(smem, base + WG_TILE_BYTES);
+        sluice::wgmma_fence();
+        #pragma unroll
+        for (int j = 0; j < WG_BK / 16; ++j) {
+            // k16 step j starts two core-matrix columns (2 * LBO bytes) further on.
+            const uint64_t db = sluice::wgmma_desc(b_addr + 2 * j * WG_LBO, WG_LBO, WG_SBO);
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                // Rows 64h..64h+63 of the A tile start 64 rows (64 * 16 bytes) further on.
+                const uint64_t da =
+                    sluice::wgmma_desc(a_addr + h * 64 * 16 + 2 * j * WG_LBO, WG_LBO, WG_SBO);
+                sluice::wgmma_m64n128k16_bf16(acc[h], da, db, 1, smem);
+            }
+        }
+        sluice::wgmma_commit();
+        sluice::wgmma_wait<0>();
+        __syncthreads();  // every warp is done reading stage s
+        if (kt + WG_STAGES < ktiles) load_stage(s, kt + WG_STAGES);
+    }
+
+    const int wt = tid & 127;
+    const int warp = wt / 32, lane = wt % 32, g = lane / 4, t = lane % 4;
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        #pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int col = col0 + 8 * j + 2 * t;
+            #pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const int r = tile.row_begin + 64 * h + 16 * warp + g + 8 * hr;
+                if (r >= tile.row_end) continue;
+                float* out = tile.c + static_cast<long long>(r) * n;
+                if (col < n) out[col] = acc[h][4 * j + 2 * hr];
+                if (col + 1 < n) out[col + 1] = acc[h][4 * j + 2 * hr + 1];
+            }
+        }
+    }
+#else
+    // compute_80 PTX: wgmma, bulk copies and mbarrier transactions need sm_90a. The host never
+    // launches this kernel on such a GPU (ops/gemm.rs refuses first); trap if it ever happens.
+    (void)a; (void)b; (void)c; (void)offsets; (void)rows; (void)n; (void)k; (void)groups;
+    (void)stride_a; (void)stride_b; (void)stride_c;
+    __trap();
+#endif
+}

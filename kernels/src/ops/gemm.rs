@@ -1,0 +1,636 @@
+//! `gemm`: C[M,N] = A[M,K] · B[N,K]^T, the linear-layer form (DESIGN.md section 3.1), plus the
+//! batched (strided) form `[batch,M,K] x [batch,N,K]` and the grouped form (row segments of A,
+//! one weight matrix each: the MoE form).
+//!
+//! Numerics: F32 inputs compute in true f32 (never tf32) on every device; BF16 inputs are
+//! multiplied exactly (a bf16 x bf16 product fits in f32) and accumulated in f32. The output is
+//! always F32.
+//!
+//! Batch invariance: row i of C is bit-identical whatever M is and wherever the row sits. No
+//! device splits K; every output element sums its K products in one fixed order that depends on
+//! K only (see `gemm_reference_into` for the CPU's order and kernels/cuda/gemm.cu for the GPU's).
+//!
+//! Paths on `cuda` and `emu` (kernels/cuda/gemm.cu):
+//! - `gemm_f32`: F32, tiled SIMT FMA, one thread per 4x4 outputs, K ascending one FMA at a time.
+//! - `gemm_bf16_mma`: BF16, mma.sync m16n8k16 with ldmatrix (compute_80; the default on every GPU).
+//! - `gemm_bf16_wgmma`: BF16, Hopper wgmma + bulk async copies (compute_90a). Never run on a GPU
+//!   yet, so it is used only when `SLUICE_GEMM_PATH=wgmma` is set (or [`GemmPath::Wgmma`] is
+//!   asked for); scripts/gpu-check tests it so the first GPU run can verify it.
+
+use crate::device::Backend;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::launch::{blocks_for, Launch};
+use crate::runner::{OpCall, OpOutputs, OpSpec, TensorSpec};
+use crate::tensor::Tensor;
+use half::bf16;
+
+// ---------------------------------------------------------------------------------------------
+// CPU reference
+// ---------------------------------------------------------------------------------------------
+
+/// C[m,n] = A[m,k] · B[n,k]^T in f32, written into `c` (overwritten, not accumulated).
+///
+/// Runs on the `matrixmultiply` crate (AVX2/FMA micro-kernels, its own 2-thread pool). It is
+/// batch-invariant, which `kernels/tests/gemm.rs` checks bit for bit: each element of C is the
+/// sum of K products taken in a fixed order that depends on K alone: K is cut into chunks of 256
+/// (matrixmultiply's `kc`), each chunk accumulated from zero by one FMA per k in ascending order,
+/// and the chunk sums added to C in ascending order. M only decides how rows are packed into
+/// 8-row micro-panels; a partial panel is zero-padded and run through the same micro-kernel into
+/// a scratch tile, so neither the number of rows nor a row's position changes its arithmetic.
+/// Threads split rows and columns, never K.
+///
+/// # Panics
+/// If a slice's length is not the one `m`, `n`, `k` give (a caller bug: the device entry points
+/// validate user input before calling this).
+pub fn gemm_reference_into(a: &[f32], b: &[f32], c: &mut [f32], m: usize, n: usize, k: usize) {
+    assert_eq!(a.len(), m * k, "gemm_reference: a must hold m*k elements");
+    assert_eq!(b.len(), n * k, "gemm_reference: b must hold n*k elements");
+    assert_eq!(c.len(), m * n, "gemm_reference: c must hold m*n elements");
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        c.fill(0.0);
+        return;
+    }
+    // SAFETY: the asserts above make every index matrixmultiply forms from (m, k, n) and the
+    // strides in bounds: A is m x k row-major (row stride k, column stride 1); B^T is the k x n
+    // view of row-major B[n,k] (row stride 1, column stride k); C is m x n row-major. With
+    // beta = 0, C need not be initialised, and it aliases neither input (it is a &mut slice).
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.as_ptr(),
+            k as isize,
+            1,
+            b.as_ptr(),
+            1,
+            k as isize,
+            0.0,
+            c.as_mut_ptr(),
+            n as isize,
+            1,
+        );
+    }
+}
+
+/// C[m,n] = A[m,k] · B[n,k]^T in f32. See [`gemm_reference_into`].
+pub fn gemm_reference(a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+    let mut c = vec![0.0; m * n];
+    gemm_reference_into(a, b, &mut c, m, n, k);
+    c
+}
+
+/// bf16 inputs widened to f32 exactly, then [`gemm_reference`] (f32 accumulation).
+pub fn gemm_reference_bf16(a: &[bf16], b: &[bf16], m: usize, n: usize, k: usize) -> Vec<f32> {
+    gemm_reference(&widen(a), &widen(b), m, n, k)
+}
+
+/// Batched: C[i] = A[i] · B[i]^T for i in 0..batch, with A [batch,m,k], B [batch,n,k] and C
+/// [batch,m,n] contiguous.
+pub fn gemm_batched_reference(
+    a: &[f32],
+    b: &[f32],
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Vec<f32> {
+    assert_eq!(
+        b.len(),
+        batch * n * k,
+        "gemm_batched_reference: b must hold batch*n*k"
+    );
+    assert_eq!(
+        a.len(),
+        batch * m * k,
+        "gemm_batched_reference: a must hold batch*m*k"
+    );
+    let mut c = vec![0.0; batch * m * n];
+    if m * n == 0 {
+        return c;
+    }
+    for i in 0..batch {
+        gemm_reference_into(
+            &a[i * m * k..(i + 1) * m * k],
+            &b[i * n * k..(i + 1) * n * k],
+            &mut c[i * m * n..(i + 1) * m * n],
+            m,
+            n,
+            k,
+        );
+    }
+    c
+}
+
+/// Grouped (the MoE form): rows `offsets[g]..offsets[g+1]` of A [T,k] are multiplied by
+/// `b_stack[g]` [n,k]; C is [T,n] with T = offsets[G]. Segments may be empty.
+///
+/// # Panics
+/// If `offsets` is not a non-decreasing list starting at 0, or a slice length disagrees with it
+/// (the device entry point [`gemm_grouped`] validates user input first).
+pub fn gemm_grouped_reference(
+    a: &[f32],
+    b_stack: &[f32],
+    offsets: &[i32],
+    n: usize,
+    k: usize,
+) -> Vec<f32> {
+    let bounds =
+        check_offsets(offsets, None).unwrap_or_else(|e| panic!("gemm_grouped_reference: {e}"));
+    let groups = offsets.len() - 1;
+    let rows = bounds.last().copied().unwrap_or(0);
+    assert_eq!(a.len(), rows * k, "gemm_grouped_reference: a must hold T*k");
+    assert_eq!(
+        b_stack.len(),
+        groups * n * k,
+        "gemm_grouped_reference: b_stack must hold G*n*k"
+    );
+    let mut c = vec![0.0; rows * n];
+    for g in 0..groups {
+        let (r0, r1) = (bounds[g], bounds[g + 1]);
+        if r1 == r0 {
+            continue;
+        }
+        gemm_reference_into(
+            &a[r0 * k..r1 * k],
+            &b_stack[g * n * k..(g + 1) * n * k],
+            &mut c[r0 * n..r1 * n],
+            r1 - r0,
+            n,
+            k,
+        );
+    }
+    c
+}
+
+/// The row bounds of each segment, after checking `offsets` (G+1 entries, 0 first, T last,
+/// non-decreasing).
+fn check_offsets(offsets: &[i32], rows: Option<usize>) -> Result<Vec<usize>> {
+    let bad = |m: String| Error::Invalid(format!("tensor `offsets`: {m}"));
+    if offsets.is_empty() {
+        return Err(bad(
+            "needs G+1 >= 1 entries (the start of each group, then T)".into(),
+        ));
+    }
+    if offsets[0] != 0 {
+        return Err(bad(format!("offsets[0] is {}; it must be 0", offsets[0])));
+    }
+    for (g, w) in offsets.windows(2).enumerate() {
+        if w[1] < w[0] {
+            return Err(bad(format!(
+                "offsets[{}] = {} < offsets[{g}] = {}; offsets must be non-decreasing",
+                g + 1,
+                w[1],
+                w[0]
+            )));
+        }
+    }
+    let last = *offsets.last().unwrap_or(&0) as usize;
+    if rows.is_some_and(|rows| rows != last) {
+        let rows = rows.unwrap_or(0);
+        return Err(bad(format!(
+            "offsets[G] is {last}, but `a` has {rows} rows; the segments must cover a exactly"
+        )));
+    }
+    Ok(offsets.iter().map(|&o| o as usize).collect())
+}
+
+fn widen(x: &[bf16]) -> Vec<f32> {
+    x.iter().map(|v| v.to_f32()).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device entry points
+// ---------------------------------------------------------------------------------------------
+
+/// Which bf16 kernel the `cuda` and `emu` devices use (F32 always uses `gemm_f32`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmPath {
+    /// `gemm_bf16_mma`: mma.sync m16n8k16 (compute_80); the default on every GPU.
+    Mma,
+    /// `gemm_bf16_wgmma`: Hopper wgmma + bulk async copies. Opt-in until verified on a GPU.
+    Wgmma,
+}
+
+impl GemmPath {
+    /// The path `SLUICE_GEMM_PATH` asks for (`mma`, the default, or `wgmma`).
+    pub fn from_env() -> Result<GemmPath> {
+        match std::env::var("SLUICE_GEMM_PATH") {
+            Err(_) => Ok(GemmPath::Mma),
+            Ok(v) => match v.trim() {
+                "" | "mma" => Ok(GemmPath::Mma),
+                "wgmma" => Ok(GemmPath::Wgmma),
+                other => Err(Error::param(
+                    "SLUICE_GEMM_PATH",
+                    format!("`{other}` is not a GEMM path; use `mma` (default) or `wgmma`"),
+                )),
+            },
+        }
+    }
+}
+
+/// Tile shapes of the kernels, shared by the grid computation and the kernels (gemm.cu has
+/// the same numbers as `constexpr`s; a mismatch shows up in every emu test).
+struct TileConfig {
+    kernel: &'static str,
+    block_m: usize,
+    block_n: usize,
+    threads: u32,
+    shared_bytes: u32,
+}
+
+const F32_TILES: TileConfig = TileConfig {
+    kernel: "gemm_f32",
+    block_m: 64,
+    block_n: 64,
+    threads: 256,
+    shared_bytes: 0,
+};
+const MMA_TILES: TileConfig = TileConfig {
+    kernel: "gemm_bf16_mma",
+    block_m: 128,
+    block_n: 128,
+    threads: 256,
+    shared_bytes: 0,
+};
+/// 4 stages of a 128x64 A tile and a 128x64 B tile in bf16, plus 4 mbarriers (8 bytes each).
+const WGMMA_TILES: TileConfig = TileConfig {
+    kernel: "gemm_bf16_wgmma",
+    block_m: 128,
+    block_n: 128,
+    threads: 128,
+    shared_bytes: 4 * (128 + 128) * 64 * 2 + 4 * 8,
+};
+
+fn tiles_for(dtype: DType, path: GemmPath) -> &'static TileConfig {
+    match (dtype, path) {
+        (DType::F32, _) => &F32_TILES,
+        (_, GemmPath::Mma) => &MMA_TILES,
+        (_, GemmPath::Wgmma) => &WGMMA_TILES,
+    }
+}
+
+/// The dtype shared by `a` and `b` (F32 or BF16).
+fn float_dtype(a: &Tensor, b: &Tensor) -> Result<DType> {
+    if !a.dtype().is_float() {
+        return Err(Error::DType {
+            tensor: "a".into(),
+            expected: "F32 or BF16".into(),
+            got: a.dtype().to_string(),
+        });
+    }
+    if b.dtype() != a.dtype() {
+        return Err(Error::DType {
+            tensor: "b".into(),
+            expected: format!("{} (the dtype of `a`)", a.dtype()),
+            got: b.dtype().to_string(),
+        });
+    }
+    Ok(a.dtype())
+}
+
+fn dims_fit_i32(dims: &[(&str, usize)]) -> Result<()> {
+    for &(name, v) in dims {
+        if v > i32::MAX as usize {
+            return Err(Error::Invalid(format!(
+                "gemm: {name} = {v} exceeds the kernels' 32-bit index range"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// C[M,N] = A[M,K] · B[N,K]^T. `a` and `b` are both F32 or both BF16; C is F32.
+pub fn gemm(backend: &Backend, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    gemm_with_path(backend, a, b, GemmPath::from_env()?)
+}
+
+/// [`gemm`] with the bf16 kernel chosen explicitly (tests run both paths side by side).
+pub fn gemm_with_path(backend: &Backend, a: &Tensor, b: &Tensor, path: GemmPath) -> Result<Tensor> {
+    let (m, n, _) = plain_dims(a, b)?;
+    let mut c = Tensor::poisoned(backend, &[m, n], DType::F32)?;
+    gemm_into_with_path(backend, a, b, &mut c, path)?;
+    Ok(c)
+}
+
+/// [`gemm`] into an existing F32 tensor `c` [M,N] on the same device (its contents are
+/// overwritten; nothing is allocated).
+pub fn gemm_into(backend: &Backend, a: &Tensor, b: &Tensor, c: &mut Tensor) -> Result<()> {
+    gemm_into_with_path(backend, a, b, c, GemmPath::from_env()?)
+}
+
+/// [`gemm_into`] with the bf16 kernel chosen explicitly.
+pub fn gemm_into_with_path(
+    backend: &Backend,
+    a: &Tensor,
+    b: &Tensor,
+    c: &mut Tensor,
+    path: GemmPath,
+) -> Result<()> {
+    let (m, n, k) = plain_dims(a, b)?;
+    c.expect_dtype("c", DType::F32)?;
+    if c.shape() != [m, n] {
+        return Err(Error::shape(
+            "c",
+            format!("[{m},{n}] (M from `a`, N from `b`)"),
+            c.shape(),
+        ));
+    }
+    batched(backend, a, b, c, 1, m, n, k, false, path)
+}
+
+/// (M, N, K) of a plain product, after checking the ranks and that K agrees.
+fn plain_dims(a: &Tensor, b: &Tensor) -> Result<(usize, usize, usize)> {
+    a.expect_rank("a", 2, "[M,K]")?;
+    let (m, k) = (a.shape()[0], a.shape()[1]);
+    if b.shape().len() != 2 || b.shape()[1] != k {
+        return Err(Error::shape(
+            "b",
+            format!("[N,{k}] (K = {k} from `a`)"),
+            b.shape(),
+        ));
+    }
+    Ok((m, b.shape()[0], k))
+}
+
+/// Batched: C[i] = A[i] · B[i]^T with `a` [batch,M,K], `b` [batch,N,K] (or [N,K], one matrix
+/// shared by every batch entry); C is [batch,M,N] F32.
+pub fn gemm_batched(backend: &Backend, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    gemm_batched_with_path(backend, a, b, GemmPath::from_env()?)
+}
+
+/// [`gemm_batched`] with the bf16 kernel chosen explicitly.
+pub fn gemm_batched_with_path(
+    backend: &Backend,
+    a: &Tensor,
+    b: &Tensor,
+    path: GemmPath,
+) -> Result<Tensor> {
+    a.expect_rank("a", 3, "[batch,M,K]")?;
+    let (batch, m, k) = (a.shape()[0], a.shape()[1], a.shape()[2]);
+    let shared_b = b.shape().len() == 2;
+    let ok = match b.shape() {
+        [bb, _, bk] => *bb == batch && *bk == k,
+        [_, bk] => *bk == k,
+        _ => false,
+    };
+    if !ok {
+        return Err(Error::shape(
+            "b",
+            format!("[{batch},N,{k}] or [N,{k}] (batch and K from `a`)"),
+            b.shape(),
+        ));
+    }
+    let n = b.shape()[b.shape().len() - 2];
+    let mut c = Tensor::poisoned(backend, &[batch, m, n], DType::F32)?;
+    batched(backend, a, b, &mut c, batch, m, n, k, shared_b, path)?;
+    Ok(c)
+}
+
+#[allow(clippy::too_many_arguments)]
+/// Runs the batched form into `c` (batch*m*n F32 elements, shape checked by the caller).
+fn batched(
+    backend: &Backend,
+    a: &Tensor,
+    b: &Tensor,
+    c: &mut Tensor,
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    shared_b: bool,
+    path: GemmPath,
+) -> Result<()> {
+    let dtype = float_dtype(a, b)?;
+    dims_fit_i32(&[("M", m), ("N", n), ("K", k), ("batch", batch)])?;
+    match backend {
+        Backend::Cpu => {
+            let af = a.to_f32_vec()?;
+            let bf = b.to_f32_vec()?;
+            let c = c.host_slice_mut::<f32>()?;
+            for i in 0..batch {
+                let bi = if shared_b { 0 } else { i };
+                if m * n > 0 {
+                    gemm_reference_into(
+                        &af[i * m * k..(i + 1) * m * k],
+                        &bf[bi * n * k..(bi + 1) * n * k],
+                        &mut c[i * m * n..(i + 1) * m * n],
+                        m,
+                        n,
+                        k,
+                    );
+                }
+            }
+            Ok(())
+        }
+        _ => {
+            check_path(backend, dtype, path)?;
+            if batch * m * n == 0 {
+                return Ok(());
+            }
+            if batch > 65535 {
+                return Err(Error::Invalid(format!(
+                    "gemm_batched: batch = {batch} exceeds the grid's z limit (65535)"
+                )));
+            }
+            let t = tiles_for(dtype, path);
+            let grid = [
+                blocks_for(m, t.block_m),
+                blocks_for(n, t.block_n),
+                batch as u32,
+            ];
+            check_grid_y(grid[1], n)?;
+            let launch = Launch::new(t.kernel, grid, [t.threads, 1, 1])
+                .shared_bytes(t.shared_bytes)
+                .arg_tensor(a)
+                .arg_tensor(b)
+                .arg_tensor(c)
+                .arg_u64(0) // offsets: null = batched mode
+                .arg_i32(m as i32)
+                .arg_i32(n as i32)
+                .arg_i32(k as i32)
+                .arg_i32(0) // groups (unused in batched mode)
+                .arg_i64((m * k) as i64)
+                .arg_i64(if shared_b { 0 } else { (n * k) as i64 })
+                .arg_i64((m * n) as i64);
+            backend.launch(&launch)
+        }
+    }
+}
+
+/// Grouped (the MoE form): rows `offsets[g]..offsets[g+1]` of `a` [T,K] times `b_stack[g]`
+/// [N,K]^T, for g in 0..G; `offsets` is I32 [G+1], 0 first, T last, non-decreasing (empty
+/// segments allowed). C is [T,N] F32.
+///
+/// The offsets are checked on the host (on `cuda` that is a copy of G+1 integers and a stream
+/// sync), because a bad offset would otherwise send a kernel outside `a`.
+pub fn gemm_grouped(
+    backend: &Backend,
+    a: &Tensor,
+    b_stack: &Tensor,
+    offsets: &Tensor,
+) -> Result<Tensor> {
+    gemm_grouped_with_path(backend, a, b_stack, offsets, GemmPath::from_env()?)
+}
+
+/// [`gemm_grouped`] with the bf16 kernel chosen explicitly.
+pub fn gemm_grouped_with_path(
+    backend: &Backend,
+    a: &Tensor,
+    b_stack: &Tensor,
+    offsets: &Tensor,
+    path: GemmPath,
+) -> Result<Tensor> {
+    a.expect_rank("a", 2, "[T,K]")?;
+    let (rows, k) = (a.shape()[0], a.shape()[1]);
+    offsets.expect_dtype("offsets", DType::I32)?;
+    offsets.expect_rank("offsets", 1, "[G+1]")?;
+    let groups = offsets.shape()[0].saturating_sub(1);
+    if offsets.shape()[0] == 0 {
+        return Err(Error::shape(
+            "offsets",
+            "[G+1] with G >= 0",
+            offsets.shape(),
+        ));
+    }
+    if b_stack.shape().len() != 3 || b_stack.shape()[0] != groups || b_stack.shape()[2] != k {
+        return Err(Error::shape(
+            "b_stack",
+            format!("[{groups},N,{k}] (G from `offsets`, K from `a`)"),
+            b_stack.shape(),
+        ));
+    }
+    let n = b_stack.shape()[1];
+    let dtype = float_dtype(a, b_stack).map_err(|e| match e {
+        Error::DType { expected, got, .. } if b_stack.dtype() != a.dtype() => Error::DType {
+            tensor: "b_stack".into(),
+            expected,
+            got,
+        },
+        other => other,
+    })?;
+    dims_fit_i32(&[("T", rows), ("N", n), ("K", k), ("G", groups)])?;
+    let bounds = check_offsets(&offsets.to_vec::<i32>()?, Some(rows))?;
+    match backend {
+        Backend::Cpu => {
+            let af = a.to_f32_vec()?;
+            let bf = b_stack.to_f32_vec()?;
+            let mut c = vec![0.0f32; rows * n];
+            for g in 0..groups {
+                let (r0, r1) = (bounds[g], bounds[g + 1]);
+                if r1 > r0 && n > 0 {
+                    gemm_reference_into(
+                        &af[r0 * k..r1 * k],
+                        &bf[g * n * k..(g + 1) * n * k],
+                        &mut c[r0 * n..r1 * n],
+                        r1 - r0,
+                        n,
+                        k,
+                    );
+                }
+            }
+            Tensor::from_slice(backend, &[rows, n], &c)
+        }
+        _ => {
+            check_path(backend, dtype, path)?;
+            let c = Tensor::poisoned(backend, &[rows, n], DType::F32)?;
+            if rows * n == 0 {
+                return Ok(c);
+            }
+            let t = tiles_for(dtype, path);
+            // Each segment needs ceil(len/BM) row tiles; their total is at most
+            // ceil(T/BM) + G. Blocks past the last tile exit at once.
+            let row_tiles = rows.div_ceil(t.block_m) + groups;
+            if row_tiles > i32::MAX as usize {
+                return Err(Error::Invalid(format!(
+                    "gemm_grouped: {row_tiles} row tiles exceed the grid's x limit"
+                )));
+            }
+            let grid = [row_tiles as u32, blocks_for(n, t.block_n), 1];
+            check_grid_y(grid[1], n)?;
+            let launch = Launch::new(t.kernel, grid, [t.threads, 1, 1])
+                .shared_bytes(t.shared_bytes)
+                .arg_tensor(a)
+                .arg_tensor(b_stack)
+                .arg_tensor(&c)
+                .arg_tensor(offsets)
+                .arg_i32(rows as i32)
+                .arg_i32(n as i32)
+                .arg_i32(k as i32)
+                .arg_i32(groups as i32)
+                .arg_i64(0)
+                .arg_i64((n * k) as i64)
+                .arg_i64(0);
+            backend.launch(&launch)?;
+            Ok(c)
+        }
+    }
+}
+
+fn check_grid_y(y: u32, n: usize) -> Result<()> {
+    if y > 65535 {
+        return Err(Error::Invalid(format!(
+            "gemm: N = {n} needs {y} column tiles, over the grid's y limit (65535)"
+        )));
+    }
+    Ok(())
+}
+
+/// The wgmma path needs Hopper (sm_90a PTX) on `cuda`; the emulator runs its portable version.
+fn check_path(backend: &Backend, dtype: DType, path: GemmPath) -> Result<()> {
+    if dtype != DType::BF16 || path != GemmPath::Wgmma {
+        return Ok(());
+    }
+    if let Some(cuda) = backend.cuda() {
+        if cuda.arch() != crate::cuda::PtxArch::Sm90a {
+            let (major, minor) = cuda.compute_capability();
+            return Err(Error::Device(format!(
+                "SLUICE_GEMM_PATH=wgmma needs an sm_90 GPU (H100/H200); cuda:{} is {} with \
+                 compute capability {major}.{minor}; unset SLUICE_GEMM_PATH to use mma.sync",
+                cuda.ordinal(),
+                cuda.name()
+            )));
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// `sluice kernel gemm`
+// ---------------------------------------------------------------------------------------------
+
+fn run_spec(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
+    let c = gemm(backend, call.tensor("a")?, call.tensor("b")?)?;
+    Ok(vec![("c", c)])
+}
+
+/// The kernel runner's `gemm` row (DESIGN.md section 7).
+pub static SPEC: OpSpec = OpSpec {
+    name: "gemm",
+    summary: "C = A . B^T (F32 in true f32; BF16 multiplied exactly, accumulated in f32); \
+              SLUICE_GEMM_PATH=wgmma opts into the unverified Hopper path",
+    inputs: &[
+        TensorSpec {
+            name: "a",
+            shape: "[M,K]",
+            dtypes: "F32|BF16",
+        },
+        TensorSpec {
+            name: "b",
+            shape: "[N,K]",
+            dtypes: "F32|BF16 (as a)",
+        },
+    ],
+    params: &[],
+    outputs: &[TensorSpec {
+        name: "c",
+        shape: "[M,N]",
+        dtypes: "F32",
+    }],
+    run: run_spec,
+};
