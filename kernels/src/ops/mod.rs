@@ -1,10 +1,28 @@
 //! Every op family: signature, CPU reference and launch (one file each).
 
-pub mod topk;
-
 use crate::runner::OpSpec;
 
+pub mod elementwise;
+pub mod embedding;
 pub mod gemm;
+pub mod rmsnorm;
+pub mod rope;
+pub mod swiglu;
+pub mod topk;
 
 /// The ops of `sluice kernel`, in `--list` order.
-pub static RUNNER_OPS: &[&OpSpec] = &[&gemm::SPEC, &topk::SPEC];
+pub static RUNNER_OPS: &[&OpSpec] = &[
+    &gemm::SPEC,
+    &topk::SPEC,
+    &rmsnorm::SPEC,
+    &rmsnorm::BACKWARD_SPEC,
+    &rope::SPEC,
+    &rope::BACKWARD_SPEC,
+    &swiglu::SPEC,
+    &swiglu::BACKWARD_SPEC,
+    &embedding::SPEC,
+    &embedding::BACKWARD_SPEC,
+    &elementwise::RESIDUAL_ADD_SPEC,
+    &elementwise::SOFTMAX_SPEC,
+    &elementwise::SOFTMAX_BACKWARD_SPEC,
+];

@@ -1,0 +1,103 @@
+// Elementwise and row ops of the model that need no tensor cores:
+//   elementwise_add_{f32,bf16}              y = a + b (the residual add), grid-stride
+//   elementwise_softmax_{f32,bf16}          row softmax of x[T,n], one 256-thread block per row
+//   elementwise_softmax_backward_{f32,bf16} dx = y * (dy - sum_j dy[j] * y[j]), block per row
+// Softmax: m = max_j x[j]; e[j] = expf(x[j] - m); y[j] = e[j] / sum_j e[j]. Rows must have a
+// finite maximum (a row of all -inf gives NaN, as the math does).
+// Inputs F32 or BF16 (widened exactly); math and outputs f32. No atomics; each row's reductions
+// have a fixed order that depends only on n and the fixed block size (batch-invariant).
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace elementwise_impl {
+
+constexpr int THREADS = 256;
+constexpr int WARPS = THREADS / 32;
+
+__device__ __forceinline__ float load(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float load(const __nv_bfloat16* p, long long i) {
+    return __bfloat162float(p[i]);
+}
+
+// Sum over the block, the same bits in every thread: a xor butterfly per warp (a + b == b + a,
+// so all lanes agree), then every thread adds the warp sums in ascending warp order.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < WARPS; ++w) total += scratch[w];
+    __syncthreads();
+    return total;
+}
+
+// Max over the block (exact, so order does not matter for the value).
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+    __syncthreads();
+    float total = scratch[0];
+    for (int w = 1; w < WARPS; ++w) total = fmaxf(total, scratch[w]);
+    __syncthreads();
+    return total;
+}
+
+template <typename T>
+__device__ __forceinline__ void add(const T* __restrict__ a, const T* __restrict__ b,
+                                    float* __restrict__ y, long long n) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        y[i] = load(a, i) + load(b, i);
+}
+
+template <typename T>
+__device__ __forceinline__ void softmax_row(const T* __restrict__ x, float* __restrict__ y, int n) {
+    __shared__ float scratch[WARPS];
+    const long long base = (long long)blockIdx.x * n;
+    float m = -INFINITY;
+    for (int j = threadIdx.x; j < n; j += THREADS) m = fmaxf(m, load(x, base + j));
+    m = block_max(m, scratch);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < n; j += THREADS) sum += expf(load(x, base + j) - m);
+    sum = block_sum(sum, scratch);
+    for (int j = threadIdx.x; j < n; j += THREADS) y[base + j] = expf(load(x, base + j) - m) / sum;
+}
+
+template <typename T>
+__device__ __forceinline__ void softmax_backward_row(const T* __restrict__ y, const T* __restrict__ dy,
+                                                     float* __restrict__ dx, int n) {
+    __shared__ float scratch[WARPS];
+    const long long base = (long long)blockIdx.x * n;
+    float dot = 0.0f;
+    for (int j = threadIdx.x; j < n; j += THREADS) dot += load(dy, base + j) * load(y, base + j);
+    dot = block_sum(dot, scratch);
+    for (int j = threadIdx.x; j < n; j += THREADS)
+        dx[base + j] = load(y, base + j) * (load(dy, base + j) - dot);
+}
+
+}  // namespace elementwise_impl
+
+extern "C" __global__ void __launch_bounds__(256) elementwise_add_f32(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ y, long long n) {
+    elementwise_impl::add(a, b, y, n);
+}
+
+extern "C" __global__ void __launch_bounds__(256) elementwise_add_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b, float* __restrict__ y, long long n) {
+    elementwise_impl::add(a, b, y, n);
+}
+
+extern "C" __global__ void __launch_bounds__(256) elementwise_softmax_f32(const float* __restrict__ x, float* __restrict__ y, int n) {
+    elementwise_impl::softmax_row(x, y, n);
+}
+
+extern "C" __global__ void __launch_bounds__(256) elementwise_softmax_bf16(const __nv_bfloat16* __restrict__ x, float* __restrict__ y, int n) {
+    elementwise_impl::softmax_row(x, y, n);
+}
+
+extern "C" __global__ void __launch_bounds__(256) elementwise_softmax_backward_f32(const float* __restrict__ y, const float* __restrict__ dy, float* __restrict__ dx, int n) {
+    elementwise_impl::softmax_backward_row(y, dy, dx, n);
+}
+
+extern "C" __global__ void __launch_bounds__(256) elementwise_softmax_backward_bf16(const __nv_bfloat16* __restrict__ y, const __nv_bfloat16* __restrict__ dy, float* __restrict__ dx, int n) {
+    elementwise_impl::softmax_backward_row(y, dy, dx, n);
+}
