@@ -5,6 +5,7 @@ use crate::runner::OpSpec;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
+pub mod moe;
 pub mod rmsnorm;
 pub mod rope;
 pub mod swiglu;
@@ -25,4 +26,6 @@ pub static RUNNER_OPS: &[&OpSpec] = &[
     &elementwise::RESIDUAL_ADD_SPEC,
     &elementwise::SOFTMAX_SPEC,
     &elementwise::SOFTMAX_BACKWARD_SPEC,
+    &moe::FORWARD_SPEC,
+    &moe::BACKWARD_SPEC,
 ];

@@ -1,0 +1,282 @@
+// moe: the MoE layer's own kernels (DESIGN.md section 3.4). kernels/src/ops/moe.rs composes
+// them with the gemm (router GEMM, grouped expert GEMMs), topk, softmax and swiglu families.
+//
+// Forward:   moe_sigmoid (score_fn=sigmoid; softmax is the elementwise family's), moe_gates,
+//            moe_sort_count -> moe_sort_scan -> moe_sort_scatter (stable counting sort of the
+//            T*k token-slots by expert), moe_gather_rows, moe_combine.
+// Backward:  moe_combine_backward, moe_transpose (weights for the transposed-operand grouped
+//            GEMMs), moe_segment_wgrad (per-expert weight gradients), moe_router_backward,
+//            moe_unpermute_dx. moe_widen_bf16 widens BF16 inputs to f32.
+//
+// Determinism: no atomics anywhere. Every output element is written by one thread that sums
+// its terms in a fixed order:
+//  - the sort: thread c owns row c of counts/bases [chunks,E] and walks its chunk's slots in
+//    ascending order, so the sort is stable and needs no atomic counters (the usual GPU
+//    histogram + atomic scatter would give an order that changes run to run);
+//  - combine and unpermute: k ascending;
+//  - weight gradients: one thread per output element walks its expert's contiguous segment of
+//    rows in ascending order (no split over rows, so the order depends on the segment alone).
+// Batch invariance: every per-token kernel reads and writes its own token's rows only.
+
+#include <stdint.h>
+#include <cuda_bf16.h>
+
+namespace moe {
+
+constexpr int kMaxK = 16;    // the top-k family's limit on k
+constexpr int kMaxE = 512;   // the top-k family's limit on E
+
+__device__ __forceinline__ long long grid_stride_start() {
+    return static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ long long grid_stride_step() {
+    return static_cast<long long>(gridDim.x) * blockDim.x;
+}
+
+}  // namespace moe
+
+// ---------------------------------------------------------------------------------------------
+// Inputs and router
+// ---------------------------------------------------------------------------------------------
+
+// dst[i] = float(src[i]) (exact).
+extern "C" __global__ void __launch_bounds__(256) moe_widen_bf16(const __nv_bfloat16* __restrict__ src, float* __restrict__ dst, long long n) {
+    for (long long i = moe::grid_stride_start(); i < n; i += moe::grid_stride_step())
+        dst[i] = __bfloat162float(src[i]);
+}
+
+// p[i] = 1 / (1 + exp(-z[i])): the sigmoid score of each router logit on its own.
+extern "C" __global__ void __launch_bounds__(256) moe_sigmoid(const float* __restrict__ logits, float* __restrict__ p, long long n) {
+    for (long long i = moe::grid_stride_start(); i < n; i += moe::grid_stride_step())
+        p[i] = 1.0f / (1.0f + expf(-logits[i]));
+}
+
+// One thread per token: gate[t,j] = kept[t,j] / sum_j kept[t,j] (sum j ascending) when renorm,
+// else kept[t,j].
+extern "C" __global__ void __launch_bounds__(256) moe_gates(const float* __restrict__ kept, float* __restrict__ gate, int T, int k, int renorm) {
+    const long long t = moe::grid_stride_start();
+    if (t >= T) return;
+    const float* v = kept + t * k;
+    float* g = gate + t * k;
+    if (!renorm) {
+        for (int j = 0; j < k; ++j) g[j] = v[j];
+        return;
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < k; ++j) sum += v[j];
+    for (int j = 0; j < k; ++j) g[j] = v[j] / sum;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stable counting sort of the n = T*k slots (slot = t*k + j, expert idx[slot]) into contiguous
+// per-expert segments. Chunk c holds slots [c*chunk, min(n, (c+1)*chunk)).
+// ---------------------------------------------------------------------------------------------
+
+// Thread c: counts[c, e] = number of slots of chunk c routed to expert e.
+extern "C" __global__ void __launch_bounds__(256) moe_sort_count(const int* __restrict__ idx, int* __restrict__ counts, int n, int E, int chunk) {
+    const long long c = moe::grid_stride_start();
+    const long long chunks = (static_cast<long long>(n) + chunk - 1) / chunk;
+    if (c >= chunks) return;
+    int* row = counts + c * E;
+    for (int e = 0; e < E; ++e) row[e] = 0;
+    const long long end = (c + 1) * chunk < n ? (c + 1) * chunk : n;
+    for (long long s = c * chunk; s < end; ++s) {
+        const int e = idx[s];
+        if (e >= 0 && e < E) row[e] += 1;  // topk returns indices in [0, E); guard anyway
+    }
+}
+
+// One block. totals[e] = sum over chunks (ascending) of counts[c,e]; offsets = exclusive scan of
+// totals over e (offsets[E] = n); bases[c,e] = offsets[e] + sum_{c' < c} counts[c',e].
+extern "C" __global__ void __launch_bounds__(256) moe_sort_scan(const int* __restrict__ counts, int* __restrict__ bases, int* __restrict__ offsets, int chunks, int E) {
+    __shared__ int start[moe::kMaxE + 1];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int total = 0;
+        for (int c = 0; c < chunks; ++c) total += counts[static_cast<long long>(c) * E + e];
+        start[e + 1] = total;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        // E <= 512 additions by one thread: negligible next to the GEMMs, and trivially ordered.
+        start[0] = 0;
+        for (int e = 0; e < E; ++e) start[e + 1] += start[e];
+        for (int e = 0; e <= E; ++e) offsets[e] = start[e];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int run = start[e];
+        for (int c = 0; c < chunks; ++c) {
+            const long long at = static_cast<long long>(c) * E + e;
+            bases[at] = run;
+            run += counts[at];
+        }
+    }
+}
+
+// Thread c walks chunk c's slots in ascending order and gives each the next position of its
+// expert from its own row of bases (consumed as a cursor): perm[p] = slot, pos[slot] = p.
+extern "C" __global__ void __launch_bounds__(256) moe_sort_scatter(const int* __restrict__ idx, int* __restrict__ bases, int* __restrict__ perm, int* __restrict__ pos, int n, int E, int chunk) {
+    const long long c = moe::grid_stride_start();
+    const long long chunks = (static_cast<long long>(n) + chunk - 1) / chunk;
+    if (c >= chunks) return;
+    int* cursor = bases + c * E;
+    const long long end = (c + 1) * chunk < n ? (c + 1) * chunk : n;
+    for (long long s = c * chunk; s < end; ++s) {
+        const int e = idx[s];
+        if (e < 0 || e >= E) continue;
+        const int p = cursor[e]++;
+        perm[p] = static_cast<int>(s);
+        pos[s] = p;
+    }
+}
+
+// xs[p, :] = x[perm[p] / k, :] for the n sorted positions.
+extern "C" __global__ void __launch_bounds__(256) moe_gather_rows(const float* __restrict__ x, const int* __restrict__ perm, float* __restrict__ xs, int n, int d, int k) {
+    const long long total = static_cast<long long>(n) * d;
+    for (long long i = moe::grid_stride_start(); i < total; i += moe::grid_stride_step()) {
+        const long long p = i / d, c = i % d;
+        const long long tok = perm[p] / k;
+        xs[i] = x[tok * d + c];
+    }
+}
+
+// y[t, c] = sum_{j = 0..k-1, ascending} gate[t, j] * ye[pos[t*k + j], c].
+extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* __restrict__ ye, const float* __restrict__ gate, const int* __restrict__ pos, float* __restrict__ y, int T, int d, int k) {
+    const long long total = static_cast<long long>(T) * d;
+    for (long long i = moe::grid_stride_start(); i < total; i += moe::grid_stride_step()) {
+        const long long t = i / d, c = i % d;
+        float acc = 0.0f;
+        for (int j = 0; j < k; ++j) {
+            const long long slot = t * k + j;
+            acc += gate[slot] * ye[static_cast<long long>(pos[slot]) * d + c];
+        }
+        y[i] = acc;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward
+// ---------------------------------------------------------------------------------------------
+
+// dye[pos[s], c] = gate[s] * dy[s / k, c] for every slot s; dgate[s] = sum_{c ascending}
+// dy[s / k, c] * ye[pos[s], c] (one thread per slot; d is at most a few thousand).
+extern "C" __global__ void __launch_bounds__(256) moe_combine_backward(const float* __restrict__ dy, const float* __restrict__ ye, const float* __restrict__ gate, const int* __restrict__ pos, float* __restrict__ dye, float* __restrict__ dgate, int T, int d, int k) {
+    const long long n = static_cast<long long>(T) * k;
+    const long long total = n * d;
+    for (long long i = moe::grid_stride_start(); i < total; i += moe::grid_stride_step()) {
+        const long long s = i / d, c = i % d;
+        dye[static_cast<long long>(pos[s]) * d + c] = gate[s] * dy[(s / k) * d + c];
+    }
+    for (long long s = moe::grid_stride_start(); s < n; s += moe::grid_stride_step()) {
+        const float* dyr = dy + (s / k) * d;
+        const float* yer = ye + static_cast<long long>(pos[s]) * d;
+        float dot = 0.0f;
+        for (int c = 0; c < d; ++c) dot += dyr[c] * yer[c];
+        dgate[s] = dot;
+    }
+}
+
+// dst[b] = src[b]^T for src [B, rows, cols] -> dst [B, cols, rows]; blockIdx.z = b. 32x32 tiles
+// through shared memory (+1 column of padding against bank conflicts), block 32x8.
+extern "C" __global__ void __launch_bounds__(256) moe_transpose(const float* __restrict__ src, float* __restrict__ dst, int rows, int cols) {
+    __shared__ float tile[32][33];
+    const long long plane = static_cast<long long>(rows) * cols;
+    const float* s = src + blockIdx.z * plane;
+    float* o = dst + blockIdx.z * plane;
+    const int r0 = blockIdx.y * 32, c0 = blockIdx.x * 32;
+    for (int i = threadIdx.y; i < 32; i += 8) {
+        const int r = r0 + i, c = c0 + threadIdx.x;
+        if (r < rows && c < cols) tile[i][threadIdx.x] = s[static_cast<long long>(r) * cols + c];
+    }
+    __syncthreads();
+    for (int i = threadIdx.y; i < 32; i += 8) {
+        const int c = c0 + i, r = r0 + threadIdx.x;
+        if (r < rows && c < cols) o[static_cast<long long>(c) * rows + r] = tile[threadIdx.x][i];
+    }
+}
+
+// out[g, i, j] = sum_{r in segment g, ascending} P[r, i] * Q[r, j] for P [N, p], Q [N, q],
+// segment g = rows offsets[g]..offsets[g+1]; blockIdx.z = g, a 16x16 block of outputs per
+// block, one per thread, 16 rows at a time through shared memory. This is the weight gradient
+// of a grouped linear layer (dW_e = dOut_e^T · In_e) without atomics or split over rows: each
+// element's sum order depends on its segment only. An empty segment gives zeros.
+extern "C" __global__ void __launch_bounds__(256) moe_segment_wgrad(const float* __restrict__ P, const float* __restrict__ Q, const int* __restrict__ offsets, float* __restrict__ out, int p, int q) {
+    __shared__ float ps[16][17];
+    __shared__ float qs[16][17];
+    const int g = blockIdx.z;
+    const int r0 = offsets[g];
+    int r1 = offsets[g + 1];
+    if (r1 < r0) r1 = r0;
+    const int i = blockIdx.y * 16 + threadIdx.y;  // row of out[g] (column of P)
+    const int j = blockIdx.x * 16 + threadIdx.x;  // column of out[g] (column of Q)
+    const int pi = blockIdx.y * 16 + threadIdx.x;  // P column this thread loads
+    float acc = 0.0f;
+    for (int base = r0; base < r1; base += 16) {
+        const int r = base + threadIdx.y;
+        const bool row_ok = r < r1;
+        ps[threadIdx.y][threadIdx.x] = (row_ok && pi < p) ? P[static_cast<long long>(r) * p + pi] : 0.0f;
+        qs[threadIdx.y][threadIdx.x] = (row_ok && j < q) ? Q[static_cast<long long>(r) * q + j] : 0.0f;
+        __syncthreads();
+        const int rows = r1 - base < 16 ? r1 - base : 16;
+        for (int rr = 0; rr < rows; ++rr) acc += ps[rr][threadIdx.y] * qs[rr][threadIdx.x];
+        __syncthreads();
+    }
+    if (i < p && j < q) out[(static_cast<long long>(g) * p + i) * q + j] = acc;
+}
+
+// One thread per token: dlogits[t, :] from dgate[t, :] through the gates and the score function.
+//   dv_j = (dg_j - sum_i dg_i g_i) / S when renorm (g_j = v_j / S, S = sum_j v_j), else dg_j;
+//   dprobs = dv at the kept experts, 0 elsewhere;
+//   softmax: dlogits[e] = p_e * (dprobs[e] - sum_j dv_j p_{idx_j});  sigmoid: dprobs * p (1 - p).
+extern "C" __global__ void __launch_bounds__(256) moe_router_backward(const float* __restrict__ probs, const float* __restrict__ kept, const int* __restrict__ idx, const float* __restrict__ dgate, float* __restrict__ dlogits, int T, int E, int k, int renorm, int sigmoid) {
+    const long long t = moe::grid_stride_start();
+    if (t >= T) return;
+    const float* v = kept + t * k;
+    const float* dg = dgate + t * k;
+    const int* ix = idx + t * k;
+    const float* p = probs + t * E;
+    float* out = dlogits + t * E;
+    float dv[moe::kMaxK];
+    const int kk = k < moe::kMaxK ? k : moe::kMaxK;
+    if (renorm) {
+        float sum = 0.0f;
+        for (int j = 0; j < kk; ++j) sum += v[j];
+        float dot = 0.0f;
+        for (int j = 0; j < kk; ++j) dot += dg[j] * (v[j] / sum);
+        for (int j = 0; j < kk; ++j) dv[j] = (dg[j] - dot) / sum;
+    } else {
+        for (int j = 0; j < kk; ++j) dv[j] = dg[j];
+    }
+    if (sigmoid) {
+        for (int e = 0; e < E; ++e) out[e] = 0.0f;
+        for (int j = 0; j < kk; ++j) {
+            const int e = ix[j];
+            if (e >= 0 && e < E) out[e] = dv[j] * (p[e] * (1.0f - p[e]));
+        }
+        return;
+    }
+    float s = 0.0f;
+    for (int j = 0; j < kk; ++j) {
+        const int e = ix[j];
+        if (e >= 0 && e < E) s += dv[j] * p[e];
+    }
+    for (int e = 0; e < E; ++e) out[e] = p[e] * (0.0f - s);
+    for (int j = 0; j < kk; ++j) {
+        const int e = ix[j];
+        if (e >= 0 && e < E) out[e] = p[e] * (dv[j] - s);
+    }
+}
+
+// dx[t, c] = dx_router[t, c] + sum_{j ascending} (dxa + dxb)[pos[t*k + j], c].
+extern "C" __global__ void __launch_bounds__(256) moe_unpermute_dx(const float* __restrict__ dx_router, const float* __restrict__ dxa, const float* __restrict__ dxb, const int* __restrict__ pos, float* __restrict__ dx, int T, int d, int k) {
+    const long long total = static_cast<long long>(T) * d;
+    for (long long i = moe::grid_stride_start(); i < total; i += moe::grid_stride_step()) {
+        const long long t = i / d, c = i % d;
+        float acc = dx_router[i];
+        for (int j = 0; j < k; ++j) {
+            const long long at = static_cast<long long>(pos[t * k + j]) * d + c;
+            acc += dxa[at] + dxb[at];
+        }
+        dx[i] = acc;
+    }
+}
