@@ -56,7 +56,8 @@ fn cpu(c: &mut Criterion) {
         let a = rng.normal_vec(s * s, 1.0);
         let b = rng.normal_vec(s * s, 1.0);
         let mut out = vec![0.0f32; s * s];
-        let t = best_of(5, || gemm_reference_into(&a, &b, &mut out, s, s, s));
+        let reps = if s <= 512 { 30 } else { 10 };
+        let t = best_of(reps, || gemm_reference_into(&a, &b, &mut out, s, s, s));
         println!(
             "gemm cpu f32 {s}^3 (matrixmultiply): best {:.2} ms = {:.1} GFLOP/s",
             t.as_secs_f64() * 1e3,

@@ -53,7 +53,7 @@ def main() -> None:
         + " OPENBLAS_L2_SIZE="
         + os.environ.get("OPENBLAS_L2_SIZE", "(unset)")
     )
-    for s, reps in ((512, 20), (1024, 10)):
+    for s, reps in ((512, 30), (1024, 10)):
         t = bench(s, reps)
         print(f"gemm numpy f32 {s}^3: best {t * 1e3:.2f} ms = {2 * s**3 / t / 1e9:.1f} GFLOP/s")
 

@@ -63,6 +63,28 @@ fn kernel_runner_gemm_matches_f64_on_ragged_shapes() {
 }
 
 #[test]
+fn kernel_runner_gemm_on_emu_matches_f64() {
+    // The same file through the emulator (the CUDA kernels compiled for the host): f32 SIMT and
+    // bf16 mma.sync paths.
+    let dir = scratch("emu");
+    let cpu = Backend::Cpu;
+    let mut rng = Rng::new(22);
+    let (m, n, k) = (17, 33, 40);
+    for dtype in [DType::F32, DType::BF16] {
+        let a = Tensor::from_f32_as(&cpu, &[m, k], dtype, &rng.normal_vec(m * k, 1.0)).unwrap();
+        let b = Tensor::from_f32_as(&cpu, &[n, k], dtype, &rng.normal_vec(n * k, 1.0)).unwrap();
+        let input = write_inputs(&dir, &[("a", &a), ("b", &b)]);
+        let output = dir.join("out.safetensors");
+        run_kernel("gemm", &input, &output, Device::Emu).unwrap();
+        let out = read_safetensors(&output, &cpu).unwrap();
+        let want = oracle(&a.to_f32_vec().unwrap(), &b.to_f32_vec().unwrap(), m, n, k);
+        let err = rel_norm(&out.tensors["c"].to_vec::<f32>().unwrap(), &want);
+        assert!(err <= F32_TOL, "emu {dtype}: rel err {err:e}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn kernel_runner_gemm_rejects_misnamed_and_misshapen_tensors() {
     let dir = scratch("bad");
     let cpu = Backend::Cpu;

@@ -204,8 +204,8 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16_mma(
     if (!tile.valid) return;  // uniform across the block, before any barrier
     const int col0 = static_cast<int>(blockIdx.y) * MMA_BN;
 
-    __shared__ __align__(16) __nv_bfloat16 as[2][MMA_BM][MMA_LD];
-    __shared__ __align__(16) __nv_bfloat16 bs[2][MMA_BN][MMA_LD];
+    __align__(16) __shared__ __nv_bfloat16 as[2][MMA_BM][MMA_LD];
+    __align__(16) __shared__ __nv_bfloat16 bs[2][MMA_BN][MMA_LD];
 
     const int tid = threadIdx.x;
     const int warp = tid / 32, lane = tid % 32;

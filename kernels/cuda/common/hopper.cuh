@@ -25,10 +25,9 @@
 //   k16 step are added one at a time in ascending k, which may differ from the tensor cores'
 //   internal order in the last bits (as for mma.sync, see mma.cuh).
 // - A bulk copy completes when issued (memcpy, then complete_tx on its mbarrier). The emulated
-//   mbarrier is not atomic: emulated threads of a block switch only at barriers and warp
-//   collectives, so its read-modify-writes cannot interleave. A wait on a phase that has not
-//   completed cannot be satisfied later (a waiting emulated thread does not yield), so it traps;
-//   kernels must order every arrival before the wait with __syncthreads (gemm.cu does).
+//   mbarrier is not atomic: emulated threads of a block switch only at barriers, warp
+//   collectives and yields, so its read-modify-writes cannot interleave. A wait spins with
+//   emu_yield() until the other threads' arrivals complete the phase.
 #pragma once
 
 #include <stdint.h>
@@ -118,8 +117,10 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
 // Waits until the phase with parity `parity` has completed.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
 #ifdef SLUICE_EMU
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(bar);
-    if ((w[1] >> 31) == parity) __trap();  // would wait forever under the emulator (see above)
+    // Spin with a yield so the other emulated threads of the block can arrive (the emulator
+    // reports a wait that no thread will ever end as a hung spin-wait).
+    const volatile uint32_t* w = reinterpret_cast<const volatile uint32_t*>(bar);
+    while ((w[1] >> 31) == parity) emu_yield();
 #else
     const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
     asm volatile(

@@ -3,8 +3,9 @@
 // On a GPU (compute_80 and compute_90a) these are single PTX instructions. Under the emulator
 // (SLUICE_EMU defined, __CUDA_ARCH__ not) they are rebuilt from the fragment layouts the PTX ISA
 // documents ("Matrix Fragments for mma.m16n8k16 with floating point type", "Warp-level matrix
-// load instruction: ldmatrix"), moving values between lanes with __shfl_sync, so a kernel that
-// gets a layout wrong fails under the emulator exactly as it would on the GPU.
+// load instruction: ldmatrix"), so a kernel that
+// gets a layout wrong fails under the emulator exactly as it would on the GPU. The lanes exchange
+// their operands with the emulator's emu_warp_gather (one full-warp rendezvous per instruction).
 //
 // Layouts (lane = threadIdx.x % 32, g = lane / 4 "groupID", t = lane % 4 "threadID_in_group"):
 //   A (16x16, row-major): 4 x .b32, each two bf16 (lower column in the low half):
@@ -42,7 +43,11 @@ inline float bf16_half(uint32_t pair, int i) {
     memcpy(&f, &bits, sizeof f);
     return f;
 }
-inline uint32_t shfl_u32(uint32_t v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+// One lane's mma operands, gathered across the warp in one rendezvous.
+struct Fragments {
+    uint32_t a[4];
+    uint32_t b[2];
+};
 }  // namespace emu_mma
 #endif
 
@@ -50,14 +55,12 @@ inline uint32_t shfl_u32(uint32_t v, int src) { return __shfl_sync(0xffffffffu, 
 // layout above). Every lane of the warp must call it (.sync.aligned).
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
 #ifdef SLUICE_EMU
-    const int lane = threadIdx.x & 31;
-    const uint64_t mine = reinterpret_cast<uint64_t>(row);
+    const int lane = static_cast<int>(emu_lane_id());
+    const void* rows[32];
+    emu_warp_gather(row, rows);  // every lane's row address
     for (int i = 0; i < 4; ++i) {
-        // Lane L reads row L/4 of matrix i, whose address lane 8i + L/4 holds.
-        const int src = 8 * i + lane / 4;
-        const uint64_t lo = emu_mma::shfl_u32(static_cast<uint32_t>(mine), src);
-        const uint64_t hi = emu_mma::shfl_u32(static_cast<uint32_t>(mine >> 32), src);
-        const unsigned char* p = reinterpret_cast<const unsigned char*>(lo | (hi << 32));
+        // Lane L reads row L/4 of matrix i, whose address lane 8i + L/4 gave.
+        const unsigned char* p = static_cast<const unsigned char*>(rows[8 * i + lane / 4]);
         memcpy(&r[i], p + 4 * (lane % 4), 4);
     }
 #else
@@ -73,31 +76,30 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
 __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4],
                                                   const uint32_t (&b)[2]) {
 #ifdef SLUICE_EMU
-    const int lane = threadIdx.x & 31;
+    const int lane = static_cast<int>(emu_lane_id());
     const int g = lane / 4, t = lane % 4;
-    // Gather rows g and g+8 of A: lane 4g + j holds columns 2j, 2j+1 (a0/a1) and 2j+8, 2j+9
-    // (a2/a3). Gather columns 2t and 2t+1 of B: lane 4n + j holds rows 2j, 2j+1 (b0) and
-    // 2j+8, 2j+9 (b1) of column n.
+    emu_mma::Fragments mine, all[32];
+    for (int i = 0; i < 4; ++i) mine.a[i] = a[i];
+    mine.b[0] = b[0];
+    mine.b[1] = b[1];
+    emu_warp_gather(mine, all);
+    // Rows g and g+8 of A: lane 4g + j holds columns 2j, 2j+1 (a0/a1) and 2j+8, 2j+9 (a2/a3).
+    // Columns 2t and 2t+1 of B: lane 4n + j holds rows 2j, 2j+1 (b0) and 2j+8, 2j+9 (b1) of
+    // column n.
     float arow[2][16], bcol[2][16];
     for (int j = 0; j < 4; ++j) {
-        const int src_a = 4 * g + j;
-        const uint32_t a0 = emu_mma::shfl_u32(a[0], src_a);
-        const uint32_t a1 = emu_mma::shfl_u32(a[1], src_a);
-        const uint32_t a2 = emu_mma::shfl_u32(a[2], src_a);
-        const uint32_t a3 = emu_mma::shfl_u32(a[3], src_a);
+        const emu_mma::Fragments& fa = all[4 * g + j];
         for (int h = 0; h < 2; ++h) {
-            arow[0][2 * j + h] = emu_mma::bf16_half(a0, h);
-            arow[1][2 * j + h] = emu_mma::bf16_half(a1, h);
-            arow[0][2 * j + 8 + h] = emu_mma::bf16_half(a2, h);
-            arow[1][2 * j + 8 + h] = emu_mma::bf16_half(a3, h);
+            arow[0][2 * j + h] = emu_mma::bf16_half(fa.a[0], h);
+            arow[1][2 * j + h] = emu_mma::bf16_half(fa.a[1], h);
+            arow[0][2 * j + 8 + h] = emu_mma::bf16_half(fa.a[2], h);
+            arow[1][2 * j + 8 + h] = emu_mma::bf16_half(fa.a[3], h);
         }
         for (int c = 0; c < 2; ++c) {
-            const int src_b = 4 * (2 * t + c) + j;
-            const uint32_t b0 = emu_mma::shfl_u32(b[0], src_b);
-            const uint32_t b1 = emu_mma::shfl_u32(b[1], src_b);
+            const emu_mma::Fragments& fb = all[4 * (2 * t + c) + j];
             for (int h = 0; h < 2; ++h) {
-                bcol[c][2 * j + h] = emu_mma::bf16_half(b0, h);
-                bcol[c][2 * j + 8 + h] = emu_mma::bf16_half(b1, h);
+                bcol[c][2 * j + h] = emu_mma::bf16_half(fb.b[0], h);
+                bcol[c][2 * j + 8 + h] = emu_mma::bf16_half(fb.b[1], h);
             }
         }
     }
