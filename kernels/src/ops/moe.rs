@@ -409,17 +409,21 @@ pub fn moe_backward_reference(
     // Combine backward: d(ye)[pos] = gate * dy[t]; dgate[t,j] = dy[t] . ye[pos].
     let mut dye = vec![0.0f32; n * d];
     let mut dgate = vec![0.0f32; n];
-    for slot in 0..n {
+    for (slot, dg) in dgate.iter_mut().enumerate() {
         let tok = slot / k;
         let p = r.pos[slot] as usize;
         let g = r.gate[slot];
         let dyr = &dy[tok * d..(tok + 1) * d];
         let mut dot = 0.0f32;
-        for c in 0..d {
-            dye[p * d + c] = g * dyr[c];
-            dot += dyr[c] * s.ye[p * d + c];
+        for ((o, &dv), &yv) in dye[p * d..(p + 1) * d]
+            .iter_mut()
+            .zip(dyr)
+            .zip(&s.ye[p * d..(p + 1) * d])
+        {
+            *o = g * dv;
+            dot += dv * yv;
         }
-        dgate[slot] = dot;
+        *dg = dot;
     }
 
     // Expert FFN backward.
@@ -527,6 +531,7 @@ struct Inputs<'a> {
     dims: MoeDims,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn check_inputs<'a>(
     backend: &Backend,
     x: &'a Tensor,
