@@ -67,6 +67,33 @@ extern "C" __global__ void __launch_bounds__(256) moe_gates(const float* __restr
     for (int j = 0; j < k; ++j) g[j] = v[j] / sum;
 }
 
+// One block: the switch-style load-balancing loss aux = alpha * E * sum_e f_e P_e, f_e =
+// (offsets[e+1] - offsets[e]) / (T*k) (a count: no gradient), P_e = mean over t (ascending) of
+// probs[t,e]; and its gradient per score coef[e] = alpha * E * f_e / T. alpha = 0 writes zeros.
+extern "C" __global__ void __launch_bounds__(256) moe_aux_loss(const float* __restrict__ probs, const int* __restrict__ offsets, float* __restrict__ loss, float* __restrict__ coef, int T, int E, int k, float alpha) {
+    __shared__ float term[moe::kMaxE];
+    const float scale = alpha * static_cast<float>(E);
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        if (alpha == 0.0f) {
+            coef[e] = 0.0f;
+            term[e] = 0.0f;
+            continue;
+        }
+        const float frac = static_cast<float>(offsets[e + 1] - offsets[e]) /
+                           static_cast<float>(static_cast<long long>(T) * k);
+        float sum = 0.0f;
+        for (int t = 0; t < T; ++t) sum += probs[static_cast<long long>(t) * E + e];
+        term[e] = frac * (sum / static_cast<float>(T));
+        coef[e] = scale * frac / static_cast<float>(T);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float acc = 0.0f;
+        for (int e = 0; e < E; ++e) acc += term[e];
+        loss[0] = alpha == 0.0f ? 0.0f : scale * acc;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Stable counting sort of the n = T*k slots (slot = t*k + j, expert idx[slot]) into contiguous
 // per-expert segments. Chunk c holds slots [c*chunk, min(n, (c+1)*chunk)).
@@ -228,7 +255,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_segment_wgrad(const float*
 //   dv_j = (dg_j - sum_i dg_i g_i) / S when renorm (g_j = v_j / S, S = sum_j v_j), else dg_j;
 //   dprobs = dv at the kept experts, 0 elsewhere;
 //   softmax: dlogits[e] = p_e * (dprobs[e] - sum_j dv_j p_{idx_j});  sigmoid: dprobs * p (1 - p).
-extern "C" __global__ void __launch_bounds__(256) moe_router_backward(const float* __restrict__ probs, const float* __restrict__ kept, const int* __restrict__ idx, const float* __restrict__ dgate, float* __restrict__ dlogits, int T, int E, int k, int renorm, int sigmoid) {
+//   With use_aux, dprobs[e] also gets the load-balancing loss's aux_coef[e] (every e).
+extern "C" __global__ void __launch_bounds__(256) moe_router_backward(const float* __restrict__ probs, const float* __restrict__ kept, const int* __restrict__ idx, const float* __restrict__ dgate, const float* __restrict__ aux_coef, float* __restrict__ dlogits, int T, int E, int k, int renorm, int sigmoid, int use_aux) {
     const long long t = moe::grid_stride_start();
     if (t >= T) return;
     const float* v = kept + t * k;
@@ -246,6 +274,26 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_backward(const floa
         for (int j = 0; j < kk; ++j) dv[j] = (dg[j] - dot) / sum;
     } else {
         for (int j = 0; j < kk; ++j) dv[j] = dg[j];
+    }
+    if (use_aux) {
+        // The auxiliary loss's gradient reaches every score: dprobs[e] = coef[e] (+ dv_j when e
+        // is the j-th kept expert), then the score function's backward over all E.
+        float s = 0.0f;
+        for (int pass = 0; pass < 2; ++pass) {
+            for (int e = 0; e < E; ++e) {
+                float dp = aux_coef[e];
+                for (int j = 0; j < kk; ++j)
+                    if (ix[j] == e) dp += dv[j];
+                if (sigmoid) {
+                    if (pass == 1) out[e] = dp * (p[e] * (1.0f - p[e]));
+                } else if (pass == 0) {
+                    s += dp * p[e];
+                } else {
+                    out[e] = p[e] * (dp - s);
+                }
+            }
+        }
+        return;
     }
     if (sigmoid) {
         for (int e = 0; e < E; ++e) out[e] = 0.0f;

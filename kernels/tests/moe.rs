@@ -49,7 +49,13 @@ fn cfg(k: usize, score_fn: ScoreFn, renorm: bool) -> MoeConfig {
         k,
         score_fn,
         renorm,
+        aux_alpha: 0.0,
     }
+}
+
+fn with_aux(mut c: MoeConfig, alpha: f32) -> MoeConfig {
+    c.aux_alpha = alpha;
+    c
 }
 
 fn widen(v: &[f32]) -> Vec<f64> {
@@ -66,6 +72,8 @@ struct Oracle {
     gate: Vec<f64>,
     /// Per token: the gap between the k-th and the (k+1)-th score (infinite when k = E).
     margin: Vec<f64>,
+    /// alpha * E * sum_e f_e P_e.
+    aux: f64,
 }
 
 fn silu(a: f64) -> f64 {
@@ -89,7 +97,9 @@ fn oracle(
         idx: vec![0; t * k],
         gate: vec![0.0; t * k],
         margin: vec![f64::INFINITY; t],
+        aux: 0.0,
     };
+    let mut mean_score = vec![0.0; e];
     for tok in 0..t {
         let xr = &x[tok * d..(tok + 1) * d];
         let logits: Vec<f64> = (0..e)
@@ -103,6 +113,9 @@ fn oracle(
             }
             ScoreFn::Sigmoid => logits.iter().map(|z| 1.0 / (1.0 + (-z).exp())).collect(),
         };
+        for (m, s) in mean_score.iter_mut().zip(&scores) {
+            *m += s / t as f64;
+        }
         let mut order: Vec<usize> = (0..e).collect();
         // Stable sort by score descending: equal scores keep ascending index.
         order.sort_by(|&a, &b| scores[b].partial_cmp(&scores[a]).unwrap());
@@ -127,6 +140,11 @@ fn oracle(
                 out.y[tok * d + c] += g * v;
             }
         }
+    }
+    let alpha = cfg.aux_alpha as f64;
+    for (ex, m) in mean_score.iter().enumerate() {
+        let routed = out.idx.iter().filter(|&&i| i as usize == ex).count();
+        out.aux += alpha * e as f64 * (routed as f64 / (t * k) as f64) * m;
     }
     out
 }
@@ -180,8 +198,31 @@ fn forward_reference_matches_f64_oracle() {
                 let eg = rel_norm(&got.topk_gate, &want.gate);
                 assert!(ey <= REF_TOL, "{what}: y rel err {ey:e}");
                 assert!(eg <= REF_TOL, "{what}: gate rel err {eg:e}");
+                assert_eq!(got.aux_loss, 0.0, "{what}: aux is off");
             }
         }
+    }
+}
+
+#[test]
+fn aux_loss_matches_f64_oracle() {
+    for (i, &(t, e, k)) in [(1, 4, 2), (37, 8, 2), (64, 16, 4)].iter().enumerate() {
+        let c = case(
+            t,
+            8,
+            4,
+            e,
+            with_aux(cfg(k, ScoreFn::Softmax, true), 0.01),
+            200 + i as u64,
+        );
+        let got = moe_forward_reference(&c.x, &c.wr, &c.w1, &c.w3, &c.w2, c.dims, c.cfg);
+        let want = oracle_of(&c).aux;
+        let err = ((got.aux_loss as f64 - want) / want).abs();
+        assert!(
+            err <= REF_TOL,
+            "T={t} E={e}: aux {} vs {want}",
+            got.aux_loss
+        );
     }
 }
 
@@ -225,7 +266,11 @@ fn kept_indices_are_distinct_and_sorted_by_score() {
 /// L = sum(dy * y) under the f64 oracle.
 fn loss(c: &Case, x: &[f64], wr: &[f64], w1: &[f64], w3: &[f64], w2: &[f64]) -> f64 {
     let o = oracle(x, wr, w1, w3, w2, c.dims, c.cfg);
-    o.y.iter().zip(&c.dy).map(|(y, &g)| y * g as f64).sum()
+    o.y.iter()
+        .zip(&c.dy)
+        .map(|(y, &g)| y * g as f64)
+        .sum::<f64>()
+        + o.aux
 }
 
 /// Central differences of L for every element of one input (which = 0..5: x, wr, w1, w3, w2).
@@ -297,6 +342,11 @@ fn backward_reference_matches_finite_differences() {
     // k = 1 with renorm: the gate is 1, so the router gets no gradient (and FD agrees).
     let c = smooth_case(4, 4, 3, 3, cfg(1, ScoreFn::Softmax, true), 3);
     check_fd(&c, "k=1 renorm");
+    // The load-balancing loss: its gradient reaches the router through every score.
+    for score_fn in [ScoreFn::Softmax, ScoreFn::Sigmoid] {
+        let c = smooth_case(6, 5, 3, 5, with_aux(cfg(2, score_fn, true), 0.3), 5);
+        check_fd(&c, &format!("aux {score_fn:?}"));
+    }
 }
 
 #[test]
@@ -351,6 +401,7 @@ struct DevOut {
     y: Vec<f32>,
     idx: Vec<i32>,
     gate: Vec<f32>,
+    aux: f32,
     grads: [Vec<f32>; 5],
 }
 
@@ -359,6 +410,7 @@ impl DevOut {
         let mut v: Vec<u32> = self.y.iter().map(|x| x.to_bits()).collect();
         v.extend(self.idx.iter().map(|&i| i as u32));
         v.extend(self.gate.iter().map(|x| x.to_bits()));
+        v.push(self.aux.to_bits());
         for g in &self.grads {
             v.extend(g.iter().map(|x| x.to_bits()));
         }
@@ -372,6 +424,7 @@ fn run_device(b: &Backend, c: &Case, dtype: DType) -> DevOut {
         y,
         topk_idx,
         topk_gate,
+        aux_loss,
     } = moe_forward(b, &u.x, &u.wr, &u.w1, &u.w3, &u.w2, c.cfg).unwrap();
     let MoeGradTensors {
         dx,
@@ -385,6 +438,7 @@ fn run_device(b: &Backend, c: &Case, dtype: DType) -> DevOut {
         y: v(&y),
         idx: topk_idx.to_vec::<i32>().unwrap(),
         gate: v(&topk_gate),
+        aux: v(&aux_loss)[0],
         grads: [v(&dx), v(&dw_router), v(&dw1), v(&dw3), v(&dw2)],
     }
 }
@@ -404,6 +458,13 @@ fn check_against_reference(got: &DevOut, c: &Case, dtype: DType, what: &str) {
     let f = moe_forward_reference(&x, &wr, &w1, &w3, &w2, c.dims, c.cfg);
     let g = moe_backward_reference(&x, &wr, &w1, &w3, &w2, &dy, c.dims, c.cfg);
     assert_eq!(got.idx, f.topk_idx, "{what}: topk_idx");
+    let aux_err = (got.aux - f.aux_loss).abs() as f64 / (f.aux_loss.abs() as f64).max(1e-30);
+    assert!(
+        aux_err <= F32_TOL || got.aux == f.aux_loss,
+        "{what}: aux {} vs {}",
+        got.aux,
+        f.aux_loss
+    );
     let pairs = [
         ("y", &got.y, &f.y),
         ("topk_gate", &got.gate, &f.topk_gate),
@@ -427,6 +488,22 @@ fn emu_cases() -> Vec<Case> {
         case(17, 32, 16, 8, cfg(2, ScoreFn::Softmax, true), 12),
         case(9, 12, 5, 3, cfg(2, ScoreFn::Sigmoid, false), 13),
         case(13, 16, 8, 8, cfg(2, ScoreFn::Sigmoid, true), 14),
+        case(
+            10,
+            8,
+            4,
+            4,
+            with_aux(cfg(2, ScoreFn::Softmax, true), 0.3),
+            21,
+        ),
+        case(
+            6,
+            8,
+            4,
+            4,
+            with_aux(cfg(1, ScoreFn::Sigmoid, false), 0.3),
+            22,
+        ),
     ]
 }
 

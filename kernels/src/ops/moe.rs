@@ -29,7 +29,13 @@
 //! and run the f32 path; the bf16 tensor-core path of the grouped GEMMs is not wired in yet
 //! (docs/perf/moe.md). Outputs are F32 (topk_idx I32).
 //!
-//! Not implemented: the switch-style load-balancing auxiliary loss (absent; see docs/perf/moe.md).
+//! Optional switch-style load-balancing auxiliary loss (`MoeConfig::aux_alpha`, default 0 = off):
+//! aux = alpha * E * sum_e f_e * P_e, with f_e the fraction of the T*k token-slots routed to
+//! expert e (a count: no gradient) and P_e the mean score of expert e over the T tokens (t
+//! ascending). Its gradient alpha * E * f_e / T reaches every score (not only the kept ones) and
+//! is added before the score function's backward. The `sluice kernel` rows keep DESIGN 7's
+//! contract (no aux parameter or output); the Rust API returns the loss in
+//! [`MoeOutput::aux_loss`] and adds its gradient in [`moe_backward`].
 
 use super::elementwise::{softmax, softmax_backward_reference, softmax_reference};
 use super::gemm::{gemm, gemm_grouped, gemm_grouped_reference, gemm_reference};
@@ -72,13 +78,15 @@ impl ScoreFn {
 }
 
 /// The parameters of an MoE layer call.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MoeConfig {
     /// Experts per token, 1 <= k <= min(E, 16).
     pub k: usize,
     pub score_fn: ScoreFn,
     /// Divide the k kept scores by their sum.
     pub renorm: bool,
+    /// Weight of the load-balancing auxiliary loss (0 = off).
+    pub aux_alpha: f32,
 }
 
 impl MoeConfig {
@@ -88,6 +96,7 @@ impl MoeConfig {
             k,
             score_fn: ScoreFn::Softmax,
             renorm: true,
+            aux_alpha: 0.0,
         }
     }
 }
@@ -136,6 +145,10 @@ pub struct MoeRouting {
     pub perm: Vec<i32>,
     /// For each slot t*k + j, its sorted position, [T*k] (the inverse of `perm`).
     pub pos: Vec<i32>,
+    /// The auxiliary loss (0 when `aux_alpha` is 0).
+    pub aux_loss: f32,
+    /// d aux / d score[t,e] = alpha * E * f_e / T, the same for every token, [E].
+    pub aux_coef: Vec<f32>,
 }
 
 /// The stable counting sort of slots by expert: returns (offsets[E+1], perm[T*k], pos[T*k]).
@@ -190,6 +203,7 @@ pub fn moe_route_reference(
         }
     }
     let (offsets, perm, pos) = moe_sort_reference(&idx, e);
+    let (aux_loss, aux_coef) = aux_reference(&probs, &offsets, t, e, k, cfg.aux_alpha);
     MoeRouting {
         probs,
         idx,
@@ -198,7 +212,34 @@ pub fn moe_route_reference(
         offsets,
         perm,
         pos,
+        aux_loss,
+        aux_coef,
     }
+}
+
+/// The load-balancing loss alpha * E * sum_e f_e P_e and its gradient per score, alpha * E *
+/// f_e / T (see the module documentation). Sums: P_e over t ascending, the loss over e ascending.
+fn aux_reference(
+    probs: &[f32],
+    offsets: &[i32],
+    t: usize,
+    e: usize,
+    k: usize,
+    alpha: f32,
+) -> (f32, Vec<f32>) {
+    if alpha == 0.0 {
+        return (0.0, vec![0.0; e]);
+    }
+    let scale = alpha * e as f32;
+    let mut loss = 0.0f32;
+    let mut coef = vec![0.0f32; e];
+    for ex in 0..e {
+        let frac = (offsets[ex + 1] - offsets[ex]) as f32 / (t * k) as f32;
+        let mean = (0..t).fold(0.0f32, |s, tok| s + probs[tok * e + ex]) / t as f32;
+        loss += frac * mean;
+        coef[ex] = scale * frac / t as f32;
+    }
+    (scale * loss, coef)
 }
 
 fn sigmoid(z: f32) -> f32 {
@@ -276,6 +317,8 @@ pub struct MoeForwardOut {
     pub topk_idx: Vec<i32>,
     /// [T,k]
     pub topk_gate: Vec<f32>,
+    /// The auxiliary loss (0 when off).
+    pub aux_loss: f32,
 }
 
 /// The CPU reference of `moe_forward` (f32; see the module documentation for the steps).
@@ -298,6 +341,7 @@ pub fn moe_forward_reference(
         y: s.y,
         topk_idx: s.routing.idx,
         topk_gate: s.routing.gate,
+        aux_loss: s.routing.aux_loss,
     }
 }
 
@@ -439,7 +483,14 @@ pub fn moe_backward_reference(
     let dw3 = segment_wgrad_reference(&db, &s.xs, &r.offsets, f, d);
 
     // Router backward: through the renormalisation, then the score function over all E.
-    let dprobs = router_dprobs(&dgate, &r.kept, &r.idx, t, e, k, cfg.renorm);
+    let mut dprobs = router_dprobs(&dgate, &r.kept, &r.idx, t, e, k, cfg.renorm);
+    if cfg.aux_alpha != 0.0 {
+        for row in dprobs.chunks_mut(e) {
+            for (g, &c) in row.iter_mut().zip(&r.aux_coef) {
+                *g += c;
+            }
+        }
+    }
     let dlogits = match cfg.score_fn {
         ScoreFn::Softmax => softmax_backward_reference(&r.probs, &dprobs, t, e)
             .expect("moe: probs and dprobs are [T,E]"),
@@ -645,6 +696,8 @@ pub struct MoeOutput {
     pub topk_idx: Tensor,
     /// [T,k] F32
     pub topk_gate: Tensor,
+    /// [1] F32: the load-balancing loss (0 when `aux_alpha` is 0).
+    pub aux_loss: Tensor,
 }
 
 /// The gradients of [`moe_backward`], all F32.
@@ -684,6 +737,7 @@ pub fn moe_forward(
             y: Tensor::from_slice(backend, &[t, d], &out.y)?,
             topk_idx: Tensor::from_slice(backend, &[t, k], &out.topk_idx)?,
             topk_gate: Tensor::from_slice(backend, &[t, k], &out.topk_gate)?,
+            aux_loss: Tensor::from_slice(backend, &[1], &[out.aux_loss])?,
         });
     }
     let w = Widened::new(backend, &inp)?;
@@ -692,6 +746,7 @@ pub fn moe_forward(
         y: s.y,
         topk_idx: s.idx,
         topk_gate: s.gate,
+        aux_loss: s.aux_loss,
     })
 }
 
@@ -802,6 +857,8 @@ struct DeviceForward {
     h: Tensor,
     ye: Tensor,
     y: Tensor,
+    aux_loss: Tensor,
+    aux_coef: Tensor,
 }
 
 fn device_forward(
@@ -849,6 +906,21 @@ fn device_forward(
 
     // 2. Stable counting sort of the T*k slots by expert.
     let (offsets, perm, pos) = device_sort(backend, &idx, n, e)?;
+    let aux_loss = Tensor::poisoned(backend, &[1], DType::F32)?;
+    let aux_coef = Tensor::poisoned(backend, &[e], DType::F32)?;
+    // One block: P_e over t ascending (thread per expert), the loss over e ascending by thread
+    // 0; reads probs [T,E] and offsets [E+1], writes aux_loss [1] and aux_coef [E].
+    backend.launch(
+        &Launch::new("moe_aux_loss", [1, 1, 1], [THREADS, 1, 1])
+            .arg_tensor(&probs)
+            .arg_tensor(&offsets)
+            .arg_tensor(&aux_loss)
+            .arg_tensor(&aux_coef)
+            .arg_i32(t as i32)
+            .arg_i32(e as i32)
+            .arg_i32(k as i32)
+            .arg_f32(cfg.aux_alpha),
+    )?;
 
     // 3. Gather x rows into expert order, grouped GEMMs with SwiGLU.
     let xs = Tensor::poisoned(backend, &[n, d], DType::F32)?;
@@ -893,6 +965,8 @@ fn device_forward(
         h,
         ye,
         y,
+        aux_loss,
+        aux_coef,
     })
 }
 
@@ -1058,6 +1132,7 @@ fn device_backward(
         .arg_tensor(&s.kept)
         .arg_tensor(&s.idx)
         .arg_tensor(&dgate)
+        .arg_tensor(&s.aux_coef)
         .arg_tensor(&dlogits)
         .arg_i32(t as i32)
         .arg_i32(e as i32)
@@ -1066,7 +1141,8 @@ fn device_backward(
         .arg_i32(match cfg.score_fn {
             ScoreFn::Softmax => 0,
             ScoreFn::Sigmoid => 1,
-        }),
+        })
+        .arg_i32((cfg.aux_alpha != 0.0) as i32),
     )?;
     let wrt = device_transpose(backend, w.w_router(), 1, e, d)?.reshape(&[d, e])?;
     let dx_router = gemm(backend, &dlogits, &wrt)?;
@@ -1108,6 +1184,8 @@ fn config_of(call: &OpCall) -> Result<MoeConfig> {
         k: call.param_usize("k")?,
         score_fn: ScoreFn::parse(call.param("score_fn")?)?,
         renorm: call.param_bool("renorm")?,
+        // DESIGN 7's rows have no aux parameter: the auxiliary loss is a Rust API option.
+        aux_alpha: 0.0,
     })
 }
 
