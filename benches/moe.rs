@@ -1,13 +1,13 @@
 //! MoE layer forward and backward. CPU at a modest shape (T = 1024 tokens, d = 256, f = 128,
 //! E = 16 experts, top-2); CUDA (when a GPU opens; skipped silently otherwise) at that shape and
-//! at the H200 target (T = 16384, d = 2048, E = 64, top-8, f = 1024). Prints effective TFLOP/s
+//! at the H200 target (T = 16384, d = 2048, E = 64, top-8, f = 1024) in BF16. Prints effective TFLOP/s
 //! for the GEMM FLOPs the layer must do: forward 2*T*E*d (router) + 3 * 2*T*k*d*f (experts);
 //! backward counted as 2x the forward (docs/perf/moe.md).
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use sluice_kernels::ops::moe::{moe_backward, moe_forward, MoeConfig};
 use sluice_kernels::testing::Rng;
-use sluice_kernels::{Backend, Device, Tensor};
+use sluice_kernels::{Backend, DType, Device, Tensor};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -48,13 +48,13 @@ struct Inputs {
     dy: Tensor,
 }
 
-fn inputs(b: &Backend, s: Shape) -> Inputs {
+fn inputs(b: &Backend, s: Shape, dtype: DType) -> Inputs {
     let mut rng = Rng::new(1);
     let sd = 1.0 / (s.d as f32).sqrt();
     let sf = 1.0 / (s.f as f32).sqrt();
     let mut up = |shape: &[usize], scale: f32| {
         let n: usize = shape.iter().product();
-        Tensor::from_slice(b, shape, &rng.normal_vec(n, scale)).unwrap()
+        Tensor::from_f32_as(b, shape, dtype, &rng.normal_vec(n, scale)).unwrap()
     };
     Inputs {
         x: up(&[s.t, s.d], 1.0),
@@ -83,8 +83,8 @@ fn report(label: &str, flops: f64, mut once: impl FnMut()) {
     );
 }
 
-fn run_shape(c: &mut Criterion, b: &Backend, name: &str, s: Shape) {
-    let inp = inputs(b, s);
+fn run_shape(c: &mut Criterion, b: &Backend, name: &str, s: Shape, dtype: DType) {
+    let inp = inputs(b, s, dtype);
     let cfg = MoeConfig::new(s.k);
     let fwd = || {
         let out = moe_forward(b, &inp.x, &inp.wr, &inp.w1, &inp.w3, &inp.w2, cfg).unwrap();
@@ -97,7 +97,7 @@ fn run_shape(c: &mut Criterion, b: &Backend, name: &str, s: Shape) {
         black_box(g);
     };
     let label = format!(
-        "{name} T={} d={} f={} E={} k={} f32",
+        "{name} T={} d={} f={} E={} k={} {dtype}",
         s.t, s.d, s.f, s.e, s.k
     );
     report(&format!("forward {label}"), forward_flops(s), fwd);
@@ -108,16 +108,17 @@ fn run_shape(c: &mut Criterion, b: &Backend, name: &str, s: Shape) {
         .sample_size(10)
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_secs(2));
-    group.bench_function("forward", |bench| bench.iter(fwd));
-    group.bench_function("backward", |bench| bench.iter(bwd));
+    group.bench_function(format!("forward_{dtype}"), |bench| bench.iter(fwd));
+    group.bench_function(format!("backward_{dtype}"), |bench| bench.iter(bwd));
     group.finish();
 }
 
 fn bench(c: &mut Criterion) {
-    run_shape(c, &Backend::Cpu, "cpu", CPU_SHAPE);
+    run_shape(c, &Backend::Cpu, "cpu", CPU_SHAPE, DType::F32);
     if let Ok(gpu) = Backend::open(Device::Cuda(0)) {
-        run_shape(c, &gpu, "cuda", CPU_SHAPE);
-        run_shape(c, &gpu, "cuda_target", TARGET);
+        run_shape(c, &gpu, "cuda", CPU_SHAPE, DType::F32);
+        run_shape(c, &gpu, "cuda_bf16", CPU_SHAPE, DType::BF16);
+        run_shape(c, &gpu, "cuda_target_bf16", TARGET, DType::BF16);
     }
 }
 

@@ -6,7 +6,8 @@
 //            T*k token-slots by expert), moe_gather_rows, moe_combine.
 // Backward:  moe_combine_backward, moe_transpose (weights for the transposed-operand grouped
 //            GEMMs), moe_segment_wgrad (per-expert weight gradients), moe_router_backward,
-//            moe_unpermute_dx. moe_widen_bf16 widens BF16 inputs to f32.
+//            moe_unpermute_dx. moe_widen_bf16 / moe_narrow_bf16 convert between f32 and the
+//            BF16 operands of the tensor-core expert GEMMs (BF16 inputs).
 //
 // Determinism: no atomics anywhere. Every output element is written by one thread that sums
 // its terms in a fixed order:
@@ -43,6 +44,12 @@ __device__ __forceinline__ long long grid_stride_step() {
 extern "C" __global__ void __launch_bounds__(256) moe_widen_bf16(const __nv_bfloat16* __restrict__ src, float* __restrict__ dst, long long n) {
     for (long long i = moe::grid_stride_start(); i < n; i += moe::grid_stride_step())
         dst[i] = __bfloat162float(src[i]);
+}
+
+// dst[i] = bf16(src[i]), round to nearest even: the BF16 operand of a tensor-core GEMM.
+extern "C" __global__ void __launch_bounds__(256) moe_narrow_bf16(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, long long n) {
+    for (long long i = moe::grid_stride_start(); i < n; i += moe::grid_stride_step())
+        dst[i] = __float2bfloat16_rn(src[i]);
 }
 
 // p[i] = 1 / (1 + exp(-z[i])): the sigmoid score of each router logit on its own.
@@ -157,14 +164,24 @@ extern "C" __global__ void __launch_bounds__(256) moe_sort_scatter(const int* __
     }
 }
 
-// xs[p, :] = x[perm[p] / k, :] for the n sorted positions.
-extern "C" __global__ void __launch_bounds__(256) moe_gather_rows(const float* __restrict__ x, const int* __restrict__ perm, float* __restrict__ xs, int n, int d, int k) {
+namespace moe {
+// xs[p, :] = x[perm[p] / k, :] for the n sorted positions (a copy: exact in any dtype).
+template <typename T>
+__device__ __forceinline__ void gather_rows(const T* __restrict__ x, const int* __restrict__ perm, T* __restrict__ xs, int n, int d, int k) {
     const long long total = static_cast<long long>(n) * d;
-    for (long long i = moe::grid_stride_start(); i < total; i += moe::grid_stride_step()) {
+    for (long long i = grid_stride_start(); i < total; i += grid_stride_step()) {
         const long long p = i / d, c = i % d;
         const long long tok = perm[p] / k;
         xs[i] = x[tok * d + c];
     }
+}
+}  // namespace moe
+
+extern "C" __global__ void __launch_bounds__(256) moe_gather_rows(const float* __restrict__ x, const int* __restrict__ perm, float* __restrict__ xs, int n, int d, int k) {
+    moe::gather_rows(x, perm, xs, n, d, k);
+}
+extern "C" __global__ void __launch_bounds__(256) moe_gather_rows_bf16(const __nv_bfloat16* __restrict__ x, const int* __restrict__ perm, __nv_bfloat16* __restrict__ xs, int n, int d, int k) {
+    moe::gather_rows(x, perm, xs, n, d, k);
 }
 
 // y[t, c] = sum_{j = 0..k-1, ascending} gate[t, j] * ye[pos[t*k + j], c].
@@ -203,13 +220,15 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine_backward(const flo
     }
 }
 
+namespace moe {
 // dst[b] = src[b]^T for src [B, rows, cols] -> dst [B, cols, rows]; blockIdx.z = b. 32x32 tiles
 // through shared memory (+1 column of padding against bank conflicts), block 32x8.
-extern "C" __global__ void __launch_bounds__(256) moe_transpose(const float* __restrict__ src, float* __restrict__ dst, int rows, int cols) {
-    __shared__ float tile[32][33];
+template <typename T>
+__device__ __forceinline__ void transpose(const T* __restrict__ src, T* __restrict__ dst, int rows, int cols) {
+    __shared__ T tile[32][33];
     const long long plane = static_cast<long long>(rows) * cols;
-    const float* s = src + blockIdx.z * plane;
-    float* o = dst + blockIdx.z * plane;
+    const T* s = src + blockIdx.z * plane;
+    T* o = dst + blockIdx.z * plane;
     const int r0 = blockIdx.y * 32, c0 = blockIdx.x * 32;
     for (int i = threadIdx.y; i < 32; i += 8) {
         const int r = r0 + i, c = c0 + threadIdx.x;
@@ -220,6 +239,14 @@ extern "C" __global__ void __launch_bounds__(256) moe_transpose(const float* __r
         const int c = c0 + i, r = r0 + threadIdx.x;
         if (r < rows && c < cols) o[static_cast<long long>(c) * rows + r] = tile[threadIdx.x][i];
     }
+}
+}  // namespace moe
+
+extern "C" __global__ void __launch_bounds__(256) moe_transpose(const float* __restrict__ src, float* __restrict__ dst, int rows, int cols) {
+    moe::transpose(src, dst, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256) moe_transpose_bf16(const __nv_bfloat16* __restrict__ src, __nv_bfloat16* __restrict__ dst, int rows, int cols) {
+    moe::transpose(src, dst, rows, cols);
 }
 
 // out[g, i, j] = sum_{r in segment g, ascending} P[r, i] * Q[r, j] for P [N, p], Q [N, q],

@@ -7,7 +7,7 @@ use sluice_kernels::ops::moe::{
     moe_backward, moe_backward_reference, moe_forward, moe_forward_reference, moe_route_reference,
     MoeConfig, MoeDims, MoeGradTensors, MoeOutput, ScoreFn,
 };
-use sluice_kernels::testing::{rel_norm, Rng, F32_TOL};
+use sluice_kernels::testing::{rel_norm, Rng, BF16_TOL, F32_TOL};
 use sluice_kernels::{Backend, DType, Error, Tensor};
 
 // ---------------------------------------------------------------------------------------------
@@ -444,7 +444,9 @@ fn run_device(b: &Backend, c: &Case, dtype: DType) -> DevOut {
 }
 
 /// Compares a device run with the CPU reference (on the case's values rounded to `dtype`).
-fn check_against_reference(got: &DevOut, c: &Case, dtype: DType, what: &str) {
+/// `tol`: F32_TOL for f32 math on both sides; BF16_TOL where the device rounds GEMM operands
+/// to bf16 (BF16 inputs on emu/cuda).
+fn check_against_reference(got: &DevOut, c: &Case, dtype: DType, tol: f64, what: &str) {
     let r = |v: &[f32]| -> Vec<f32> {
         match dtype {
             DType::BF16 => v
@@ -460,7 +462,7 @@ fn check_against_reference(got: &DevOut, c: &Case, dtype: DType, what: &str) {
     assert_eq!(got.idx, f.topk_idx, "{what}: topk_idx");
     let aux_err = (got.aux - f.aux_loss).abs() as f64 / (f.aux_loss.abs() as f64).max(1e-30);
     assert!(
-        aux_err <= F32_TOL || got.aux == f.aux_loss,
+        aux_err <= tol || got.aux == f.aux_loss,
         "{what}: aux {} vs {}",
         got.aux,
         f.aux_loss
@@ -475,9 +477,8 @@ fn check_against_reference(got: &DevOut, c: &Case, dtype: DType, what: &str) {
         ("dw2", &got.grads[4], &g.dw2),
     ];
     for (name, a, b) in pairs {
-        // f32 on both sides with different summation orders: F32_TOL.
         let err = rel_norm(a, &widen(b));
-        assert!(err <= F32_TOL, "{what}: {name} rel err {err:e}");
+        assert!(err <= tol, "{what}: {name} rel err {err:e}");
     }
 }
 
@@ -511,19 +512,21 @@ fn emu_cases() -> Vec<Case> {
 fn emu_matches_reference_and_seeds_agree() {
     for (i, c) in emu_cases().iter().enumerate() {
         let a = run_device(&Backend::emu_with_seed(1), c, DType::F32);
-        check_against_reference(&a, c, DType::F32, &format!("emu case {i}"));
+        check_against_reference(&a, c, DType::F32, F32_TOL, &format!("emu case {i}"));
         let b = run_device(&Backend::emu_with_seed(2), c, DType::F32);
         assert_eq!(a.bits(), b.bits(), "emu case {i}: seeds 1 and 2 differ");
     }
 }
 
 #[test]
-fn emu_bf16_inputs_are_widened() {
+fn emu_bf16_tensor_core_path() {
     let c = case(7, 16, 8, 4, cfg(2, ScoreFn::Softmax, true), 15);
     let a = run_device(&Backend::emu_with_seed(1), &c, DType::BF16);
-    check_against_reference(&a, &c, DType::BF16, "emu bf16");
+    check_against_reference(&a, &c, DType::BF16, BF16_TOL, "emu bf16");
+    let b = run_device(&Backend::emu_with_seed(2), &c, DType::BF16);
+    assert_eq!(a.bits(), b.bits(), "emu bf16: seeds 1 and 2 differ");
     let cpu = run_device(&Backend::Cpu, &c, DType::BF16);
-    check_against_reference(&cpu, &c, DType::BF16, "cpu bf16");
+    check_against_reference(&cpu, &c, DType::BF16, F32_TOL, "cpu bf16");
 }
 
 #[test]
@@ -536,7 +539,7 @@ fn emu_with_an_empty_expert_and_t1() {
     let r = moe_route_reference(&c.x, &c.wr, c.dims, c.cfg);
     assert_eq!(r.offsets[3], r.offsets[4], "expert 3 must be empty");
     let a = run_device(&Backend::emu_with_seed(1), &c, DType::F32);
-    check_against_reference(&a, &c, DType::F32, "emu empty expert");
+    check_against_reference(&a, &c, DType::F32, F32_TOL, "emu empty expert");
     assert!(
         a.grads[2][3 * 32..].iter().all(|&v| v == 0.0),
         "dw1 of empty expert"
@@ -549,7 +552,7 @@ fn cpu_is_deterministic() {
     let a = run_device(&Backend::Cpu, &c, DType::F32);
     let b = run_device(&Backend::Cpu, &c, DType::F32);
     assert_eq!(a.bits(), b.bits());
-    check_against_reference(&a, &c, DType::F32, "cpu");
+    check_against_reference(&a, &c, DType::F32, F32_TOL, "cpu");
 }
 
 /// A token's y and dx are bit-identical whether it runs alone or among others, at any place.
@@ -605,9 +608,13 @@ fn cuda_matches_reference() {
         .enumerate()
     {
         let a = run_device(&gpu, c, DType::F32);
-        check_against_reference(&a, c, DType::F32, &format!("cuda case {i}"));
+        check_against_reference(&a, c, DType::F32, F32_TOL, &format!("cuda case {i}"));
         let b = run_device(&gpu, c, DType::F32);
         assert_eq!(a.bits(), b.bits(), "cuda case {i}: two runs differ");
+        let a = run_device(&gpu, c, DType::BF16);
+        check_against_reference(&a, c, DType::BF16, BF16_TOL, &format!("cuda bf16 case {i}"));
+        let b = run_device(&gpu, c, DType::BF16);
+        assert_eq!(a.bits(), b.bits(), "cuda bf16 case {i}: two runs differ");
     }
 }
 

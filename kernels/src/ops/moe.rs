@@ -25,9 +25,12 @@
 //! grouped GEMMs (no split-K; a row's sum order depends on K alone) and the combine are row-wise.
 //! The weight gradients are sums over tokens, so they depend on the batch by definition.
 //!
-//! Numerics: F32 inputs compute in f32 on every device. BF16 inputs are widened to f32 (exact)
-//! and run the f32 path; the bf16 tensor-core path of the grouped GEMMs is not wired in yet
-//! (docs/perf/moe.md). Outputs are F32 (topk_idx I32).
+//! Numerics: F32 inputs compute in f32 on every device (the GEMMs on `gemm_f32`). BF16 inputs:
+//! the expert GEMMs run on tensor cores (`gemm_bf16_mma`) with BF16 operands (x rows, h, d(ye),
+//! da and db rounded to BF16 once, nearest even) and f32 accumulation; the router (x and W_r
+//! widened to f32 exactly), scores, gates, SwiGLU, combine and the weight gradients stay f32.
+//! The CPU reference computes everything in f32 from the (exactly widened) BF16 inputs, so BF16
+//! device results agree with it to the BF16 tolerance. Outputs are F32 (topk_idx I32).
 //!
 //! Optional switch-style load-balancing auxiliary loss (`MoeConfig::aux_alpha`, default 0 = off):
 //! aux = alpha * E * sum_e f_e * P_e, with f_e the fraction of the T*k token-slots routed to
@@ -790,40 +793,60 @@ pub fn moe_backward(
     device_backward(backend, &w, dy, inp.dims, cfg)
 }
 
-/// The inputs as F32 tensors on the device: the originals when already F32, widened copies
-/// (moe_widen_bf16) when BF16.
+/// The inputs as the device path uses them: x and w_router as F32 (widened from BF16 by
+/// moe_widen_bf16 when needed: the router, its gradient and dW_r run in f32), the expert weights
+/// as given (F32 runs `gemm_f32`; BF16 runs the tensor-core `gemm_bf16_mma` path).
 struct Widened<'a> {
-    owned: Vec<Option<Tensor>>,
-    orig: [&'a Tensor; 5],
+    x32: Option<Tensor>,
+    wr32: Option<Tensor>,
+    x: &'a Tensor,
+    w_router: &'a Tensor,
+    w1: &'a Tensor,
+    w3: &'a Tensor,
+    w2: &'a Tensor,
 }
 
 impl<'a> Widened<'a> {
     fn new(backend: &Backend, inp: &Inputs<'a>) -> Result<Self> {
-        let orig = [inp.x, inp.w_router, inp.w1, inp.w3, inp.w2];
-        let owned = orig
-            .iter()
-            .map(|t| widen(backend, t))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Widened { owned, orig })
+        Ok(Widened {
+            x32: widen(backend, inp.x)?,
+            wr32: widen(backend, inp.w_router)?,
+            x: inp.x,
+            w_router: inp.w_router,
+            w1: inp.w1,
+            w3: inp.w3,
+            w2: inp.w2,
+        })
     }
-    fn get(&self, i: usize) -> &Tensor {
-        self.owned[i].as_ref().unwrap_or(self.orig[i])
-    }
+    /// x as F32.
     fn x(&self) -> &Tensor {
-        self.get(0)
+        self.x32.as_ref().unwrap_or(self.x)
     }
+    /// w_router as F32.
     fn w_router(&self) -> &Tensor {
-        self.get(1)
+        self.wr32.as_ref().unwrap_or(self.w_router)
     }
-    fn w1(&self) -> &Tensor {
-        self.get(2)
+    /// The dtype of the expert GEMMs' operands (the inputs' dtype).
+    fn gemm_dtype(&self) -> DType {
+        self.w1.dtype()
     }
-    fn w3(&self) -> &Tensor {
-        self.get(3)
+}
+
+/// An F32 tensor rounded to `dtype` for a GEMM operand (None when `dtype` is F32).
+fn narrow(backend: &Backend, t: &Tensor, dtype: DType) -> Result<Option<Tensor>> {
+    if dtype == DType::F32 {
+        return Ok(None);
     }
-    fn w2(&self) -> &Tensor {
-        self.get(4)
-    }
+    let out = Tensor::poisoned(backend, t.shape(), DType::BF16)?;
+    let n = t.numel();
+    // Grid-stride over n elements; reads src[i] (F32), writes dst[i] (BF16, nearest even).
+    backend.launch(
+        &Launch::new("moe_narrow_bf16", [ew_blocks(n), 1, 1], [THREADS, 1, 1])
+            .arg_tensor(t)
+            .arg_tensor(&out)
+            .arg_i64(n as i64),
+    )?;
+    Ok(Some(out))
 }
 
 /// A BF16 tensor widened to F32 on the device (None when it is F32 already).
@@ -923,21 +946,30 @@ fn device_forward(
     )?;
 
     // 3. Gather x rows into expert order, grouped GEMMs with SwiGLU.
-    let xs = Tensor::poisoned(backend, &[n, d], DType::F32)?;
+    // xs in the GEMM dtype (rows of x copied, so exact in BF16 too).
+    let gd = w.gemm_dtype();
+    let xs = Tensor::poisoned(backend, &[n, d], gd)?;
+    let gather = if gd == DType::F32 {
+        "moe_gather_rows"
+    } else {
+        "moe_gather_rows_bf16"
+    };
+    let x_src = if gd == DType::F32 { w.x() } else { w.x };
     // Grid-stride over n*d: xs[p,c] = x[perm[p]/k, c]; perm holds slots < n = T*k.
     backend.launch(
-        &Launch::new("moe_gather_rows", [ew_blocks(n * d), 1, 1], [THREADS, 1, 1])
-            .arg_tensor(w.x())
+        &Launch::new(gather, [ew_blocks(n * d), 1, 1], [THREADS, 1, 1])
+            .arg_tensor(x_src)
             .arg_tensor(&perm)
             .arg_tensor(&xs)
             .arg_i32(n as i32)
             .arg_i32(d as i32)
             .arg_i32(k as i32),
     )?;
-    let a = gemm_grouped(backend, &xs, w.w1(), &offsets)?;
-    let b = gemm_grouped(backend, &xs, w.w3(), &offsets)?;
+    let a = gemm_grouped(backend, &xs, w.w1, &offsets)?;
+    let b = gemm_grouped(backend, &xs, w.w3, &offsets)?;
     let h = swiglu(backend, &a, &b)?;
-    let ye = gemm_grouped(backend, &h, w.w2(), &offsets)?;
+    let h_g = narrow(backend, &h, gd)?;
+    let ye = gemm_grouped(backend, h_g.as_ref().unwrap_or(&h), w.w2, &offsets)?;
 
     // 4. Combine, k ascending.
     let y = Tensor::poisoned(backend, &[t, d], DType::F32)?;
@@ -1027,11 +1059,16 @@ fn device_transpose(
     rows: usize,
     cols: usize,
 ) -> Result<Tensor> {
-    let dst = Tensor::poisoned(backend, &[batch, cols, rows], DType::F32)?;
+    let dst = Tensor::poisoned(backend, &[batch, cols, rows], src.dtype())?;
+    let kernel = if src.dtype() == DType::F32 {
+        "moe_transpose"
+    } else {
+        "moe_transpose_bf16"
+    };
     // 32x32 tiles through shared memory; blockIdx.z is the batch entry (<= E <= 512, or 1).
     backend.launch(
         &Launch::new(
-            "moe_transpose",
+            kernel,
             [blocks_for(cols, 32), blocks_for(rows, 32), batch as u32],
             [32, 8, 1],
         )
@@ -1108,16 +1145,23 @@ fn device_backward(
     )?;
 
     // Expert FFN backward.
-    let w2t = device_transpose(backend, w.w2(), e, d, f)?; // [E,f,d]
-    let dh = gemm_grouped(backend, &dye, &w2t, &s.offsets)?;
+    // Expert FFN backward: the GEMM operands in the GEMM dtype (d(ye), da, db rounded to BF16
+    // for BF16 inputs), the weight gradients from the f32 activations.
+    let gd = w.gemm_dtype();
+    let w2t = device_transpose(backend, w.w2, e, d, f)?; // [E,f,d]
+    let dye_g = narrow(backend, &dye, gd)?;
+    let dh = gemm_grouped(backend, dye_g.as_ref().unwrap_or(&dye), &w2t, &s.offsets)?;
     let (da, db) = swiglu_backward(backend, &s.a, &s.b, &dh)?;
-    let w1t = device_transpose(backend, w.w1(), e, f, d)?; // [E,d,f]
-    let w3t = device_transpose(backend, w.w3(), e, f, d)?;
-    let dxa = gemm_grouped(backend, &da, &w1t, &s.offsets)?;
-    let dxb = gemm_grouped(backend, &db, &w3t, &s.offsets)?;
+    let w1t = device_transpose(backend, w.w1, e, f, d)?; // [E,d,f]
+    let w3t = device_transpose(backend, w.w3, e, f, d)?;
+    let (da_g, db_g) = (narrow(backend, &da, gd)?, narrow(backend, &db, gd)?);
+    let dxa = gemm_grouped(backend, da_g.as_ref().unwrap_or(&da), &w1t, &s.offsets)?;
+    let dxb = gemm_grouped(backend, db_g.as_ref().unwrap_or(&db), &w3t, &s.offsets)?;
+    let xs32 = widen(backend, &s.xs)?;
+    let xs32 = xs32.as_ref().unwrap_or(&s.xs);
     let dw2 = device_wgrad(backend, &dye, &s.h, &s.offsets, e, d, f)?;
-    let dw1 = device_wgrad(backend, &da, &s.xs, &s.offsets, e, f, d)?;
-    let dw3 = device_wgrad(backend, &db, &s.xs, &s.offsets, e, f, d)?;
+    let dw1 = device_wgrad(backend, &da, xs32, &s.offsets, e, f, d)?;
+    let dw3 = device_wgrad(backend, &db, xs32, &s.offsets, e, f, d)?;
 
     // Router backward.
     let dlogits = Tensor::poisoned(backend, &[t, e], DType::F32)?;
@@ -1226,13 +1270,13 @@ fn run_backward(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
     ])
 }
 
-const FLOATS: &str = "F32|BF16 (as x; BF16 is widened to f32)";
+const FLOATS: &str = "F32|BF16 (as x)";
 
 const FORWARD_INPUTS: &[TensorSpec] = &[
     TensorSpec {
         name: "x",
         shape: "[T,d]",
-        dtypes: "F32|BF16 (BF16 is widened to f32)",
+        dtypes: "F32|BF16 (BF16: tensor-core expert GEMMs)",
     },
     TensorSpec {
         name: "w_router",
@@ -1260,7 +1304,7 @@ const BACKWARD_INPUTS: &[TensorSpec] = &[
     TensorSpec {
         name: "x",
         shape: "[T,d]",
-        dtypes: "F32|BF16 (BF16 is widened to f32)",
+        dtypes: "F32|BF16 (BF16: tensor-core expert GEMMs)",
     },
     TensorSpec {
         name: "w_router",
@@ -1311,7 +1355,7 @@ const PARAMS: &[ParamSpec] = &[
 pub static FORWARD_SPEC: OpSpec = OpSpec {
     name: "moe_forward",
     summary: "MoE layer: router, deterministic top-k gates, stable expert sort, grouped SwiGLU \
-              FFN, combine (dropless; f32 math, BF16 inputs widened)",
+              FFN, combine (dropless; F32 in f32, BF16 expert GEMMs on tensor cores)",
     inputs: FORWARD_INPUTS,
     params: PARAMS,
     outputs: &[
