@@ -58,7 +58,7 @@
 #define __forceinline__ inline __attribute__((always_inline))
 #define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))
 #define __grid_constant__
 // Block-scope `__shared__ T x[N];` becomes a block-scope thread_local (static storage per host
 // thread). `extern __shared__ T x[];` never reaches the compiler: build_emu.rs rewrites it.

@@ -5,6 +5,8 @@
 //! `ops/<family>.rs` that runs the reference on `cpu` and launches the kernel on `emu` and
 //! `cuda` through the shared launch code in [`launch`].
 
+pub mod bench;
+pub mod bench_cases;
 pub mod cuda;
 pub mod device;
 pub mod dtype;

@@ -76,8 +76,22 @@ impl Tensor {
             }
             Backend::Cuda(c) => {
                 let stream = c.stream().clone();
-                let host = vec![byte; bytes.max(1)];
-                let slice = stream.clone_htod(&host)?;
+                // SAFETY: the allocation is filled on the same stream by the memset below
+                // before anything can read it. One byte at least, so the pointer is valid.
+                let slice = unsafe { stream.alloc::<u8>(bytes.max(1)) }?;
+                {
+                    let (ptr, _sync) = slice.device_ptr(&stream);
+                    // SAFETY: `ptr` addresses `bytes.max(1)` bytes owned by `slice`, ordered
+                    // on `stream`; a device memset, so poisoning costs no host upload.
+                    unsafe {
+                        cudarc::driver::result::memset_d8_async(
+                            ptr,
+                            byte,
+                            bytes.max(1),
+                            stream.cu_stream(),
+                        )
+                    }?;
+                }
                 Storage::Cuda(slice, stream)
             }
         };

@@ -13,7 +13,8 @@ use half::bf16;
 use rayon::prelude::*;
 use sluice_kernels::ops::gemm::{
     gemm, gemm_batched, gemm_batched_reference, gemm_grouped, gemm_grouped_reference,
-    gemm_grouped_with_path, gemm_reference, gemm_reference_bf16, gemm_with_path, GemmPath,
+    gemm_grouped_with_path, gemm_into, gemm_reference, gemm_reference_bf16, gemm_with_path,
+    GemmPath,
 };
 use sluice_kernels::testing::{rel_norm, Rng, BF16_TOL, F32_TOL};
 use sluice_kernels::{Backend, DType, Error, Tensor};
@@ -348,6 +349,21 @@ fn bad_input_is_an_error_naming_the_tensor() {
         other => panic!("expected a dtype error for `offsets`, got {other:?}"),
     }
     assert!(gemm_grouped(&cpu, &a, &bs, &offs(&[0, 4, 10])).is_ok());
+    // gemm_into: the output must be F32 [M,N].
+    let (a, b) = (t(&[4, 8], DType::F32), t(&[5, 8], DType::F32));
+    let mut c = t(&[5, 4], DType::F32);
+    match gemm_into(&cpu, &a, &b, &mut c) {
+        Err(e @ Error::Shape { .. }) => assert!(e.to_string().contains("`c`"), "{e}"),
+        other => panic!("expected a shape error naming `c`, got {other:?}"),
+    }
+    let mut c = t(&[4, 5], DType::BF16);
+    assert!(matches!(
+        gemm_into(&cpu, &a, &b, &mut c),
+        Err(Error::DType { .. })
+    ));
+    let mut c = t(&[4, 5], DType::F32);
+    gemm_into(&cpu, &a, &b, &mut c).unwrap();
+    assert_eq!(c.to_vec::<f32>().unwrap(), vec![8.0; 20]);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -32,6 +32,12 @@ pub fn run_kernel(op: &str, input: &Path, output: &Path, device: Device) -> Resu
     meta.insert("device".into(), device.to_string());
     let named: Vec<(&str, &sluice_kernels::Tensor)> =
         outputs.iter().map(|(n, t)| (*n, t)).collect();
+    if let Some(dir) = output.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| Error::Io {
+            path: dir.display().to_string(),
+            message: format!("cannot create the --out folder: {e}"),
+        })?;
+    }
     write_safetensors(output, &named, &meta)?;
     let shapes = outputs
         .iter()

@@ -1,3 +1,4 @@
 //! The `sluice` command's subcommands, as a library so tests can call them directly.
 
+pub mod bench_cmd;
 pub mod kernel_cmd;

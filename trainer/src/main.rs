@@ -35,6 +35,27 @@ enum Command {
         #[arg(long, default_value = "cpu")]
         device: String,
     },
+    /// Time every op against the H200 roofline (markdown table; JSON with --json).
+    Bench {
+        /// cpu, emu, cuda or cuda:N.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Only ops whose name contains this.
+        #[arg(long)]
+        op: Option<String>,
+        /// The issue-target sizes even off a GPU (slow on a CPU; default: small sizes off a GPU).
+        #[arg(long)]
+        full: bool,
+        /// Seconds spent timing each case.
+        #[arg(long, default_value_t = 1.0)]
+        seconds: f64,
+        /// Also write the results as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Also write the markdown report here.
+        #[arg(long)]
+        markdown: Option<PathBuf>,
+    },
     /// Show the devices this machine offers (and GPU telemetry where a driver exists).
     Devices,
 }
@@ -83,6 +104,34 @@ fn main() -> ExitCode {
             match sluice_trainer::kernel_cmd::run_kernel(&op, &input, &output, device) {
                 Ok(summary) => {
                     println!("{summary}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(&e),
+            }
+        }
+        Command::Bench {
+            device,
+            op,
+            full,
+            seconds,
+            json,
+            markdown,
+        } => {
+            let device: Device = match device.parse() {
+                Ok(d) => d,
+                Err(e) => return fail(&e),
+            };
+            let opts = sluice_trainer::bench_cmd::BenchOptions {
+                device,
+                filter: op.as_deref(),
+                quick: !full && !matches!(device, Device::Cuda(_)),
+                budget_s: seconds,
+                json: json.as_deref(),
+                markdown: markdown.as_deref(),
+            };
+            match sluice_trainer::bench_cmd::run_bench(&opts) {
+                Ok(report) => {
+                    print!("{report}");
                     ExitCode::SUCCESS
                 }
                 Err(e) => fail(&e),

@@ -2,19 +2,27 @@
 
 use crate::runner::OpSpec;
 
+pub mod attention;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
 pub mod moe;
+pub mod paged_attention;
 pub mod rmsnorm;
 pub mod rope;
 pub mod swiglu;
 pub mod topk;
 
-/// The ops of `sluice kernel`, in `--list` order.
+/// The ops of `sluice kernel`, in `--list` order: DESIGN.md section 7's table first, then the
+/// supporting ops of the model.
 pub static RUNNER_OPS: &[&OpSpec] = &[
     &gemm::SPEC,
     &topk::SPEC,
+    &moe::FORWARD_SPEC,
+    &moe::BACKWARD_SPEC,
+    &attention::FORWARD_SPEC,
+    &attention::BACKWARD_SPEC,
+    &paged_attention::SPEC,
     &rmsnorm::SPEC,
     &rmsnorm::BACKWARD_SPEC,
     &rope::SPEC,
@@ -26,6 +34,4 @@ pub static RUNNER_OPS: &[&OpSpec] = &[
     &elementwise::RESIDUAL_ADD_SPEC,
     &elementwise::SOFTMAX_SPEC,
     &elementwise::SOFTMAX_BACKWARD_SPEC,
-    &moe::FORWARD_SPEC,
-    &moe::BACKWARD_SPEC,
 ];

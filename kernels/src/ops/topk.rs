@@ -131,25 +131,30 @@ fn topk_rows_into<S: Score>(
 /// The CPU reference: top-k of each of the `t` rows of `scores` (row-major [t, e]), returned as
 /// (values[t*k], indices[t*k]) in the order described in the module documentation. Rayon over
 /// rows; each row is computed on its own, so the result does not depend on the thread count.
-///
-/// # Panics
-/// If `scores.len() != t * e` or `k > e` (a caller's contract; the checked entry point is
-/// [`topk`], which returns an `Err` naming the tensor or parameter instead).
-pub fn topk_reference(scores: &[f32], t: usize, e: usize, k: usize) -> (Vec<f32>, Vec<i32>) {
-    assert_eq!(
-        scores.len(),
-        t * e,
-        "topk_reference: scores has {} elements, expected t*e = {t}*{e}",
-        scores.len()
-    );
-    assert!(
-        k <= e,
-        "topk_reference: k = {k} exceeds the row length e = {e}"
-    );
+/// A length that is not `t * e`, or `k > e`, is an error naming `scores` or `k`.
+pub fn topk_reference(
+    scores: &[f32],
+    t: usize,
+    e: usize,
+    k: usize,
+) -> Result<(Vec<f32>, Vec<i32>)> {
+    if scores.len() != t * e {
+        return Err(Error::shape(
+            "scores",
+            format!("[T,E] = [{t},{e}] ({} elements)", t * e),
+            &[scores.len()],
+        ));
+    }
+    if k > e {
+        return Err(Error::param(
+            "k",
+            format!("k = {k} exceeds the row length E = {e}"),
+        ));
+    }
     let mut values = vec![0f32; t * k];
     let mut indices = vec![0i32; t * k];
     topk_rows_into(scores, e, k, &mut values, &mut indices);
-    (values, indices)
+    Ok((values, indices))
 }
 
 /// Checks `scores` and `k` against the op's limits; returns (T, E).
