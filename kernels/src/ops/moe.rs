@@ -195,7 +195,8 @@ pub fn moe_route_reference(
         }
         ScoreFn::Sigmoid => logits.iter().map(|&z| sigmoid(z)).collect(),
     };
-    let (kept, idx) = topk_reference(&probs, t, e, k);
+    let (kept, idx) =
+        topk_reference(&probs, t, e, k).expect("moe_route_reference: k <= E, probs are [T,E]");
     let mut gate = kept.clone();
     if cfg.renorm {
         for row in gate.chunks_mut(k) {
