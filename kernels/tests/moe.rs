@@ -5,7 +5,7 @@
 use sluice_kernels::device::cuda_for_tests;
 use sluice_kernels::ops::moe::{
     moe_backward, moe_backward_reference, moe_forward, moe_forward_reference, moe_route_reference,
-    MoeConfig, MoeDims, MoeGradTensors, MoeOutput, ScoreFn,
+    moe_sort, moe_sort_reference, MoeConfig, MoeDims, MoeGradTensors, MoeOutput, ScoreFn,
 };
 use sluice_kernels::testing::{rel_norm, Rng, BF16_TOL, F32_TOL};
 use sluice_kernels::{Backend, DType, Error, Tensor};
@@ -516,6 +516,49 @@ fn emu_matches_reference_and_seeds_agree() {
         let b = run_device(&Backend::emu_with_seed(2), c, DType::F32);
         assert_eq!(a.bits(), b.bits(), "emu case {i}: seeds 1 and 2 differ");
     }
+}
+
+#[test]
+fn emu_sort_across_several_chunks() {
+    // T*k = 600 slots: three 256-slot chunks of the counting sort (the other emu cases fit in
+    // one), with experts whose segments span chunk boundaries.
+    let c = case(300, 8, 4, 8, cfg(2, ScoreFn::Softmax, true), 23);
+    let a = run_device(&Backend::emu_with_seed(1), &c, DType::F32);
+    check_against_reference(&a, &c, DType::F32, F32_TOL, "emu 3 chunks");
+    let b = run_device(&Backend::emu_with_seed(2), &c, DType::F32);
+    assert_eq!(a.bits(), b.bits(), "emu 3 chunks: seeds 1 and 2 differ");
+}
+
+#[test]
+fn sort_is_stable_and_exact_on_every_device() {
+    // Random expert ids (repeats allowed: the sort itself does not need distinct ids), T*k =
+    // 2100 slots over 9 chunks; the device's stable order must equal the reference's exactly.
+    let mut rng = Rng::new(24);
+    let (t, k, e) = (700, 3, 5);
+    let idx: Vec<i32> = (0..t * k).map(|_| rng.below(e) as i32).collect();
+    let want = moe_sort_reference(&idx, e);
+    for b in [
+        Backend::Cpu,
+        Backend::emu_with_seed(1),
+        Backend::emu_with_seed(2),
+    ] {
+        let it = Tensor::from_slice(&b, &[t, k], &idx).unwrap();
+        let (o, p, q) = moe_sort(&b, &it, e).unwrap();
+        let got = (
+            o.to_vec::<i32>().unwrap(),
+            p.to_vec::<i32>().unwrap(),
+            q.to_vec::<i32>().unwrap(),
+        );
+        assert_eq!(got, want, "{b:?}");
+        // Stable: inside each expert's segment the slots ascend.
+        for ex in 0..e {
+            let seg = &got.1[got.0[ex] as usize..got.0[ex + 1] as usize];
+            assert!(seg.windows(2).all(|w| w[0] < w[1]), "{b:?}: expert {ex}");
+        }
+    }
+    let bad = Tensor::from_slice(&Backend::Cpu, &[1, 2], &[0i32, 5]).unwrap();
+    let err = moe_sort(&Backend::Cpu, &bad, 5).err().unwrap().to_string();
+    assert!(err.contains("idx"), "{err}");
 }
 
 #[test]

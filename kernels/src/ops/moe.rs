@@ -1003,6 +1003,48 @@ fn device_forward(
     })
 }
 
+/// The stable counting sort of token-slots by expert on any device: `idx` [T,k] I32 with every
+/// entry in [0, E) -> (offsets [E+1], perm [T*k], pos [T*k]), all I32, as
+/// [`moe_sort_reference`] defines them. The entries are checked on the host first (a copy on
+/// cuda), so a bad index is an `Err` naming `idx`, never a kernel reading out of bounds.
+pub fn moe_sort(backend: &Backend, idx: &Tensor, e: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    idx.expect_dtype("idx", DType::I32)?;
+    idx.expect_rank("idx", 2, "[T,k]")?;
+    if e == 0 || e > MAX_E {
+        return Err(Error::param(
+            "E",
+            format!("E = {e}: need 1 <= E <= {MAX_E}"),
+        ));
+    }
+    let n = idx.numel();
+    if n == 0 || n > i32::MAX as usize {
+        return Err(Error::shape(
+            "idx",
+            "[T,k] with 1 <= T*k < 2^31",
+            idx.shape(),
+        ));
+    }
+    let host = idx.to_vec::<i32>()?;
+    if let Some((i, v)) = host
+        .iter()
+        .enumerate()
+        .find(|(_, &v)| v < 0 || v as usize >= e)
+    {
+        return Err(Error::Invalid(format!(
+            "tensor `idx`: element {i} is {v}, outside [0, E) = [0, {e})"
+        )));
+    }
+    if let Backend::Cpu = backend {
+        let (offsets, perm, pos) = moe_sort_reference(&host, e);
+        return Ok((
+            Tensor::from_slice(backend, &[e + 1], &offsets)?,
+            Tensor::from_slice(backend, &[n], &perm)?,
+            Tensor::from_slice(backend, &[n], &pos)?,
+        ));
+    }
+    device_sort(backend, idx, n, e)
+}
+
 /// The stable counting sort on the device: (offsets [E+1], perm [N], pos [N]), all I32.
 fn device_sort(
     backend: &Backend,
