@@ -1134,14 +1134,14 @@ fn device_wgrad(
     q: usize,
 ) -> Result<Tensor> {
     let out = Tensor::poisoned(backend, &[groups, p, q], DType::F32)?;
-    // 16x16 outputs per block, one per thread, each summed over its segment's rows in
-    // ascending order; blockIdx.z is the segment (<= E). Reads rows offsets[g]..offsets[g+1]
-    // (within N, checked by construction of offsets) and writes out[g] only.
+    // 64x64 outputs per 256-thread block, each summed over its segment's rows in ascending
+    // order; blockIdx.z is the segment (<= E). Reads rows offsets[g]..offsets[g+1] (within N,
+    // by construction of offsets) and writes out[g] only.
     backend.launch(
         &Launch::new(
             "moe_segment_wgrad",
-            [blocks_for(q, 16), blocks_for(p, 16), groups as u32],
-            [16, 16, 1],
+            [blocks_for(q, 64), blocks_for(p, 64), groups as u32],
+            [THREADS, 1, 1],
         )
         .arg_tensor(pm)
         .arg_tensor(qm)
