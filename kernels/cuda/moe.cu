@@ -249,6 +249,39 @@ extern "C" __global__ void __launch_bounds__(256) moe_transpose_bf16(const __nv_
     moe::transpose(src, dst, rows, cols);
 }
 
+namespace moe {
+// dst [cols, n] (BF16) = rows r0..r0+n of src [N, cols], transposed and rounded to BF16 (the
+// operands of a per-expert tensor-core weight-gradient GEMM). 32x32 tiles, block 32x8.
+template <typename T>
+__device__ __forceinline__ void transpose_rows(const T* __restrict__ src, __nv_bfloat16* __restrict__ dst, int r0, int n, int cols) {
+    __shared__ float tile[32][33];
+    const int rb = blockIdx.y * 32, cb = blockIdx.x * 32;
+    for (int i = threadIdx.y; i < 32; i += 8) {
+        const int r = rb + i, c = cb + threadIdx.x;
+        if (r < n && c < cols)
+            tile[i][threadIdx.x] = static_cast<float>(src[static_cast<long long>(r0 + r) * cols + c]);
+    }
+    __syncthreads();
+    for (int i = threadIdx.y; i < 32; i += 8) {
+        const int c = cb + i, r = rb + threadIdx.x;
+        if (r < n && c < cols)
+            dst[static_cast<long long>(c) * n + r] = __float2bfloat16_rn(tile[threadIdx.x][i]);
+    }
+}
+}  // namespace moe
+
+extern "C" __global__ void __launch_bounds__(256) moe_transpose_rows_f32_bf16(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, int r0, int n, int cols) {
+    moe::transpose_rows(src, dst, r0, n, cols);
+}
+extern "C" __global__ void __launch_bounds__(256) moe_transpose_rows_bf16(const __nv_bfloat16* __restrict__ src, __nv_bfloat16* __restrict__ dst, int r0, int n, int cols) {
+    moe::transpose_rows(src, dst, r0, n, cols);
+}
+
+// dst[offset + i] = src[i] for i < n.
+extern "C" __global__ void __launch_bounds__(256) moe_copy(const float* __restrict__ src, float* __restrict__ dst, long long offset, long long n) {
+    for (long long i = moe::grid_stride_start(); i < n; i += moe::grid_stride_step()) dst[offset + i] = src[i];
+}
+
 // out[g, i, j] = sum_{r in segment g, ascending} P[r, i] * Q[r, j] for P [N, p], Q [N, q],
 // segment g = rows offsets[g]..offsets[g+1]; blockIdx.z = g. This is the weight gradient of a
 // grouped linear layer (dW_e = dOut_e^T · In_e) without atomics and without a split over rows:

@@ -27,8 +27,10 @@
 //!
 //! Numerics: F32 inputs compute in f32 on every device (the GEMMs on `gemm_f32`). BF16 inputs:
 //! the expert GEMMs run on tensor cores (`gemm_bf16_mma`) with BF16 operands (x rows, h, d(ye),
-//! da and db rounded to BF16 once, nearest even) and f32 accumulation; the router (x and W_r
-//! widened to f32 exactly), scores, gates, SwiGLU, combine and the weight gradients stay f32.
+//! da and db rounded to BF16 once, nearest even) and f32 accumulation, and so do the expert
+//! weight gradients (one tensor-core `gemm` per expert over its transposed, BF16-rounded
+//! segment); the router (x and W_r widened to f32 exactly), scores, gates, SwiGLU, combine and
+//! dW_r stay f32.
 //! The CPU reference computes everything in f32 from the (exactly widened) BF16 inputs, so BF16
 //! device results agree with it to the BF16 tolerance. Outputs are F32 (topk_idx I32).
 //!
@@ -1124,6 +1126,64 @@ fn device_transpose(
 }
 
 /// out[g] = P_g^T · Q_g per segment (P [N,p], Q [N,q], offsets [G+1]) -> [G,p,q].
+/// [`device_wgrad`] on tensor cores, for BF16 inputs: per expert with tokens, the segment's rows
+/// of P and Q are transposed (and rounded to BF16) into Pt [p,n_e] and Qt [q,n_e]
+/// (`moe_transpose_rows_bf16`), `gemm` gives Pt · Qt^T = P_e^T Q_e [p,q] with K = n_e ascending
+/// in the gemm family's fixed order (no split-K), and `moe_copy` puts it at out[e]. Experts
+/// without tokens get zeros. `bounds` is the host copy of the offsets (E+1 entries).
+fn device_wgrad_mma(
+    backend: &Backend,
+    pm: &Tensor,
+    qm: &Tensor,
+    bounds: &[i32],
+    p: usize,
+    q: usize,
+) -> Result<Tensor> {
+    let groups = bounds.len() - 1;
+    let out = Tensor::zeros(backend, &[groups, p, q], DType::F32)?;
+    let seg_t = |src: &Tensor, cols: usize, r0: usize, n: usize| -> Result<Tensor> {
+        let dst = Tensor::poisoned(backend, &[cols, n], DType::BF16)?;
+        let kernel = if src.dtype() == DType::F32 {
+            "moe_transpose_rows_f32_bf16"
+        } else {
+            "moe_transpose_rows_bf16"
+        };
+        // Rows r0..r0+n of src [N,cols] (within N: the offsets bound them) -> dst [cols,n].
+        backend.launch(
+            &Launch::new(
+                kernel,
+                [blocks_for(cols, 32), blocks_for(n, 32), 1],
+                [32, 8, 1],
+            )
+            .arg_tensor(src)
+            .arg_tensor(&dst)
+            .arg_i32(r0 as i32)
+            .arg_i32(n as i32)
+            .arg_i32(cols as i32),
+        )?;
+        Ok(dst)
+    };
+    for g in 0..groups {
+        let (r0, r1) = (bounds[g] as usize, bounds[g + 1] as usize);
+        if r1 <= r0 {
+            continue;
+        }
+        let pt = seg_t(pm, p, r0, r1 - r0)?;
+        let qt = seg_t(qm, q, r0, r1 - r0)?;
+        let c = gemm(backend, &pt, &qt)?;
+        let m = p * q;
+        // Grid-stride: out[g*m + i] = c[i] for i < m (out holds groups*m elements).
+        backend.launch(
+            &Launch::new("moe_copy", [ew_blocks(m), 1, 1], [THREADS, 1, 1])
+                .arg_tensor(&c)
+                .arg_tensor(&out)
+                .arg_i64((g * m) as i64)
+                .arg_i64(m as i64),
+        )?;
+    }
+    Ok(out)
+}
+
 fn device_wgrad(
     backend: &Backend,
     pm: &Tensor,
@@ -1200,11 +1260,20 @@ fn device_backward(
     let (da_g, db_g) = (narrow(backend, &da, gd)?, narrow(backend, &db, gd)?);
     let dxa = gemm_grouped(backend, da_g.as_ref().unwrap_or(&da), &w1t, &s.offsets)?;
     let dxb = gemm_grouped(backend, db_g.as_ref().unwrap_or(&db), &w3t, &s.offsets)?;
-    let xs32 = widen(backend, &s.xs)?;
-    let xs32 = xs32.as_ref().unwrap_or(&s.xs);
-    let dw2 = device_wgrad(backend, &dye, &s.h, &s.offsets, e, d, f)?;
-    let dw1 = device_wgrad(backend, &da, xs32, &s.offsets, e, f, d)?;
-    let dw3 = device_wgrad(backend, &db, xs32, &s.offsets, e, f, d)?;
+    let (dw2, dw1, dw3) = if gd == DType::F32 {
+        (
+            device_wgrad(backend, &dye, &s.h, &s.offsets, e, d, f)?,
+            device_wgrad(backend, &da, &s.xs, &s.offsets, e, f, d)?,
+            device_wgrad(backend, &db, &s.xs, &s.offsets, e, f, d)?,
+        )
+    } else {
+        let bounds = s.offsets.to_vec::<i32>()?;
+        (
+            device_wgrad_mma(backend, &dye, &s.h, &bounds, d, f)?,
+            device_wgrad_mma(backend, &da, &s.xs, &bounds, f, d)?,
+            device_wgrad_mma(backend, &db, &s.xs, &bounds, f, d)?,
+        )
+    };
 
     // Router backward.
     let dlogits = Tensor::poisoned(backend, &[t, e], DType::F32)?;
