@@ -7,6 +7,7 @@ pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
 pub mod is_gate_loss;
+pub mod moe;
 pub mod paged_attention;
 pub mod philox;
 pub mod rmsnorm;
@@ -23,6 +24,8 @@ pub static RUNNER_OPS: &[&OpSpec] = &[
     &topk::SPEC,
     &sample::SPEC,
     &is_gate_loss::SPEC,
+    &moe::FORWARD_SPEC,
+    &moe::BACKWARD_SPEC,
     &attention::FORWARD_SPEC,
     &attention::BACKWARD_SPEC,
     &paged_attention::SPEC,
