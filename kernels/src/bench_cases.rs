@@ -173,6 +173,30 @@ fn sample_case(batch: usize, v: usize, dtype: DType) -> BenchCase {
     }
 }
 
+/// An MoE layer forward: router, top-k, sort, three grouped expert GEMMs, combine.
+fn moe_case(t: usize, d: usize, e: usize, k: usize, f: usize, dtype: DType) -> BenchCase {
+    let expert_flops = 3.0 * 2.0 * (t * k) as f64 * d as f64 * f as f64;
+    let router_flops = 2.0 * t as f64 * d as f64 * e as f64;
+    BenchCase {
+        op: "moe_forward",
+        shape: format!("T={t} d={d} E={e} k={k} f={f} {}", dtype_name(dtype)),
+        bytes: ((t * d + e * d + 3 * e * f * d) * dtype.size_bytes() + t * d * 4) as f64,
+        flops: expert_flops + router_flops,
+        prepare: Box::new(move |b| {
+            let x = random(b, &[t, d], dtype, 15)?;
+            let wr = random(b, &[e, d], dtype, 16)?;
+            let w1 = random(b, &[e, f, d], dtype, 17)?;
+            let w3 = random(b, &[e, f, d], dtype, 18)?;
+            let w2 = random(b, &[e, d, f], dtype, 19)?;
+            let cfg = ops::moe::MoeConfig::new(k);
+            let run: BenchRun = Box::new(move |b: &Backend| {
+                ops::moe::moe_forward(b, &x, &wr, &w1, &w3, &w2, cfg).map(|_| ())
+            });
+            Ok(run)
+        }),
+    }
+}
+
 fn topk_case(t: usize, e: usize, k: usize, dtype: DType) -> BenchCase {
     BenchCase {
         op: "topk",
@@ -229,6 +253,7 @@ pub fn all_cases(quick: bool) -> Vec<BenchCase> {
             topk_case(4096, 256, 8, DType::F32),
             is_gate_loss_case(256, 32768, DType::F32),
             sample_case(64, 32768, DType::F32),
+            moe_case(1024, 256, 16, 2, 128, DType::F32),
             attention_case(2, 128, 4, 2, 64, DType::F32),
             paged_attention_case(8, 512, 8, 2, 64, DType::F32),
             rmsnorm_case(1024, 1024, DType::F32),
@@ -242,6 +267,7 @@ pub fn all_cases(quick: bool) -> Vec<BenchCase> {
             topk_case(65536, 256, 8, DType::F32),
             is_gate_loss_case(8192, 152064, DType::BF16),
             sample_case(256, 152064, DType::BF16),
+            moe_case(16384, 2048, 64, 8, 1024, DType::BF16),
             attention_case(8, 4096, 32, 32, 128, DType::BF16),
             paged_attention_case(256, 4096, 32, 32, 128, DType::BF16),
             topk_case(65536, 256, 8, DType::BF16),
