@@ -1,6 +1,14 @@
 //! sluice-runtime: the RL system (rollout engine, data buffer, learner, weight sync).
 //!
-//! The runtime arrives with the rollout-engine issue; until then this crate only fixes its place
-//! in the dependency chain kernels <- model <- runtime <- trainer (DESIGN.md section 1).
+//! What exists so far (docs/runtime.md): the trajectory schema and its validator
+//! ([`trajectory`]), the paged KV block manager ([`kv_blocks`]) and the session router
+//! ([`router`]). The engine loop, the data buffer, the learner and weight sync arrive with their
+//! issues. The crate's place in the dependency chain is kernels <- model <- runtime <- trainer
+//! (DESIGN.md section 1).
+
+pub mod hash;
+pub mod kv_blocks;
+pub mod router;
+pub mod trajectory;
 
 pub use sluice_model as model;
