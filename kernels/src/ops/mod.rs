@@ -7,6 +7,7 @@ pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
 pub mod is_gate_loss;
+pub mod newton_schulz;
 pub mod paged_attention;
 pub mod philox;
 pub mod rmsnorm;
@@ -23,6 +24,7 @@ pub static RUNNER_OPS: &[&OpSpec] = &[
     &topk::SPEC,
     &sample::SPEC,
     &is_gate_loss::SPEC,
+    &newton_schulz::SPEC,
     &attention::FORWARD_SPEC,
     &attention::BACKWARD_SPEC,
     &paged_attention::SPEC,
