@@ -6,11 +6,13 @@
 //! Tolerances (relative norm): the iteration multiplies small singular values by up to
 //! a = 3.4445 per step, so the f32 rounding of each step is amplified by up to a^5 ~ 480 over
 //! five steps; f32 results are held to `NS_F32_TOL` = 1e-4 against the f64 oracle and against
-//! each other (a device's own rounding differs from the CPU's summation order).
+//! the CUDA results on the larger shapes. The emu runs the same f32 arithmetic as the CPU
+//! reference in another summation order, on tiny shapes, and is held to `F32_TOL` (measured
+//! ~8e-7).
 
 use half::bf16;
 use sluice_kernels::ops::newton_schulz::{newton_schulz, newton_schulz_reference};
-use sluice_kernels::testing::{rel_norm, Rng};
+use sluice_kernels::testing::{rel_norm, Rng, F32_TOL};
 use sluice_kernels::{Backend, DType, Error, Tensor};
 
 const NS_F32_TOL: f64 = 1e-4;
@@ -371,8 +373,9 @@ fn emu_case(n: usize, r: usize, c: usize, dtype: DType, steps: usize, seed: u64)
         assert_eq!(x.dtype(), DType::F32);
         let got = x.to_vec::<f32>().unwrap();
         let err = rel_norm(&got, &want64);
+        println!("emu seed {s} {dtype} n={n} [{r},{c}] steps={steps}: rel err {err:e}");
         assert!(
-            err <= NS_F32_TOL,
+            err <= F32_TOL,
             "emu seed {s} {dtype} n={n} [{r},{c}] steps={steps}: rel err {err:e}"
         );
         bits.push(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
