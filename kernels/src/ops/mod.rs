@@ -8,6 +8,7 @@ pub mod embedding;
 pub mod gemm;
 pub mod is_gate_loss;
 pub mod moe;
+pub mod newton_schulz;
 pub mod paged_attention;
 pub mod philox;
 pub mod rmsnorm;
@@ -24,6 +25,7 @@ pub static RUNNER_OPS: &[&OpSpec] = &[
     &topk::SPEC,
     &sample::SPEC,
     &is_gate_loss::SPEC,
+    &newton_schulz::SPEC,
     &moe::FORWARD_SPEC,
     &moe::BACKWARD_SPEC,
     &attention::FORWARD_SPEC,

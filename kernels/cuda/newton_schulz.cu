@@ -1,0 +1,131 @@
+// Newton-Schulz orthogonalisation (Muon, DESIGN.md section 3.7), batched over n matrices of
+// one shape [r,c]. Per matrix: X0 = G / (||G||_F + 1e-7), in the wide orientation (transposed
+// when r > c); then `steps` times X <- a X + (b A + c A^2) X with A = X X^T; the result is
+// written back in the input's orientation.
+//
+// Kernels (the Rust side launches them in sequence; every launch covers all n matrices)
+//   newton_schulz_normalize_{f32,bf16}  one 256-thread block per matrix: Frobenius norm in a
+//                                       fixed order, then X0 = G / (norm + 1e-7), transposed to
+//                                       the wide orientation when asked
+//   newton_schulz_matmul_f32            batched strided C = alpha * op(A) op(B) + beta * E,
+//                                       16x16 output tiles, true f32 (FMA, no tensor cores)
+//
+// One step is three matmul launches:
+//   A  = X X^T                  (alpha 1, beta 0)
+//   Bm = c * (A A) + b * A      (alpha c, beta b, E = A)
+//   X' = 1 * (Bm X) + a * X     (alpha 1, beta a, E = X); the last step writes X' straight into
+//                               the output with transposed strides when the matrix was
+//                               transposed at the start.
+//
+// Numerics: BF16 inputs are widened exactly on load; everything after the load is f32 (norm,
+// accumulators and X between steps). Determinism: no atomics; every output element sums its K
+// products in ascending k by one thread; the norm is a fixed-order block reduction.
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace newton_schulz_impl {
+
+constexpr int THREADS = 256;
+constexpr int WARPS = THREADS / 32;
+constexpr int TILE = 16;
+
+__device__ __forceinline__ float load(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float load(const __nv_bfloat16* p, long long i) {
+    return __bfloat162float(p[i]);
+}
+
+// Sum over the block, the same bits in every thread: xor butterfly per warp, then the warp sums
+// in ascending warp order.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < WARPS; ++w) total += scratch[w];
+    __syncthreads();
+    return total;
+}
+
+// g [n, r, c] -> x [n, r, c] (transpose == 0) or [n, c, r] (transpose != 0), scaled by
+// 1 / (||g||_F + 1e-7). Each thread sums the squares of elements t, t + 256, ... in ascending
+// order, then the block sums the per-thread partials in a fixed order.
+template <typename T>
+__device__ __forceinline__ void normalize(const T* __restrict__ g, float* __restrict__ x, int r,
+                                          int c, int transpose) {
+    __shared__ float scratch[WARPS];
+    const long long size = (long long)r * c;
+    const long long base = (long long)blockIdx.x * size;
+    float ss = 0.0f;
+    for (long long i = threadIdx.x; i < size; i += THREADS) {
+        const float v = load(g, base + i);
+        ss = fmaf(v, v, ss);
+    }
+    const float total = block_sum(ss, scratch);
+    const float denom = sqrtf(total) + 1e-7f;
+    for (long long i = threadIdx.x; i < size; i += THREADS) {
+        const float v = load(g, base + i) / denom;
+        if (transpose) {
+            const long long row = i / c;
+            const long long col = i % c;
+            x[base + col * r + row] = v;
+        } else {
+            x[base + i] = v;
+        }
+    }
+}
+
+}  // namespace newton_schulz_impl
+
+extern "C" __global__ void __launch_bounds__(256) newton_schulz_normalize_f32(
+    const float* __restrict__ g, float* __restrict__ x, int r, int c, int transpose) {
+    newton_schulz_impl::normalize(g, x, r, c, transpose);
+}
+
+extern "C" __global__ void __launch_bounds__(256) newton_schulz_normalize_bf16(
+    const __nv_bfloat16* __restrict__ g, float* __restrict__ x, int r, int c, int transpose) {
+    newton_schulz_impl::normalize(g, x, r, c, transpose);
+}
+
+// C[b,i,j] = alpha * sum_k A[b,i,k] B[b,k,j] + beta * E[b,i,j] for i < m, j < nn, b = blockIdx.z.
+// Every operand is addressed by (batch stride, row stride, column stride), so transposes are
+// free. beta == 0 skips E (which may then be any valid pointer). Block: 256 threads, one 16x16
+// output tile; the K loop stages 16x16 tiles of A and B in shared memory and each thread adds
+// its products in ascending k with one FMA each.
+extern "C" __global__ void __launch_bounds__(256) newton_schulz_matmul_f32(
+    const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ e,
+    float* __restrict__ c, int m, int nn, int k, long long a_bs, long long a_rs, long long a_cs,
+    long long b_bs, long long b_rs, long long b_cs, long long e_bs, long long e_rs,
+    long long e_cs, long long c_bs, long long c_rs, long long c_cs, float alpha, float beta) {
+    using namespace newton_schulz_impl;
+    __shared__ float ta[TILE][TILE + 1];
+    __shared__ float tb[TILE][TILE + 1];
+    const int tx = threadIdx.x % TILE;  // column within the tile
+    const int ty = threadIdx.x / TILE;  // row within the tile
+    const int i = blockIdx.y * TILE + ty;
+    const int j = blockIdx.x * TILE + tx;
+    const long long bz = blockIdx.z;
+    const float* ab = a + bz * a_bs;
+    const float* bb = b + bz * b_bs;
+    float acc = 0.0f;
+    for (int k0 = 0; k0 < k; k0 += TILE) {
+        // ta[ty][tx] = A[i, k0 + tx]; tb[ty][tx] = B[k0 + ty, j]
+        const int ka = k0 + tx;
+        const int kb = k0 + ty;
+        ta[ty][tx] = (i < m && ka < k) ? ab[(long long)i * a_rs + (long long)ka * a_cs] : 0.0f;
+        tb[ty][tx] = (kb < k && j < nn) ? bb[(long long)kb * b_rs + (long long)j * b_cs] : 0.0f;
+        __syncthreads();
+        const int kend = (k - k0) < TILE ? (k - k0) : TILE;
+        for (int kk = 0; kk < kend; ++kk) acc = fmaf(ta[ty][kk], tb[kk][tx], acc);
+        __syncthreads();
+    }
+    if (i < m && j < nn) {
+        float out = alpha * acc;
+        if (beta != 0.0f) {
+            out = fmaf(beta, e[bz * e_bs + (long long)i * e_rs + (long long)j * e_cs], out);
+        }
+        c[bz * c_bs + (long long)i * c_rs + (long long)j * c_cs] = out;
+    }
+}
