@@ -1,14 +1,14 @@
 //! The forward and the hand-written backward of the model on the `cpu` device, layer by layer,
 //! built on the kernels crate's CPU references (docs/model.md, "Forward and backward").
 //!
-//! The ops are the kernel families' references (gemm and grouped gemm, rmsnorm, rope,
-//! attention, swiglu, embedding, softmax, topk, is_gate_loss); this file wires them together and
-//! transposes operands for the backward GEMMs (the kernels' GEMM is the linear-layer form
-//! C = A B^T only). The MoE glue between those ops (sigmoid scores, gate renormalisation and its
-//! Jacobian, the stable counting-sort permutation into per-expert segments, the gated combine and
-//! its backward) is written here because no `moe_forward` / `moe_backward` family exists yet
-//! (DESIGN 3.4); when it lands, `moe_forward` and `moe_backward` here should call it instead. Every sum has a fixed order, so the results are
-//! bit-identical run to run, and nothing depends on where a sequence sits in a packed batch.
+//! The ops are the kernel families' references (gemm, rmsnorm, rope, attention, swiglu,
+//! embedding, moe, is_gate_loss); this file wires them together and transposes operands for the
+//! backward GEMMs (the kernels' GEMM is the linear-layer form C = A B^T only). The routed experts
+//! of an MoE layer are the moe family's `moe_forward_reference` / `moe_backward_reference`
+//! (router, top-k gates, stable expert sort, grouped SwiGLU FFN, combine, and their backward);
+//! the shared expert and the dense layers are plain SwiGLU FFNs here. Every sum has a fixed
+//! order, so the results are bit-identical run to run, and nothing depends on where a sequence
+//! sits in a packed batch.
 
 use crate::arena::Arena;
 use crate::batch::PackedBatch;
@@ -19,16 +19,17 @@ use rayon::prelude::*;
 use sluice_kernels::ops::attention::{
     attention_backward_reference, attention_forward_reference, resolve_scale, AttnDims,
 };
-use sluice_kernels::ops::elementwise::{softmax_backward_reference, softmax_reference};
 use sluice_kernels::ops::embedding::{embedding_backward_reference, embedding_reference};
-use sluice_kernels::ops::gemm::{gemm_grouped_reference, gemm_reference_into};
+use sluice_kernels::ops::gemm::gemm_reference_into;
 use sluice_kernels::ops::is_gate_loss::{
     is_gate_loss_reference, GateMode, GateParams, GateReference, TokenInputs,
+};
+use sluice_kernels::ops::moe::{
+    moe_backward_reference, moe_forward_reference, MoeConfig, MoeDims, ScoreFn as MoeScoreFn,
 };
 use sluice_kernels::ops::rmsnorm::{rmsnorm_backward_reference, rmsnorm_reference};
 use sluice_kernels::ops::rope::{rope_backward_reference, rope_reference};
 use sluice_kernels::ops::swiglu::{swiglu_backward_reference, swiglu_reference};
-use sluice_kernels::ops::topk::topk_reference;
 use sluice_kernels::{Error, Result};
 
 // ---------------------------------------------------------------------------------------------
@@ -93,23 +94,8 @@ struct DenseCache {
     s: Vec<f32>,
 }
 
+/// The routed experts keep nothing: `moe_backward_reference` recomputes their forward.
 struct MoeCache {
-    /// Router scores (softmax or sigmoid of the logits) [T,E].
-    scores: Vec<f32>,
-    /// The k kept experts [T,k] and their scores and gates.
-    idx: Vec<i32>,
-    vals: Vec<f32>,
-    gates: Vec<f32>,
-    /// Per-expert segments of the permuted rows [E+1].
-    offsets: Vec<i32>,
-    /// Row of (t, j) in the permuted order [T*k].
-    slot: Vec<usize>,
-    /// Permuted inputs [T*k, d], expert hidden states [T*k, f] and outputs [T*k, d].
-    xe: Vec<f32>,
-    u: Vec<f32>,
-    g: Vec<f32>,
-    s: Vec<f32>,
-    ye: Vec<f32>,
     shared: Option<DenseCache>,
 }
 
@@ -234,6 +220,26 @@ fn dense_forward(
     Ok((DenseCache { u, g, s }, y))
 }
 
+/// The moe family's config and sizes for the routed experts of an MoE layer.
+fn moe_call(cfg: &ModelConfig, dm: Dims) -> (MoeDims, MoeConfig) {
+    let dims = MoeDims {
+        t: dm.t,
+        d: dm.d,
+        f: dm.f,
+        e: dm.e,
+    };
+    let mc = MoeConfig {
+        k: dm.k,
+        score_fn: match cfg.score_fn {
+            ScoreFn::Softmax => MoeScoreFn::Softmax,
+            ScoreFn::Sigmoid => MoeScoreFn::Sigmoid,
+        },
+        renorm: cfg.renorm,
+        aux_alpha: 0.0,
+    };
+    (dims, mc)
+}
+
 fn moe_forward(
     cfg: &ModelConfig,
     dm: Dims,
@@ -241,7 +247,7 @@ fn moe_forward(
     views: MoeViews,
     h: &[f32],
 ) -> Result<(MoeCache, Vec<f32>)> {
-    let Dims { t, d, e, k, f, .. } = dm;
+    let Dims { t, d, .. } = dm;
     let MoeViews {
         router,
         w1,
@@ -249,60 +255,8 @@ fn moe_forward(
         w2,
         shared,
     } = views;
-    let logits = linear(h, p.at(router), t, e, d);
-    let scores = match cfg.score_fn {
-        ScoreFn::Softmax => softmax_reference(&logits, t, e)?,
-        ScoreFn::Sigmoid => logits.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect(),
-    };
-    let (vals, idx) = topk_reference(&scores, t, e, k)?;
-    let gates: Vec<f32> = if cfg.renorm {
-        vals.chunks(k)
-            .flat_map(|row| {
-                let sum: f32 = row.iter().sum();
-                row.iter().map(move |&v| v / sum).collect::<Vec<_>>()
-            })
-            .collect()
-    } else {
-        vals.clone()
-    };
-    // Stable counting sort of the (token, rank) pairs by expert: token order kept inside each
-    // expert's segment.
-    let mut offsets = vec![0i32; e + 1];
-    for &x in &idx {
-        offsets[x as usize + 1] += 1;
-    }
-    for i in 0..e {
-        offsets[i + 1] += offsets[i];
-    }
-    let mut cursor: Vec<usize> = offsets[..e].iter().map(|&o| o as usize).collect();
-    let mut slot = vec![0usize; t * k];
-    let mut perm_tok = vec![0usize; t * k];
-    for (tj, &x) in idx.iter().enumerate() {
-        let pos = cursor[x as usize];
-        cursor[x as usize] += 1;
-        slot[tj] = pos;
-        perm_tok[pos] = tj / k;
-    }
-    let mut xe = vec![0.0f32; t * k * d];
-    for (pos, &tok) in perm_tok.iter().enumerate() {
-        xe[pos * d..(pos + 1) * d].copy_from_slice(&h[tok * d..(tok + 1) * d]);
-    }
-    let u = gemm_grouped_reference(&xe, p.at(w1), &offsets, f, d);
-    let g = gemm_grouped_reference(&xe, p.at(w3), &offsets, f, d);
-    let s = swiglu_reference(&u, &g)?;
-    let ye = gemm_grouped_reference(&s, p.at(w2), &offsets, d, f);
-    // Combine: out[t] = sum over j = 0..k in order of gate[t,j] * y[t,j].
-    let mut out = vec![0.0f32; t * d];
-    for tok in 0..t {
-        let o = &mut out[tok * d..(tok + 1) * d];
-        for j in 0..k {
-            let gate = gates[tok * k + j];
-            let pos = slot[tok * k + j];
-            for (oi, &yi) in o.iter_mut().zip(&ye[pos * d..(pos + 1) * d]) {
-                *oi += gate * yi;
-            }
-        }
-    }
+    let (dims, mc) = moe_call(cfg, dm);
+    let mut out = moe_forward_reference(h, p.at(router), p.at(w1), p.at(w3), p.at(w2), dims, mc).y;
     let shared = match shared {
         Some((s1, s3, s2)) => {
             let fs = p.layout.views()[s1].shape[0];
@@ -312,23 +266,7 @@ fn moe_forward(
         }
         None => None,
     };
-    Ok((
-        MoeCache {
-            scores,
-            idx,
-            vals,
-            gates,
-            offsets,
-            slot,
-            xe,
-            u,
-            g,
-            s,
-            ye,
-            shared,
-        },
-        out,
-    ))
+    Ok((MoeCache { shared }, out))
 }
 
 fn layer_forward(
@@ -545,7 +483,7 @@ fn moe_backward(
     grads: &mut Grads,
 ) -> Result<Vec<f32>> {
     let Ctx { cfg, dm, p, .. } = *cx;
-    let Dims { t, d, e, k, f, .. } = dm;
+    let Dims { t, d, .. } = dm;
     let MoeViews {
         router,
         w1,
@@ -553,106 +491,10 @@ fn moe_backward(
         w2,
         shared,
     } = views;
-    let n = t * k;
-    // Combine backward: d gate[t,j] = <dy[t], y[t,j]>, d y[t,j] = gate[t,j] dy[t].
-    let mut dgate = vec![0.0f32; n];
-    let mut dye = vec![0.0f32; n * d];
-    for tok in 0..t {
-        let dyr = &dy[tok * d..(tok + 1) * d];
-        for j in 0..k {
-            let pos = c.slot[tok * k + j];
-            let yr = &c.ye[pos * d..(pos + 1) * d];
-            dgate[tok * k + j] = yr.iter().zip(dyr).map(|(a, b)| a * b).sum();
-            let gate = c.gates[tok * k + j];
-            for (o, &g) in dye[pos * d..(pos + 1) * d].iter_mut().zip(dyr) {
-                *o = gate * g;
-            }
-        }
-    }
-    // Expert FFN backward, per expert segment.
-    let (w1s, w3s, w2s) = (p.at(w1), p.at(w3), p.at(w2));
-    let per_expert = |stack: &[f32], rows: usize, cols: usize| -> Vec<f32> {
-        // [E, rows, cols] -> [E, cols, rows]
-        (0..e)
-            .flat_map(|x| transpose(&stack[x * rows * cols..(x + 1) * rows * cols], rows, cols))
-            .collect()
-    };
-    let ds = gemm_grouped_reference(&dye, &per_expert(w2s, d, f), &c.offsets, f, d);
-    let (du, dg) = swiglu_backward_reference(&c.u, &c.g, &ds)?;
-    let mut dxe = gemm_grouped_reference(&du, &per_expert(w1s, f, d), &c.offsets, d, f);
-    add_into(
-        &mut dxe,
-        &gemm_grouped_reference(&dg, &per_expert(w3s, f, d), &c.offsets, d, f),
-    );
-    // Weight gradients: each expert's from its own segment (empty segment: zeros).
-    let seg = |x: usize| c.offsets[x] as usize..c.offsets[x + 1] as usize;
-    let per: Vec<[Vec<f32>; 3]> = (0..e)
-        .into_par_iter()
-        .map(|x| {
-            let r = seg(x);
-            let m = r.len();
-            let xe = &c.xe[r.start * d..r.end * d];
-            [
-                linear_dw(&du[r.start * f..r.end * f], xe, m, f, d),
-                linear_dw(&dg[r.start * f..r.end * f], xe, m, f, d),
-                linear_dw(
-                    &dye[r.start * d..r.end * d],
-                    &c.s[r.start * f..r.end * f],
-                    m,
-                    d,
-                    f,
-                ),
-            ]
-        })
-        .collect();
-    for (slot_i, view) in [w1, w3, w2].into_iter().enumerate() {
-        grads.push((
-            view,
-            per.iter().flat_map(|w| w[slot_i].iter().copied()).collect(),
-        ));
-    }
-    // Token gradients: dh[t] = sum over j in order of dxe[t,j].
-    let mut dh = vec![0.0f32; t * d];
-    for tok in 0..t {
-        for j in 0..k {
-            let pos = c.slot[tok * k + j];
-            add_into(
-                &mut dh[tok * d..(tok + 1) * d],
-                &dxe[pos * d..(pos + 1) * d],
-            );
-        }
-    }
-    // Gates -> kept scores (renormalisation), scores -> router logits.
-    let mut dscores = vec![0.0f32; t * e];
-    for tok in 0..t {
-        let row = tok * k..(tok + 1) * k;
-        let dg_row = &dgate[row.clone()];
-        let dv: Vec<f32> = if cfg.renorm {
-            let sum: f32 = c.vals[row.clone()].iter().sum();
-            let dot: f32 = dg_row
-                .iter()
-                .zip(&c.gates[row.clone()])
-                .map(|(a, b)| a * b)
-                .sum();
-            dg_row.iter().map(|&g| (g - dot) / sum).collect()
-        } else {
-            dg_row.to_vec()
-        };
-        for (j, &x) in c.idx[row].iter().enumerate() {
-            dscores[tok * e + x as usize] = dv[j];
-        }
-    }
-    let dlogits = match cfg.score_fn {
-        ScoreFn::Softmax => softmax_backward_reference(&c.scores, &dscores, t, e)?,
-        ScoreFn::Sigmoid => c
-            .scores
-            .iter()
-            .zip(&dscores)
-            .map(|(&s, &g)| g * s * (1.0 - s))
-            .collect(),
-    };
-    grads.push((router, linear_dw(&dlogits, h, t, e, d)));
-    add_into(&mut dh, &linear_dx(&dlogits, p.at(router), t, e, d));
+    let (dims, mc) = moe_call(cfg, dm);
+    let g = moe_backward_reference(h, p.at(router), p.at(w1), p.at(w3), p.at(w2), dy, dims, mc);
+    grads.extend([(w1, g.dw1), (w3, g.dw3), (w2, g.dw2), (router, g.dw_router)]);
+    let mut dh = g.dx;
     if let (Some((s1, s3, s2)), Some(sc)) = (shared, &c.shared) {
         let fs = p.layout.views()[s1].shape[0];
         let (dhs, [g1, g3, g2]) =
