@@ -24,6 +24,7 @@ use crate::launch::{blocks_for, Launch};
 use crate::runner::{OpCall, OpOutputs, OpSpec, TensorSpec};
 use crate::tensor::Tensor;
 use half::bf16;
+use rayon::prelude::*;
 
 // ---------------------------------------------------------------------------------------------
 // CPU reference
@@ -54,28 +55,47 @@ pub fn gemm_reference_into(a: &[f32], b: &[f32], c: &mut [f32], m: usize, n: usi
         c.fill(0.0);
         return;
     }
-    // SAFETY: the asserts above make every index matrixmultiply forms from (m, k, n) and the
-    // strides in bounds: A is m x k row-major (row stride k, column stride 1); B^T is the k x n
-    // view of row-major B[n,k] (row stride 1, column stride k); C is m x n row-major. With
-    // beta = 0, C need not be initialised, and it aliases neither input (it is a &mut slice).
-    unsafe {
-        matrixmultiply::sgemm(
-            m,
-            k,
-            n,
-            1.0,
-            a.as_ptr(),
-            k as isize,
-            1,
-            b.as_ptr(),
-            1,
-            k as isize,
-            0.0,
-            c.as_mut_ptr(),
-            n as isize,
-            1,
-        );
-    }
+    // Rows split into panels over rayon's threads, each panel one single-threaded sgemm: a
+    // row's arithmetic does not depend on which panel it is in (see above), so this keeps batch
+    // invariance, and it scales better than matrixmultiply's own pool (measured in
+    // docs/perf/gemm.md). Panels are multiples of 8 rows (the micro-kernel's height) and small
+    // products stay on one thread.
+    let threads = rayon::current_num_threads().max(1);
+    let work = m * n * k;
+    let panels = if work < (1 << 21) {
+        1
+    } else {
+        threads.min(m.div_ceil(8))
+    };
+    let rows_per_panel = m.div_ceil(panels).div_ceil(8) * 8;
+    c.par_chunks_mut(rows_per_panel * n)
+        .zip(a.par_chunks(rows_per_panel * k))
+        .for_each(|(c_panel, a_panel)| {
+            let rows = a_panel.len() / k;
+            // SAFETY: the asserts above make every index matrixmultiply forms from (rows, k, n)
+            // and the strides in bounds: A's panel is rows x k row-major (row stride k, column
+            // stride 1); B^T is the k x n view of row-major B[n,k] (row stride 1, column stride
+            // k); C's panel is rows x n row-major. With beta = 0, C need not be initialised, and
+            // it aliases neither input (a &mut slice).
+            unsafe {
+                matrixmultiply::sgemm(
+                    rows,
+                    k,
+                    n,
+                    1.0,
+                    a_panel.as_ptr(),
+                    k as isize,
+                    1,
+                    b.as_ptr(),
+                    1,
+                    k as isize,
+                    0.0,
+                    c_panel.as_mut_ptr(),
+                    n as isize,
+                    1,
+                );
+            }
+        });
 }
 
 /// C[m,n] = A[m,k] · B[n,k]^T in f32. See [`gemm_reference_into`].
