@@ -32,7 +32,7 @@ use rayon::prelude::*;
 
 /// C[m,n] = A[m,k] · B[n,k]^T in f32, written into `c` (overwritten, not accumulated).
 ///
-/// Runs on the `matrixmultiply` crate (AVX2/FMA micro-kernels, its own 2-thread pool). It is
+/// Runs on the `matrixmultiply` crate (AVX2/FMA micro-kernels), row panels over rayon. It is
 /// batch-invariant, which `kernels/tests/gemm.rs` checks bit for bit: each element of C is the
 /// sum of K products taken in a fixed order that depends on K alone: K is cut into chunks of 256
 /// (matrixmultiply's `kc`), each chunk accumulated from zero by one FMA per k in ascending order,
