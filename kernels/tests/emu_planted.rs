@@ -568,11 +568,12 @@ fn fresh_buffers_are_nan_poisoned_and_aligned() {
 }
 
 #[test]
-fn million_element_reduction_speed() {
+fn million_element_reduction_over_4096_blocks() {
+    // A launch of many blocks across the host thread pool (its speed is measured in
+    // docs/emulator.md, not here: timings belong in benches).
     let n = 1 << 20;
     let x = upload(&vec![1.0f32; n]);
     let out = EmuBuffer::alloc(4096 * 4).unwrap();
-    let t = std::time::Instant::now();
     launch(
         "emutest_reduce_speed",
         4096,
@@ -582,9 +583,5 @@ fn million_element_reduction_speed() {
         1,
     )
     .unwrap();
-    eprintln!(
-        "emu: 1M-float block reduction (4096 blocks x 256 threads, 9 barriers): {:.3} s",
-        t.elapsed().as_secs_f64()
-    );
     assert!(download_f32(&out).iter().all(|&v| v == 256.0));
 }

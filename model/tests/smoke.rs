@@ -83,7 +83,8 @@ fn reversing_digits_loss_drops_with_sgd() {
     );
     // Start: ln(64) = 4.16 (uniform over the vocabulary). Guessing digits uniformly is
     // ln(10) = 2.30; below 1.0 the model must be reading the digits back through attention.
-    // (The run is deterministic: measured 0.43 at the commit that added this test.)
+    // (The run is deterministic: 0.43 when this test was added, 0.66 since the model routes
+    // through the moe family's reference, whose backward sums in another order.)
     assert!(first > 4.0, "initial loss {first}");
     assert!(tail < 1.0, "mean loss of the last 20 steps {tail}");
 }
