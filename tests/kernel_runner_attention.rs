@@ -1,17 +1,17 @@
 //! `sluice kernel attention_forward` / `attention_backward` through the runner: safetensors in,
 //! safetensors out, compared with an independent f64 computation; misnamed and misshapen tensors.
 
-use sluice_kernels::io::{read_safetensors, write_safetensors};
+mod support;
+
 use sluice_kernels::testing::{rel_norm, Rng, F32_TOL};
 use sluice_kernels::{Backend, Device, Tensor};
 use sluice_trainer::kernel_cmd::run_kernel;
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use support::{read_f32, scratch_dir, write_tensors};
 
+/// The file `name` in a fresh scratch dir.
 fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("sluice-attn-runner-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+    scratch_dir("attn-runner").join(name)
 }
 
 const LENS: [usize; 3] = [1, 7, 12];
@@ -94,16 +94,7 @@ fn write_inputs(path: &Path, x: &Inputs, with_dout: bool, meta: &[(&str, &str)])
     if with_dout {
         named.push(("dout", &dout));
     }
-    let meta: BTreeMap<String, String> = meta
-        .iter()
-        .map(|(a, b)| (a.to_string(), b.to_string()))
-        .collect();
-    write_safetensors(path, &named, &meta).unwrap();
-}
-
-fn read_out(path: &Path, name: &str) -> Vec<f32> {
-    let f = read_safetensors(path, &Backend::Cpu).unwrap();
-    f.tensors[name].to_vec::<f32>().unwrap()
+    write_tensors(path, &named, meta);
 }
 
 #[test]
@@ -115,12 +106,12 @@ fn forward_row_defaults_and_params() {
     write_inputs(&inp, &x, false, &[]);
     run_kernel("attention_forward", &inp, &out, Device::Cpu).unwrap();
     let want = naive(&x, true, 1.0 / (D as f64).sqrt());
-    assert!(rel_norm(&read_out(&out, "out"), &want[0]) <= F32_TOL);
+    assert!(rel_norm(&read_f32(&out, "out"), &want[0]) <= F32_TOL);
     // Explicit parameters.
     write_inputs(&inp, &x, false, &[("causal", "false"), ("scale", "0.5")]);
     run_kernel("attention_forward", &inp, &out, Device::Cpu).unwrap();
     let want = naive(&x, false, 0.5);
-    assert!(rel_norm(&read_out(&out, "out"), &want[0]) <= F32_TOL);
+    assert!(rel_norm(&read_f32(&out, "out"), &want[0]) <= F32_TOL);
 }
 
 #[test]
@@ -132,7 +123,7 @@ fn backward_row() {
     run_kernel("attention_backward", &inp, &out, Device::Cpu).unwrap();
     let want = naive(&x, true, 1.0 / (D as f64).sqrt());
     for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
-        let err = rel_norm(&read_out(&out, name), &want[i + 1]);
+        let err = rel_norm(&read_f32(&out, name), &want[i + 1]);
         assert!(err <= F32_TOL, "{name}: {err}");
     }
 }
@@ -147,27 +138,24 @@ fn misnamed_and_misshapen_tensors_are_named() {
     let v = Tensor::from_slice(&cpu, &[T, HKV, D], &x.v).unwrap();
     let cu = Tensor::from_slice(&cpu, &[4], &x.cu).unwrap();
     let bad_k = Tensor::from_slice(&cpu, &[T, HKV, D / 2], &x.k[..T * HKV * D / 2]).unwrap();
-    let none = BTreeMap::new();
 
     let inp = tmp("misnamed.safetensors");
-    write_safetensors(
+    write_tensors(
         &inp,
         &[("q", &q), ("key", &k), ("v", &v), ("cu_seqlens", &cu)],
-        &none,
-    )
-    .unwrap();
+        &[],
+    );
     let e = run_kernel("attention_forward", &inp, &out, Device::Cpu).unwrap_err();
     assert!(e.is_bad_input());
     let m = e.to_string();
     assert!(m.contains("key") && m.contains("k[T,Hkv,D]"), "{m}");
 
     let inp = tmp("misshapen.safetensors");
-    write_safetensors(
+    write_tensors(
         &inp,
         &[("q", &q), ("k", &bad_k), ("v", &v), ("cu_seqlens", &cu)],
-        &none,
-    )
-    .unwrap();
+        &[],
+    );
     let e = run_kernel("attention_forward", &inp, &out, Device::Cpu).unwrap_err();
     assert!(e.is_bad_input());
     let m = e.to_string();
@@ -200,9 +188,9 @@ fn emu_row_matches_cpu_row() {
     run_kernel("attention_backward", &inp, &out_cpu, Device::Cpu).unwrap();
     run_kernel("attention_backward", &inp, &out_emu, Device::Emu).unwrap();
     for name in ["dq", "dk", "dv"] {
-        let want: Vec<f64> = read_out(&out_cpu, name).iter().map(|&a| a as f64).collect();
+        let want: Vec<f64> = read_f32(&out_cpu, name).iter().map(|&a| a as f64).collect();
         assert!(
-            rel_norm(&read_out(&out_emu, name), &want) <= F32_TOL,
+            rel_norm(&read_f32(&out_emu, name), &want) <= F32_TOL,
             "{name}"
         );
     }
@@ -236,9 +224,9 @@ fn paged_attention_row() {
         ("block_table", &tb),
         ("context_lens", &tc),
     ];
-    write_safetensors(&inp, &named, &BTreeMap::new()).unwrap();
+    write_tensors(&inp, &named, &[]);
     run_kernel("paged_attention", &inp, &out, Device::Cpu).unwrap();
-    let got = read_out(&out, "out");
+    let got = read_f32(&out, "out");
     // Independent: naive f64 softmax over each sequence's slots.
     let scale = 1.0 / (D as f64).sqrt();
     let mut want = vec![0.0f64; b * H * D];
@@ -278,7 +266,7 @@ fn paged_attention_row() {
         ("block_table", &tb),
         ("context_lens", &tc),
     ];
-    write_safetensors(&inp, &named, &BTreeMap::new()).unwrap();
+    write_tensors(&inp, &named, &[]);
     let e = run_kernel("paged_attention", &inp, &out, Device::Cpu).unwrap_err();
     assert!(e.is_bad_input());
     assert!(

@@ -6,25 +6,14 @@
 // Index loops mirror the formulas of the independent computations.
 #![allow(clippy::needless_range_loop)]
 
-use sluice_kernels::io::{read_safetensors, write_safetensors};
+mod support;
+
+use sluice_kernels::io::read_safetensors;
 use sluice_kernels::testing::{rel_norm, Rng, F32_TOL};
 use sluice_kernels::{Backend, DType, Device, Error, Tensor};
 use sluice_trainer::kernel_cmd::run_kernel;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-/// A fresh directory under the system temp dir for one run (tests run in parallel).
-fn temp_dir(test: &str) -> PathBuf {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let dir = std::env::temp_dir().join(format!(
-        "sluice-model-ops-{test}-{}-{n}",
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
+use support::{scratch_dir, write_tensors};
 
 enum Input<'a> {
     F32(&'a [usize], &'a [f32]),
@@ -39,7 +28,7 @@ fn run(
     params: &[(&str, &str)],
     device: Device,
 ) -> Result<BTreeMap<String, Vec<f32>>, Error> {
-    let dir = temp_dir(op);
+    let dir = scratch_dir(&format!("model-ops-{op}"));
     let (inp, out) = (
         dir.join("in.safetensors"),
         dir.join(format!("out-{device}.safetensors")),
@@ -55,12 +44,7 @@ fn run(
             (*name, t)
         })
         .collect();
-    let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
-    let meta: BTreeMap<String, String> = params
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    write_safetensors(&inp, &named, &meta).unwrap();
+    write_tensors(&inp, &tensors, params);
     let result = run_kernel(op, &inp, &out, device);
     let file = result.map(|_| read_safetensors(&out, &cpu).unwrap());
     std::fs::remove_dir_all(&dir).ok();

@@ -5,35 +5,20 @@
 //! a naive f64 per-token MoE written here (forward) and its central finite differences
 //! (backward).
 
-use sluice_kernels::io::{read_safetensors, write_safetensors};
+mod support;
+
+use sluice_kernels::io::read_safetensors;
 use sluice_kernels::testing::{rel_norm, Rng};
 use sluice_kernels::{Backend, DType, Device, Tensor};
 use sluice_trainer::kernel_cmd::run_kernel;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use support::{run_bad_input, scratch_dir, write_input};
 
 const T: usize = 3;
 const D: usize = 4;
 const F: usize = 3;
 const E: usize = 4;
 const K: usize = 2;
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("sluice-moe-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn write_input(dir: &Path, tensors: &[(&str, Tensor)], params: &[(&str, &str)]) -> PathBuf {
-    let path = dir.join("in.safetensors");
-    let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
-    let meta: BTreeMap<String, String> = params
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    write_safetensors(&path, &named, &meta).unwrap();
-    path
-}
 
 /// The inputs x, w_router, w1, w3, w2, dy as f32 vectors.
 fn inputs(seed: u64) -> [Vec<f32>; 6] {
@@ -119,7 +104,7 @@ fn run(
     ts: Vec<(&str, Tensor)>,
     params: &[(&str, &str)],
 ) -> BTreeMap<String, Tensor> {
-    let dir = temp_dir(&format!("{op}-{device}"));
+    let dir = scratch_dir(&format!("moe-{op}-{device}"));
     let input = write_input(&dir, &ts, params);
     let output = dir.join("out.safetensors");
     run_kernel(op, &input, &output, device).unwrap_or_else(|e| panic!("{op} on {device}: {e}"));
@@ -188,19 +173,7 @@ fn forward_and_backward_on_emu() {
 }
 
 fn run_err(name: &str, ts: Vec<(&str, Tensor)>, params: &[(&str, &str)]) -> String {
-    let dir = temp_dir(name);
-    let input = write_input(&dir, &ts, params);
-    let err = run_kernel(
-        "moe_forward",
-        &input,
-        &dir.join("out.safetensors"),
-        Device::Cpu,
-    )
-    .err()
-    .unwrap_or_else(|| panic!("{name}: expected an error"));
-    std::fs::remove_dir_all(&dir).ok();
-    assert!(err.is_bad_input(), "{name}: {err}");
-    err.to_string()
+    run_bad_input("moe_forward", name, &ts, params)
 }
 
 #[test]

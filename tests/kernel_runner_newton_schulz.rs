@@ -2,34 +2,14 @@
 //! steps=5. Runs through `run_kernel` on safetensors files in a temp dir and checks the result
 //! against the iteration computed here in f64.
 
+mod support;
+
 use half::bf16;
-use sluice_kernels::io::{read_safetensors, write_safetensors};
+use sluice_kernels::io::read_safetensors;
 use sluice_kernels::testing::{rel_norm, Rng};
 use sluice_kernels::{Backend, DType, Device, Tensor};
 use sluice_trainer::kernel_cmd::run_kernel;
-use std::collections::BTreeMap;
-use std::path::PathBuf;
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("sluice-ns-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn write_input(
-    dir: &std::path::Path,
-    tensors: &[(&str, Tensor)],
-    params: &[(&str, &str)],
-) -> PathBuf {
-    let path = dir.join("in.safetensors");
-    let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
-    let meta: BTreeMap<String, String> = params
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    write_safetensors(&path, &named, &meta).unwrap();
-    path
-}
+use support::{run_bad_input, scratch_dir, write_input};
 
 /// The iteration on one matrix [r,c] in f64, written directly on G (no explicit transposes):
 /// for r > c it runs X <- a X + X (b A + c A^2) with A = X^T X, which is the transposed form.
@@ -75,7 +55,7 @@ fn expected_one(g: &[f64], r: usize, c: usize, steps: usize) -> Vec<f64> {
 }
 
 fn check_run(device: Device, dtype: DType, n: usize, r: usize, c: usize, steps: Option<usize>) {
-    let dir = temp_dir(&format!("{device}-{dtype}-{n}-{r}-{c}").replace(':', "_"));
+    let dir = scratch_dir(&format!("ns-{device}-{dtype}-{n}-{r}-{c}"));
     let cpu = Backend::Cpu;
     let mut rng = Rng::new(7 + r as u64);
     let g = rng.normal_vec(n * r * c, 1.0);
@@ -124,21 +104,7 @@ fn emu_f32_and_bf16() {
 }
 
 fn run_err(name: &str, tensors: Vec<(&str, Tensor)>, params: &[(&str, &str)]) -> String {
-    let dir = temp_dir(name);
-    let input = write_input(&dir, &tensors, params);
-    let err = run_kernel(
-        "newton_schulz",
-        &input,
-        &dir.join("out.safetensors"),
-        Device::Cpu,
-    )
-    .expect_err("bad input must be an error");
-    assert!(
-        err.is_bad_input(),
-        "{err} should be bad input (exit code 2)"
-    );
-    std::fs::remove_dir_all(&dir).ok();
-    err.to_string()
+    run_bad_input("newton_schulz", name, &tensors, params)
 }
 
 #[test]

@@ -1,18 +1,14 @@
 //! `sluice kernel is_gate_loss` and `sluice kernel sample` (DESIGN.md section 7) through the
 //! kernel runner, against independent f64 computations, and their input errors.
 
-use sluice_kernels::io::{read_safetensors, write_safetensors};
+mod support;
+
+use sluice_kernels::io::read_safetensors;
 use sluice_kernels::testing::{rel_norm, Rng, F32_TOL};
 use sluice_kernels::{Backend, Device, Tensor};
 use sluice_trainer::kernel_cmd::run_kernel;
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-
-fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("sluice-runner-policy-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+use std::path::Path;
+use support::{scratch_dir, write_tensors};
 
 fn log_softmax64(row: &[f32]) -> Vec<f64> {
     let m = row.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b as f64));
@@ -84,11 +80,7 @@ fn write_gate_inputs(
             _ => (*name, t),
         })
         .collect();
-    let meta: BTreeMap<String, String> = meta
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    write_safetensors(path, &named, &meta).unwrap();
+    write_tensors(path, &named, meta);
 }
 
 /// pg mode in f64: loss = -(1/D) sum m A logp, dlogits = -(m A / D) (onehot - softmax).
@@ -133,7 +125,7 @@ fn check_gate_outputs(c: &GateCase, out: &Path) {
 }
 
 fn run_gate(device: Device, tag: &str) {
-    let dir = temp_dir(tag);
+    let dir = scratch_dir(&format!("policy-{tag}"));
     let (inp, out) = (dir.join("in.safetensors"), dir.join("out.safetensors"));
     let c = gate_case();
     write_gate_inputs(&inp, &c, &[("mode", "pg")], None);
@@ -165,7 +157,7 @@ fn is_gate_loss_runs_on_emu() {
 
 #[test]
 fn is_gate_loss_input_errors_name_the_tensor() {
-    let dir = temp_dir("gate-err");
+    let dir = scratch_dir("policy-gate-err");
     let (inp, out) = (dir.join("in.safetensors"), dir.join("out.safetensors"));
     let c = gate_case();
     write_gate_inputs(&inp, &c, &[], Some(("advantages", "advantage")));
@@ -197,8 +189,7 @@ fn is_gate_loss_input_errors_name_the_tensor() {
         ),
         ("mask", Tensor::from_slice(&b, &[c.n], &c.mask).unwrap()),
     ];
-    let named: Vec<(&str, &Tensor)> = t.iter().map(|(n, t)| (*n, t)).collect();
-    write_safetensors(&inp, &named, &BTreeMap::new()).unwrap();
+    write_tensors(&inp, &t, &[]);
     let e = run_kernel("is_gate_loss", &inp, &out, Device::Cpu).unwrap_err();
     let s = e.to_string();
     assert!(
@@ -231,16 +222,11 @@ fn write_sample_inputs(
             Tensor::from_slice(&be, &[b], &(0..b as i32).collect::<Vec<_>>()).unwrap(),
         ),
     ];
-    let named: Vec<(&str, &Tensor)> = t.iter().map(|(n, t)| (*n, t)).collect();
-    let meta: BTreeMap<String, String> = meta
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    write_safetensors(path, &named, &meta).unwrap();
+    write_tensors(path, &t, meta);
 }
 
 fn run_sample(device: Device, tag: &str) {
-    let dir = temp_dir(tag);
+    let dir = scratch_dir(&format!("policy-{tag}"));
     let (inp, out) = (dir.join("in.safetensors"), dir.join("out.safetensors"));
     let (b, v) = (6, 29);
     let logits = Rng::new(5).normal_vec(b * v, 2.0);
@@ -281,7 +267,7 @@ fn sample_runs_on_emu() {
 
 #[test]
 fn sample_input_errors_name_the_tensor() {
-    let dir = temp_dir("sample-err");
+    let dir = scratch_dir("policy-sample-err");
     let (inp, out) = (dir.join("in.safetensors"), dir.join("out.safetensors"));
     let logits = vec![0.5f32; 12];
     write_sample_inputs(&inp, &logits, 3, 4, &[], 2);

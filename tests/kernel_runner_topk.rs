@@ -2,35 +2,14 @@
 //! parameter k (required). Runs through `run_kernel` on safetensors files in a temp dir and
 //! checks the result against a top-k computed here by sorting.
 
+mod support;
+
 use half::bf16;
-use sluice_kernels::io::{read_safetensors, write_safetensors};
+use sluice_kernels::io::read_safetensors;
 use sluice_kernels::testing::Rng;
 use sluice_kernels::{Backend, DType, Device, Tensor};
 use sluice_trainer::kernel_cmd::run_kernel;
-use std::collections::BTreeMap;
-use std::path::PathBuf;
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("sluice-topk-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// Writes `tensors` and the metadata `params` to `dir/in.safetensors`.
-fn write_input(
-    dir: &std::path::Path,
-    tensors: &[(&str, Tensor)],
-    params: &[(&str, &str)],
-) -> PathBuf {
-    let path = dir.join("in.safetensors");
-    let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
-    let meta: BTreeMap<String, String> = params
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    write_safetensors(&path, &named, &meta).unwrap();
-    path
-}
+use support::{run_bad_input, scratch_dir, write_input};
 
 /// Top-k by a stable sort on (value descending, NaN last): ties keep the lower index first.
 fn expected(data: &[f32], t: usize, e: usize, k: usize) -> (Vec<u32>, Vec<i32>) {
@@ -65,7 +44,7 @@ fn data(t: usize, e: usize, seed: u64) -> Vec<f32> {
 }
 
 fn check_run(device: Device, dtype: DType, t: usize, e: usize, k: usize) {
-    let dir = temp_dir(&format!("{device}-{dtype}-{t}-{e}-{k}").replace(':', "_"));
+    let dir = scratch_dir(&format!("topk-{device}-{dtype}-{t}-{e}-{k}"));
     let cpu = Backend::Cpu;
     let x = data(t, e, 7 + t as u64);
     let scores = Tensor::from_f32_as(&cpu, &[t, e], dtype, &x).unwrap();
@@ -116,16 +95,7 @@ fn emu_f32_and_bf16() {
 }
 
 fn run_err(name: &str, tensors: Vec<(&str, Tensor)>, params: &[(&str, &str)]) -> String {
-    let dir = temp_dir(name);
-    let input = write_input(&dir, &tensors, params);
-    let err = run_kernel("topk", &input, &dir.join("out.safetensors"), Device::Cpu)
-        .expect_err("bad input must be an error");
-    assert!(
-        err.is_bad_input(),
-        "{err} should be bad input (exit code 2)"
-    );
-    std::fs::remove_dir_all(&dir).ok();
-    err.to_string()
+    run_bad_input("topk", name, &tensors, params)
 }
 
 #[test]
