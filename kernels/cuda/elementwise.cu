@@ -8,6 +8,7 @@
 // have a fixed order that depends only on n and the fixed block size (batch-invariant).
 
 #include <cuda_bf16.h>
+#include "common/block_reduce.cuh"
 #include <stdint.h>
 
 namespace elementwise_impl {
@@ -15,33 +16,11 @@ namespace elementwise_impl {
 constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
 
-__device__ __forceinline__ float load(const float* p, long long i) { return p[i]; }
-__device__ __forceinline__ float load(const __nv_bfloat16* p, long long i) {
-    return __bfloat162float(p[i]);
-}
+using sluice::load;
+using sluice::block_max;
+using sluice::block_sum;
 
-// Sum over the block, the same bits in every thread: a xor butterfly per warp (a + b == b + a,
-// so all lanes agree), then every thread adds the warp sums in ascending warp order.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
-    for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-    __syncthreads();
-    float total = 0.0f;
-    for (int w = 0; w < WARPS; ++w) total += scratch[w];
-    __syncthreads();
-    return total;
-}
 
-// Max over the block (exact, so order does not matter for the value).
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-    for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
-    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-    __syncthreads();
-    float total = scratch[0];
-    for (int w = 1; w < WARPS; ++w) total = fmaxf(total, scratch[w]);
-    __syncthreads();
-    return total;
-}
 
 template <typename T>
 __device__ __forceinline__ void add(const T* __restrict__ a, const T* __restrict__ b,
@@ -57,10 +36,10 @@ __device__ __forceinline__ void softmax_row(const T* __restrict__ x, float* __re
     const long long base = (long long)blockIdx.x * n;
     float m = -INFINITY;
     for (int j = threadIdx.x; j < n; j += THREADS) m = fmaxf(m, load(x, base + j));
-    m = block_max(m, scratch);
+    m = block_max<WARPS>(m, scratch);
     float sum = 0.0f;
     for (int j = threadIdx.x; j < n; j += THREADS) sum += expf(load(x, base + j) - m);
-    sum = block_sum(sum, scratch);
+    sum = block_sum<WARPS>(sum, scratch);
     for (int j = threadIdx.x; j < n; j += THREADS) y[base + j] = expf(load(x, base + j) - m) / sum;
 }
 
@@ -71,7 +50,7 @@ __device__ __forceinline__ void softmax_backward_row(const T* __restrict__ y, co
     const long long base = (long long)blockIdx.x * n;
     float dot = 0.0f;
     for (int j = threadIdx.x; j < n; j += THREADS) dot += load(dy, base + j) * load(y, base + j);
-    dot = block_sum(dot, scratch);
+    dot = block_sum<WARPS>(dot, scratch);
     for (int j = threadIdx.x; j < n; j += THREADS)
         dx[base + j] = load(y, base + j) * (load(dy, base + j) - dot);
 }

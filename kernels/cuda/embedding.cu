@@ -13,16 +13,14 @@
 //   embedding_backward_{f32,bf16}  grid (V, ceil(d / 128)), block 128: column j of row v
 
 #include <cuda_bf16.h>
+#include "common/block_reduce.cuh"
 #include <stdint.h>
 
 namespace embedding_impl {
 
 constexpr int BACKWARD_THREADS = 128;
 
-__device__ __forceinline__ float load(const float* p, long long i) { return p[i]; }
-__device__ __forceinline__ float load(const __nv_bfloat16* p, long long i) {
-    return __bfloat162float(p[i]);
-}
+using sluice::load;
 
 template <typename T>
 __device__ __forceinline__ void forward(const T* __restrict__ table, const int* __restrict__ tokens,

@@ -22,6 +22,7 @@
 // products in ascending k by one thread; the norm is a fixed-order block reduction.
 
 #include <cuda_bf16.h>
+#include "common/block_reduce.cuh"
 #include <stdint.h>
 
 namespace newton_schulz_impl {
@@ -30,24 +31,9 @@ constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
 constexpr int TILE = 16;
 
-__device__ __forceinline__ float load(const float* p, long long i) { return p[i]; }
-__device__ __forceinline__ float load(const __nv_bfloat16* p, long long i) {
-    return __bfloat162float(p[i]);
-}
+using sluice::load;
+using sluice::block_sum;
 
-// Sum over the block, the same bits in every thread: xor butterfly per warp, then the warp sums
-// in ascending warp order.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
-    for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-    const int warp = threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    float total = 0.0f;
-    for (int w = 0; w < WARPS; ++w) total += scratch[w];
-    __syncthreads();
-    return total;
-}
 
 // g [n, r, c] -> x [n, r, c] (transpose == 0) or [n, c, r] (transpose != 0), scaled by
 // 1 / (||g||_F + 1e-7). Each thread sums the squares of elements t, t + 256, ... in ascending
@@ -63,7 +49,7 @@ __device__ __forceinline__ void normalize(const T* __restrict__ g, float* __rest
         const float v = load(g, base + i);
         ss = fmaf(v, v, ss);
     }
-    const float total = block_sum(ss, scratch);
+    const float total = block_sum<WARPS>(ss, scratch);
     const float denom = sqrtf(total) + 1e-7f;
     for (long long i = threadIdx.x; i < size; i += THREADS) {
         const float v = load(g, base + i) / denom;

@@ -16,6 +16,7 @@
 // same float on every device for the same sum of squares.
 
 #include <cuda_bf16.h>
+#include "common/block_reduce.cuh"
 #include <stdint.h>
 
 namespace rmsnorm_impl {
@@ -26,25 +27,9 @@ constexpr int WARPS = THREADS / 32;
 // depends only on T; the CPU reference uses the same chunking.
 constexpr int DW_CHUNK_ROWS = 64;
 
-__device__ __forceinline__ float load(const float* p, long long i) { return p[i]; }
-__device__ __forceinline__ float load(const __nv_bfloat16* p, long long i) {
-    return __bfloat162float(p[i]);
-}
+using sluice::load;
+using sluice::block_sum;
 
-// Sum of `v` over the block, the same bits in every thread: each warp reduces by a xor
-// butterfly (a + b == b + a in IEEE, so all lanes agree), then every thread adds the warp sums
-// in ascending warp order. `scratch` holds WARPS floats of shared memory.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
-    for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-    const int warp = threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    float total = 0.0f;
-    for (int w = 0; w < WARPS; ++w) total += scratch[w];
-    __syncthreads();  // scratch is reused by the caller's next reduction
-    return total;
-}
 
 template <typename T>
 __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __restrict__ w,
@@ -56,7 +41,7 @@ __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __
         const float v = load(x, base + j);
         ss += v * v;
     }
-    ss = block_sum(ss, scratch);
+    ss = block_sum<WARPS>(ss, scratch);
     const float r = 1.0f / sqrtf(ss / (float)d + eps);
     for (int j = threadIdx.x; j < d; j += THREADS) y[base + j] = load(x, base + j) * r * load(w, j);
 }
@@ -75,8 +60,8 @@ __device__ __forceinline__ void backward_dx_row(const T* __restrict__ x, const T
         ss += xv * xv;
         dot += load(dy, base + j) * load(w, j) * xv;
     }
-    ss = block_sum(ss, scratch);
-    dot = block_sum(dot, scratch);
+    ss = block_sum<WARPS>(ss, scratch);
+    dot = block_sum<WARPS>(dot, scratch);
     const float r = 1.0f / sqrtf(ss / (float)d + eps);
     const float c = dot * r * r * r / (float)d;
     for (int j = threadIdx.x; j < d; j += THREADS) {

@@ -15,14 +15,12 @@
 // No reductions: every output is a function of its own pair and position (batch-invariant).
 
 #include <cuda_bf16.h>
+#include "common/block_reduce.cuh"
 #include <stdint.h>
 
 namespace rope_impl {
 
-__device__ __forceinline__ float load(const float* p, long long i) { return p[i]; }
-__device__ __forceinline__ float load(const __nv_bfloat16* p, long long i) {
-    return __bfloat162float(p[i]);
-}
+using sluice::load;
 
 template <typename T>
 __device__ __forceinline__ void rotate(const T* __restrict__ x, const int* __restrict__ positions,

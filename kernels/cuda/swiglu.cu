@@ -5,14 +5,12 @@
 // element; no reductions (deterministic and batch-invariant by construction).
 
 #include <cuda_bf16.h>
+#include "common/block_reduce.cuh"
 #include <stdint.h>
 
 namespace swiglu_impl {
 
-__device__ __forceinline__ float load(const float* p, long long i) { return p[i]; }
-__device__ __forceinline__ float load(const __nv_bfloat16* p, long long i) {
-    return __bfloat162float(p[i]);
-}
+using sluice::load;
 
 template <typename T>
 __device__ __forceinline__ void forward(const T* __restrict__ a, const T* __restrict__ b,
