@@ -1,5 +1,5 @@
 //! Benchmarks of the model's supporting ops (rmsnorm, rope, swiglu, embedding, residual add,
-//! softmax; forward and backward). CPU: the plain-slice references the model calls on the cpu
+//! softmax, transpose; forward and backward). CPU: the plain-slice references the model calls on the cpu
 //! device. CUDA (when a GPU exists; skipped silently otherwise): the device entry points, f32
 //! and bf16 inputs, synchronised per iteration. Criterion reports effective GB/s from the bytes
 //! each op must move (inputs read once + outputs written once; docs/perf/<family>.md).
@@ -138,6 +138,12 @@ fn bench_cpu(c: &mut Criterion) {
         BenchmarkId::new("softmax_backward", format!("{t}x{d}")),
         |b| b.iter(|| black_box(elementwise::softmax_backward_reference(&x, &dy, t, d).unwrap())),
     );
+    // The transpose reads and writes T*d floats (the model's backward transposes activations
+    // and weights for its GEMMs).
+    g.throughput(Throughput::Bytes(f4 * (2 * t * d) as u64));
+    g.bench_function(BenchmarkId::new("transpose", format!("{t}x{d}")), |b| {
+        b.iter(|| black_box(elementwise::transpose_reference(&x, t, d).unwrap()))
+    });
     g.finish();
 }
 
@@ -268,6 +274,13 @@ fn bench_cuda(c: &mut Criterion) {
                 })
             },
         );
+        g.throughput(Throughput::Bytes(e * (2 * t * d) as u64));
+        g.bench_function(BenchmarkId::new("transpose", format!("{t}x{d}")), |b| {
+            b.iter(|| {
+                black_box(elementwise::transpose(&gpu, &x).unwrap());
+                gpu.synchronize().unwrap();
+            })
+        });
         g.finish();
     }
 }

@@ -25,6 +25,15 @@ impl HostBuffer {
             bytes,
         }
     }
+    /// A buffer holding a copy of `bytes` (zero-allocated words, then one copy: no fill pass).
+    fn from_bytes(bytes: &[u8]) -> Self {
+        let mut h = HostBuffer {
+            words: vec![0u64; bytes.len().div_ceil(8)],
+            bytes: bytes.len(),
+        };
+        h.as_bytes_mut().copy_from_slice(bytes);
+        h
+    }
     fn as_bytes(&self) -> &[u8] {
         &bytemuck::cast_slice(&self.words)[..self.bytes]
     }
@@ -116,6 +125,14 @@ impl Tensor {
                 bytes.len()
             )));
         }
+        if let Backend::Cpu = backend {
+            // One copy into fresh host memory (the poison fill would be overwritten at once).
+            return Ok(Tensor {
+                shape: shape.to_vec(),
+                dtype,
+                storage: Storage::Host(HostBuffer::from_bytes(bytes)),
+            });
+        }
         let mut t = Self::poisoned(backend, shape, dtype)?;
         t.write_bytes(bytes)?;
         Ok(t)
@@ -186,6 +203,9 @@ impl Tensor {
     /// Downloads the elements; the dtype must match `T`.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         self.expect_dtype("tensor", T::DTYPE)?;
+        if let Ok(host) = self.host_slice::<T>() {
+            return Ok(host.to_vec());
+        }
         let bytes = self.to_bytes()?;
         Ok(bytemuck::pod_collect_to_vec(&bytes))
     }
@@ -214,6 +234,118 @@ impl Tensor {
             return self.to_backend(backend);
         }
         Tensor::from_f32_as(backend, &self.shape, dtype, &self.to_f32_vec()?)
+    }
+
+    /// A new tensor of `shape` holding elements `elem_offset .. elem_offset + numel(shape)` of
+    /// this one (row-major, flattened), same dtype, on the same device: a slice copy in host
+    /// memory on cpu and emu, a device-to-device copy on the tensor's stream on cuda. `backend`
+    /// must be the device the tensor lives on. This is how a named view of a parameter arena
+    /// becomes a tensor an op can take.
+    pub fn copy_range(
+        &self,
+        backend: &Backend,
+        elem_offset: usize,
+        shape: &[usize],
+    ) -> Result<Tensor> {
+        self.expect_on(backend, "copy_range: the source tensor")?;
+        let range = self.byte_range("copy_range", elem_offset, numel(shape))?;
+        let storage = match &self.storage {
+            Storage::Host(h) => Storage::Host(HostBuffer::from_bytes(&h.as_bytes()[range])),
+            Storage::Emu(e) => {
+                let mut buf = EmuBuffer::alloc(range.len()).map_err(Error::Device)?;
+                buf.as_bytes_mut().copy_from_slice(&e.as_bytes()[range]);
+                Storage::Emu(buf)
+            }
+            Storage::Cuda(slice, stream) => {
+                // SAFETY: every byte of `dst` that the tensor exposes (range.len() of them) is
+                // written by the copy below, ordered on the same stream before any later use.
+                let mut dst = unsafe { stream.alloc::<u8>(range.len().max(1)) }?;
+                if !range.is_empty() {
+                    let n = range.len();
+                    stream.memcpy_dtod(&slice.slice(range), &mut dst.slice_mut(0..n))?;
+                }
+                Storage::Cuda(dst, stream.clone())
+            }
+        };
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            dtype: self.dtype,
+            storage,
+        })
+    }
+
+    /// Overwrites elements `elem_offset .. elem_offset + src.numel()` of this tensor
+    /// (row-major, flattened) with the elements of `src`, which must have the same dtype and
+    /// live on the same device (a host copy on cpu and emu, a device-to-device copy on this
+    /// tensor's stream on cuda). The inverse of [`Tensor::copy_range`]: how a gradient tensor is
+    /// written into its view of the gradient arena.
+    pub fn write_range(&mut self, elem_offset: usize, src: &Tensor) -> Result<()> {
+        if src.dtype != self.dtype {
+            return Err(Error::DType {
+                tensor: "src".into(),
+                expected: format!("{} (the dtype of the destination)", self.dtype),
+                got: src.dtype.to_string(),
+            });
+        }
+        let range = self.byte_range("write_range", elem_offset, src.numel())?;
+        match (&mut self.storage, &src.storage) {
+            (Storage::Host(d), Storage::Host(s)) => {
+                d.as_bytes_mut()[range].copy_from_slice(s.as_bytes())
+            }
+            (Storage::Emu(d), Storage::Emu(s)) => {
+                d.as_bytes_mut()[range].copy_from_slice(s.as_bytes())
+            }
+            (Storage::Cuda(d, stream), Storage::Cuda(s, _)) => {
+                if !range.is_empty() {
+                    let n = range.len();
+                    stream.memcpy_dtod(&s.slice(0..n), &mut d.slice_mut(range))?;
+                }
+            }
+            _ => {
+                return Err(Error::Invalid(format!(
+                    "write_range: `src` lives on {}, the destination on {}; copy it with \
+                     to_backend first",
+                    src.device_kind(),
+                    self.device_kind()
+                )))
+            }
+        }
+        Ok(())
+    }
+
+    /// Fails unless the tensor's storage is on `backend`'s device (naming `what`).
+    fn expect_on(&self, backend: &Backend, what: &str) -> Result<()> {
+        let same = match (&self.storage, backend) {
+            (Storage::Host(_), Backend::Cpu) | (Storage::Emu(_), Backend::Emu(_)) => true,
+            (Storage::Cuda(..), Backend::Cuda(_)) => true,
+            _ => false,
+        };
+        if !same {
+            return Err(Error::Invalid(format!(
+                "{what} lives on {}, not on {}",
+                self.device_kind(),
+                backend.device()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The byte range of elements `offset .. offset + count`, or an error naming `op`, the
+    /// range and the tensor's size.
+    fn byte_range(&self, op: &str, offset: usize, count: usize) -> Result<std::ops::Range<usize>> {
+        let end = offset.checked_add(count);
+        match end {
+            Some(end) if end <= self.numel() => {
+                let size = self.dtype.size_bytes();
+                Ok(offset * size..end * size)
+            }
+            _ => Err(Error::Invalid(format!(
+                "{op}: elements {offset}..{offset}+{count} are out of bounds of a tensor of \
+                 shape {:?} ({} elements)",
+                self.shape,
+                self.numel()
+            ))),
+        }
     }
 
     /// The elements in host memory (cpu and emu storage only).
@@ -330,5 +462,100 @@ impl std::fmt::Debug for Tensor {
             self.dtype,
             self.device_kind()
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ranges_on(backend: &Backend) {
+        let data: Vec<f32> = (0..60).map(|i| i as f32 * 0.5 - 7.0).collect();
+        let mut t = Tensor::from_slice(backend, &[6, 10], &data).unwrap();
+        // A ragged window across rows, with its own shape.
+        let w = t.copy_range(backend, 13, &[3, 7]).unwrap();
+        assert_eq!(w.shape(), &[3, 7]);
+        assert!(w.is_on(backend.device()));
+        assert_eq!(w.to_vec::<f32>().unwrap(), data[13..34].to_vec());
+        // Empty and whole ranges.
+        assert_eq!(t.copy_range(backend, 60, &[0]).unwrap().numel(), 0);
+        assert_eq!(
+            t.copy_range(backend, 0, &[60])
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap(),
+            data
+        );
+        // Write a window back elsewhere; the rest stays.
+        let src = Tensor::from_slice(backend, &[2, 2], &[1.0f32, 2.0, 3.0, 4.0]).unwrap();
+        t.write_range(56, &src).unwrap();
+        let mut want = data.clone();
+        want[56..60].copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(t.to_vec::<f32>().unwrap(), want);
+        t.write_range(3, &Tensor::zeros(backend, &[0], DType::F32).unwrap())
+            .unwrap();
+        assert_eq!(t.to_vec::<f32>().unwrap(), want);
+        // bf16 keeps its bits.
+        let h: Vec<bf16> = data.iter().map(|&x| bf16::from_f32(x)).collect();
+        let hb = Tensor::from_slice(backend, &[60], &h).unwrap();
+        let hw = hb.copy_range(backend, 1, &[5]).unwrap();
+        assert_eq!(hw.dtype(), DType::BF16);
+        assert_eq!(hw.to_vec::<bf16>().unwrap(), h[1..6].to_vec());
+
+        // Bad input: errors that name the problem, never a panic.
+        let err = t.copy_range(backend, 55, &[2, 3]).unwrap_err().to_string();
+        assert!(err.contains("55..55+6") && err.contains("[6, 10]"), "{err}");
+        let err = t
+            .copy_range(backend, usize::MAX, &[2])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("out of bounds"), "{err}");
+        let err = t.write_range(59, &src).unwrap_err().to_string();
+        assert!(err.contains("59..59+4"), "{err}");
+        let err = t.write_range(0, &hw).unwrap_err();
+        assert!(
+            matches!(&err, Error::DType { tensor, .. } if tensor == "src"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn ranges_on_cpu() {
+        ranges_on(&Backend::Cpu);
+    }
+
+    #[test]
+    fn ranges_on_emu() {
+        ranges_on(&Backend::emu_with_seed(1));
+    }
+
+    #[test]
+    fn ranges_on_cuda() {
+        if let Some(gpu) = crate::device::cuda_for_tests("tensor ranges") {
+            ranges_on(&gpu);
+        }
+    }
+
+    #[test]
+    fn ranges_across_devices_are_errors() {
+        let emu = Backend::emu_with_seed(1);
+        let mut cpu_t = Tensor::from_slice(&Backend::Cpu, &[4], &[1.0f32; 4]).unwrap();
+        let emu_t = Tensor::from_slice(&emu, &[4], &[2.0f32; 4]).unwrap();
+        let err = cpu_t.copy_range(&emu, 0, &[2]).unwrap_err().to_string();
+        assert!(err.contains("lives on cpu, not on emu"), "{err}");
+        let err = cpu_t.write_range(0, &emu_t).unwrap_err().to_string();
+        assert!(err.contains("`src` lives on emu"), "{err}");
+    }
+
+    #[test]
+    fn host_fast_paths_keep_values() {
+        let v: Vec<f32> = (0..13).map(|i| i as f32 - 3.25).collect();
+        for backend in [Backend::Cpu, Backend::emu_with_seed(1)] {
+            let t = Tensor::from_slice(&backend, &[13], &v).unwrap();
+            assert_eq!(t.to_vec::<f32>().unwrap(), v);
+            assert_eq!(t.to_bytes().unwrap(), bytemuck::cast_slice::<f32, u8>(&v));
+            let odd = Tensor::from_bytes(&backend, &[3], DType::U8, &[1, 2, 3]).unwrap();
+            assert_eq!(odd.to_vec::<u8>().unwrap(), vec![1, 2, 3]);
+        }
     }
 }

@@ -9,6 +9,8 @@
 //!
 //! On `cpu` and `emu` the storage is host memory and views are plain slices; on `cuda` the views
 //! are device memory and the slice accessors return an error (download with [`Arena::to_vec`]).
+//! On every device [`Arena::view_tensor`] copies a view out as a tensor for the ops, and
+//! [`Arena::write_view`] copies a tensor into a view.
 
 use crate::layout::{Layout, ViewSpec};
 use sluice_kernels::{Backend, DType, Element, Error, Result, Tensor};
@@ -123,6 +125,38 @@ impl Arena {
     pub fn typed_view_at<T: Element>(&self, i: usize) -> Result<&[T]> {
         let range = self.spec(i)?.range();
         Ok(&self.data.host_slice::<T>()?[range])
+    }
+
+    /// View `i` as a tensor of the view's shape on `backend` (the arena's device): a copy, on
+    /// any device (host slice copy on cpu and emu, device-to-device copy on cuda). This is how
+    /// the forward and backward take their parameters (docs/model.md, "Forward and backward").
+    pub fn view_tensor(&self, backend: &Backend, i: usize) -> Result<Tensor> {
+        let spec = self.spec(i)?;
+        self.data
+            .copy_range(backend, spec.offset, &spec.shape)
+            .map_err(|e| Error::Invalid(format!("view `{}`: {e}", spec.name)))
+    }
+
+    /// Overwrites view `i` with `values`: same dtype and device as the arena, and the view's
+    /// element count (in any shape with that count, e.g. `[E*f, d]` for an `[E, f, d]` view).
+    /// The inverse of [`Arena::view_tensor`]: how the backward writes gradients.
+    pub fn write_view(&mut self, i: usize, values: &Tensor) -> Result<()> {
+        let spec = self.spec(i)?;
+        if values.numel() != spec.numel() {
+            return Err(Error::shape(
+                format!("gradient of `{}`", spec.name),
+                format!(
+                    "{:?} ({} elements, the view's shape)",
+                    spec.shape,
+                    spec.numel()
+                ),
+                values.shape(),
+            ));
+        }
+        let (name, offset) = (spec.name.clone(), spec.offset);
+        self.data
+            .write_range(offset, values)
+            .map_err(|e| Error::Invalid(format!("view `{name}`: {e}")))
     }
 
     /// Every view at once as disjoint mutable slices, in arena order (what a fused optimizer or

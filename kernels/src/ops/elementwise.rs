@@ -5,20 +5,24 @@
 //! - `softmax`: y[t,:] = softmax(x[t,:]) over rows of x[T,n]: m = max_j x[j],
 //!   e[j] = exp(x[j] - m), y[j] = e[j] / sum_j e[j]. Rows need a finite maximum.
 //! - `softmax_backward`: dx = y * (dy - sum_j dy[j] * y[j]) from the forward output y.
+//! - `transpose`: y[C,R] = x[R,C]^T (F32 or BF16; the output keeps the input's dtype and bits).
+//!   The model's backward uses it for the GEMM forms dX = dY W and dW = dY^T X, because the
+//!   gemm family computes only the linear-layer form A B^T.
 //!
 //! Inputs are F32 or BF16 (all float inputs of one call share the dtype); math and outputs are
-//! f32. Every op is deterministic and the row ops are batch-invariant (a row's reduction order
-//! depends only on n).
+//! f32 (the transpose, a copy, keeps the dtype). Every op is deterministic and the row ops are
+//! batch-invariant (a row's reduction order depends only on n).
 //!
 //! This file also holds the small helpers the model-op families (rmsnorm, rope, swiglu,
 //! embedding, elementwise) share: dtype checks, host copies, output allocation.
 
 use crate::device::Backend;
-use crate::dtype::DType;
+use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
 use crate::runner::{OpCall, OpOutputs, OpSpec, TensorSpec};
 use crate::tensor::Tensor;
+use half::bf16;
 use rayon::prelude::*;
 
 /// Threads per block of every model-op kernel with a block reduction (fixed: the reduction
@@ -28,6 +32,10 @@ pub(crate) const ROW_THREADS: u32 = 256;
 pub(crate) const EW_THREADS: u32 = 256;
 /// Upper bound on grid-stride blocks (enough to fill an H200; more only adds launch overhead).
 pub(crate) const EW_MAX_BLOCKS: usize = 8192;
+/// The transpose kernel's square tile and the rows of it each thread row handles in turn
+/// (elementwise.cu's TILE and TILE_ROWS: a block is TILE x TILE_ROWS threads).
+const TRANSPOSE_TILE: usize = 32;
+const TRANSPOSE_TILE_ROWS: u32 = 8;
 
 /// The shared float dtype of an op's float inputs: each must be F32 or BF16, and all the same
 /// as the first. The error names the offending tensor.
@@ -172,6 +180,40 @@ pub fn softmax_backward_reference(
     Ok(dx)
 }
 
+/// The transpose y[cols, rows] of a row-major x[rows, cols], in 32 x 32 tiles (both the reads
+/// and the writes stay within a few cache lines per tile), blocks of output rows in parallel.
+pub fn transpose_reference<T: Element>(x: &[T], rows: usize, cols: usize) -> Result<Vec<T>> {
+    if x.len() != rows * cols {
+        return Err(Error::Invalid(format!(
+            "`x` has {} elements; expected {} ([R,C] = [{rows},{cols}])",
+            x.len(),
+            rows * cols
+        )));
+    }
+    const TILE: usize = 32;
+    let mut y = vec![T::zeroed(); rows * cols];
+    if rows == 0 || cols == 0 {
+        return Ok(y);
+    }
+    // Each task owns TILE rows of y (= TILE columns of x).
+    y.par_chunks_mut(TILE * rows)
+        .enumerate()
+        .for_each(|(cb, out)| {
+            let c0 = cb * TILE;
+            let cw = out.len() / rows;
+            for r0 in (0..rows).step_by(TILE) {
+                let r1 = (r0 + TILE).min(rows);
+                for c in 0..cw {
+                    let dst = &mut out[c * rows + r0..c * rows + r1];
+                    for (i, d) in dst.iter_mut().enumerate() {
+                        *d = x[(r0 + i) * cols + c0 + c];
+                    }
+                }
+            }
+        });
+    Ok(y)
+}
+
 // ---------------------------------------------------------------------------------------------
 // Device entry points.
 
@@ -269,6 +311,59 @@ pub fn softmax_backward(backend: &Backend, y: &Tensor, dy: &Tensor) -> Result<Te
             Ok(dx)
         }
     }
+}
+
+/// The transpose of x[R,C] (F32 or BF16) -> y[C,R] of the same dtype (exact: a copy).
+pub fn transpose(backend: &Backend, x: &Tensor) -> Result<Tensor> {
+    let dtype = float_dtype(&[("x", x)])?;
+    let (rows, cols) = rows_cols("x", x, "[R,C]")?;
+    if let Backend::Cpu = backend {
+        return match dtype {
+            DType::BF16 => Tensor::from_slice(
+                backend,
+                &[cols, rows],
+                &transpose_reference(&x.to_vec::<bf16>()?, rows, cols)?,
+            ),
+            _ => Tensor::from_slice(
+                backend,
+                &[cols, rows],
+                &transpose_reference(x.host_slice::<f32>()?, rows, cols)?,
+            ),
+        };
+    }
+    let y = Tensor::poisoned(backend, &[cols, rows], dtype)?;
+    if rows > 0 && cols > 0 {
+        let row_tiles = as_i32("x", "R / 32", rows.div_ceil(TRANSPOSE_TILE))?;
+        let col_tiles = cols.div_ceil(TRANSPOSE_TILE);
+        if col_tiles > 65535 {
+            return Err(Error::shape(
+                "x",
+                format!(
+                    "[R,C] with C <= {} (the grid's y limit)",
+                    65535 * TRANSPOSE_TILE
+                ),
+                x.shape(),
+            ));
+        }
+        // Block (row tile, column tile) reads x[r][c] and writes y[c][r] for the r < R, c < C
+        // of its 32x32 tile only; x and y hold R*C elements each.
+        backend.launch(
+            &Launch::new(
+                by_dtype(
+                    dtype,
+                    "elementwise_transpose_f32",
+                    "elementwise_transpose_bf16",
+                ),
+                [row_tiles as u32, col_tiles as u32, 1],
+                [TRANSPOSE_TILE as u32, TRANSPOSE_TILE_ROWS, 1],
+            )
+            .arg_tensor(x)
+            .arg_tensor(&y)
+            .arg_i32(as_i32("x", "R", rows)?)
+            .arg_i32(as_i32("x", "C", cols)?),
+        )?;
+    }
+    Ok(y)
 }
 
 // ---------------------------------------------------------------------------------------------
