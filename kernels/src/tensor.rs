@@ -315,11 +315,12 @@ impl Tensor {
 
     /// Fails unless the tensor's storage is on `backend`'s device (naming `what`).
     fn expect_on(&self, backend: &Backend, what: &str) -> Result<()> {
-        let same = match (&self.storage, backend) {
-            (Storage::Host(_), Backend::Cpu) | (Storage::Emu(_), Backend::Emu(_)) => true,
-            (Storage::Cuda(..), Backend::Cuda(_)) => true,
-            _ => false,
-        };
+        let same = matches!(
+            (&self.storage, backend),
+            (Storage::Host(_), Backend::Cpu)
+                | (Storage::Emu(_), Backend::Emu(_))
+                | (Storage::Cuda(..), Backend::Cuda(_))
+        );
         if !same {
             return Err(Error::Invalid(format!(
                 "{what} lives on {}, not on {}",

@@ -4,7 +4,10 @@
 //! - [`layout`]: the table of named views (name, offset, shape, optimizer class, init rule);
 //! - [`arena`]: one contiguous buffer holding every view (parameters, gradients, optimizer state,
 //!   a bf16 compute copy);
-//! - [`forward`]: the forward, the supervised loss and the hand-written backward (cpu);
+//! - [`layers`]: the transformer's pieces (norm + q/k/v + RoPE, attention, output projection,
+//!   dense/MoE/shared FFN, embedding, head) and their backward, as tensor functions on any device;
+//! - [`forward`]: the whole model's forward, the losses and the hand-written backward, on any
+//!   device (cpu, emu, cuda);
 //! - [`gradcheck`]: finite-difference checks of a gradient arena, view by view;
 //! - [`init`]: the seeded, documented initialisation;
 //! - [`batch`]: packed variable-length batches (tokens, cu_seqlens, positions);
@@ -19,6 +22,7 @@ pub mod config;
 pub mod forward;
 pub mod gradcheck;
 pub mod init;
+pub mod layers;
 pub mod layout;
 
 pub use arena::Arena;
