@@ -11,23 +11,25 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
 use std::sync::Arc;
 
-/// Host bytes kept 8-byte aligned, so they can be viewed as any [`Element`] slice.
-struct HostBuffer {
-    words: Vec<u64>,
-    bytes: usize,
+/// Host bytes, viewable as the tensor's element type: 8-byte aligned words (any dtype), or an
+/// f32 vector adopted without a copy by [`Tensor::from_f32_vec`] (F32 tensors only, so every
+/// typed view of it is an `f32` view, 4-byte aligned).
+enum HostBuffer {
+    Words { words: Vec<u64>, bytes: usize },
+    F32(Vec<f32>),
 }
 
 impl HostBuffer {
     fn filled(bytes: usize, byte: u8) -> Self {
         let word = u64::from_ne_bytes([byte; 8]);
-        HostBuffer {
+        HostBuffer::Words {
             words: vec![word; bytes.div_ceil(8)],
             bytes,
         }
     }
     /// A buffer holding a copy of `bytes` (zero-allocated words, then one copy: no fill pass).
     fn from_bytes(bytes: &[u8]) -> Self {
-        let mut h = HostBuffer {
+        let mut h = HostBuffer::Words {
             words: vec![0u64; bytes.len().div_ceil(8)],
             bytes: bytes.len(),
         };
@@ -35,10 +37,16 @@ impl HostBuffer {
         h
     }
     fn as_bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.words)[..self.bytes]
+        match self {
+            HostBuffer::Words { words, bytes } => &bytemuck::cast_slice(words)[..*bytes],
+            HostBuffer::F32(v) => bytemuck::cast_slice(v),
+        }
     }
     fn as_bytes_mut(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.bytes]
+        match self {
+            HostBuffer::Words { words, bytes } => &mut bytemuck::cast_slice_mut(words)[..*bytes],
+            HostBuffer::F32(v) => bytemuck::cast_slice_mut(v),
+        }
     }
 }
 
@@ -152,6 +160,35 @@ impl Tensor {
             )));
         }
         Self::from_bytes(backend, shape, T::DTYPE, bytemuck::cast_slice(data))
+    }
+
+    /// An F32 tensor holding `data`: on `cpu` the vector is adopted as the tensor's storage
+    /// (no copy), elsewhere it is uploaded. What an op's CPU path returns its result through.
+    pub fn from_f32_vec(backend: &Backend, shape: &[usize], data: Vec<f32>) -> Result<Tensor> {
+        if data.len() != numel(shape) {
+            return Err(Error::Invalid(format!(
+                "{} elements given for a tensor of shape {shape:?} ({} elements)",
+                data.len(),
+                numel(shape)
+            )));
+        }
+        match backend {
+            Backend::Cpu => Ok(Tensor {
+                shape: shape.to_vec(),
+                dtype: DType::F32,
+                storage: Storage::Host(HostBuffer::F32(data)),
+            }),
+            _ => Self::from_slice(backend, shape, &data),
+        }
+    }
+
+    /// The elements as f32 without a copy when they are F32 in host memory (cpu, emu), else a
+    /// downloaded (BF16: widened) copy. What an op's CPU path reads its inputs through.
+    pub fn f32_data(&self) -> Result<std::borrow::Cow<'_, [f32]>> {
+        match self.host_slice::<f32>() {
+            Ok(s) => Ok(std::borrow::Cow::Borrowed(s)),
+            Err(_) => Ok(std::borrow::Cow::Owned(self.to_f32_vec()?)),
+        }
     }
 
     /// Uploads f32 values as `dtype` (F32 or BF16, rounding to nearest even).
@@ -546,6 +583,28 @@ mod tests {
         assert!(err.contains("lives on cpu, not on emu"), "{err}");
         let err = cpu_t.write_range(0, &emu_t).unwrap_err().to_string();
         assert!(err.contains("`src` lives on emu"), "{err}");
+    }
+
+    #[test]
+    fn adopted_f32_vectors_behave_like_any_tensor() {
+        let v: Vec<f32> = (0..12).map(|i| i as f32 * 1.5).collect();
+        for backend in [Backend::Cpu, Backend::emu_with_seed(1)] {
+            let mut t = Tensor::from_f32_vec(&backend, &[3, 4], v.clone()).unwrap();
+            assert!(t.is_on(backend.device()));
+            assert_eq!(t.to_vec::<f32>().unwrap(), v);
+            assert_eq!(&*t.f32_data().unwrap(), v.as_slice());
+            assert!(t.host_slice::<bf16>().is_err());
+            t.host_slice_mut::<f32>().unwrap()[5] = -1.0;
+            let w = t.copy_range(&backend, 4, &[2]).unwrap();
+            assert_eq!(w.to_vec::<f32>().unwrap(), vec![6.0, -1.0]);
+            t.write_range(0, &w).unwrap();
+            assert_eq!(t.to_vec::<f32>().unwrap()[..2], [6.0, -1.0]);
+            let r = t.reshape(&[12]).unwrap();
+            assert_eq!(r.to_bytes().unwrap().len(), 48);
+            assert!(Tensor::from_f32_vec(&backend, &[5], vec![0.0; 4]).is_err());
+        }
+        let b16 = Tensor::from_f32_as(&Backend::Cpu, &[2], DType::BF16, &[1.5, -2.0]).unwrap();
+        assert_eq!(&*b16.f32_data().unwrap(), &[1.5, -2.0]);
     }
 
     #[test]

@@ -224,8 +224,8 @@ pub fn residual_add(backend: &Backend, a: &Tensor, b: &Tensor) -> Result<Tensor>
     let n = a.numel();
     match backend {
         Backend::Cpu => {
-            let y = residual_add_reference(&a.to_f32_vec()?, &b.to_f32_vec()?)?;
-            host_tensor(backend, a.shape(), &y)
+            let y = residual_add_reference(&a.f32_data()?, &b.f32_data()?)?;
+            Tensor::from_f32_vec(backend, a.shape(), y)
         }
         _ => {
             let y = Tensor::poisoned(backend, a.shape(), DType::F32)?;
@@ -324,10 +324,10 @@ pub fn transpose(backend: &Backend, x: &Tensor) -> Result<Tensor> {
                 &[cols, rows],
                 &transpose_reference(&x.to_vec::<bf16>()?, rows, cols)?,
             ),
-            _ => Tensor::from_slice(
+            _ => Tensor::from_f32_vec(
                 backend,
                 &[cols, rows],
-                &transpose_reference(x.host_slice::<f32>()?, rows, cols)?,
+                transpose_reference(&x.f32_data()?, rows, cols)?,
             ),
         };
     }
