@@ -1,13 +1,14 @@
 //! One supervised training step (forward, loss, backward into the gradient arena) of the
-//! default small config (configs/model/small.toml: d_model 128, 4 layers, 8 experts top-2) on
-//! the cpu device, at the model issue's shape: 32 sequences of 64 tokens. Prints tokens/s.
+//! default small config (configs/model/small.toml: d_model 128, 4 layers, 8 experts top-2) at the
+//! model issue's shape, 32 sequences of 64 tokens: on the cpu device, and on cuda when a GPU
+//! exists (skipped silently otherwise). Prints tokens/s.
 //! `cargo bench -p sluice-model --bench train_step`
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use sluice_model::config::ModelConfig;
-use sluice_model::forward::loss_and_grad;
+use sluice_model::forward::{loss_and_grad, loss_and_grad_on};
 use sluice_model::kernels::testing::Rng;
-use sluice_model::kernels::Backend;
+use sluice_model::kernels::{Backend, Device};
 use sluice_model::{Model, PackedBatch};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -51,6 +52,26 @@ fn bench(c: &mut Criterion) {
     g.bench_function("small_cpu_32x64", |b| {
         b.iter(|| black_box(loss_and_grad(&mut m, &batch, &targets, &mask).expect("step")))
     });
+    if let Ok(gpu) = Backend::open(Device::Cuda(0)) {
+        let mut m = Model::new(cfg.clone(), &gpu).expect("model on cuda");
+        let mut step = || {
+            let l = loss_and_grad_on(&gpu, &mut m, &batch, &targets, &mask).expect("cuda step");
+            gpu.synchronize().expect("sync");
+            l
+        };
+        step();
+        let start = Instant::now();
+        for _ in 0..reps {
+            black_box(step());
+        }
+        let s = start.elapsed().as_secs_f64() / reps as f64;
+        println!(
+            "train step, small config, {SEQS} x {LEN} tokens, cuda: {:.1} ms/step, {:.0} tokens/s",
+            s * 1e3,
+            tokens / s
+        );
+        g.bench_function("small_cuda_32x64", |b| b.iter(|| black_box(step())));
+    }
     g.finish();
 }
 
