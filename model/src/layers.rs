@@ -4,8 +4,10 @@
 //! Every function takes the [`Backend`] and tensors that live on it and calls the kernels
 //! crate's device entry points: on `cpu` they run the CPU references, on `emu` and `cuda` the
 //! CUDA kernels (under the emulator on `emu`). The learner ([`crate::forward`]) chains them into
-//! the whole model; the rollout engine reuses the same projection and FFN functions, so the two
-//! compute a token's activations with the same code.
+//! the whole model. The projection and FFN functions ([`qkv`], [`attn_output`], [`ffn`],
+//! [`ffn_block`]) are meant for the rollout engine as well (with its paged attention in place of
+//! [`attention`]), so that the engine and the learner compute a token's activations with the
+//! same code.
 //!
 //! Shapes: T packed tokens, d = d_model, H query heads, Hkv KV heads, D = head_dim, f the hidden
 //! width of an FFN, E experts, V the vocabulary. Activations are F32 `[T, ...]`, row-major.
