@@ -1,11 +1,15 @@
 //! The whole model on the emulator (every op a CUDA kernel run by kernels/emu) and on CUDA where
 //! a GPU exists, against the cpu device: the gradient of every named view and the logits agree
-//! with the cpu within f32 tolerance; results are bit-identical across runs and across emulator
-//! schedule seeds; a sequence's logits do not depend on its batch; SGD lowers the loss.
+//! with the cpu within f32 tolerance; the emu gradient matches finite differences of the emu
+//! loss; results are bit-identical across runs and across emulator schedule seeds; a sequence's
+//! logits do not depend on its batch; SGD lowers the loss.
 //! Tiny config (configs/model/tiny.toml: every feature on), so the emulator runs it in seconds.
 
 use sluice_model::config::ModelConfig;
-use sluice_model::forward::{logits_on, loss_and_grad_on, loss_on, policy_loss_and_grad_on};
+use sluice_model::forward::{
+    logits_on, loss_and_grad_on, loss_of_on, loss_on, policy_loss_and_grad_on,
+};
+use sluice_model::gradcheck::check_views;
 use sluice_model::kernels::device::cuda_for_tests;
 use sluice_model::kernels::ops::is_gate_loss::{GateMode, GateParams, TokenInputs};
 use sluice_model::kernels::testing::{rel_norm, Rng, F32_TOL};
@@ -157,6 +161,34 @@ fn emu_features_off_match_cpu() {
             &cfg,
             &step(&emu, &cfg, &c),
             &step(&Backend::Cpu, &cfg, &c),
+        );
+    }
+}
+
+#[test]
+fn emu_gradient_matches_finite_differences() {
+    // The emu forward differentiated numerically against the emu backward (grad_model.rs does
+    // the same on cpu, with its tolerance and reasoning; fewer samples per view here).
+    let (cfg, c) = tiny_case();
+    let emu = Backend::emu_with_seed(1);
+    let mut m = Model::new(cfg.clone(), &emu).unwrap();
+    loss_and_grad_on(&emu, &mut m, &c.batch, &c.targets, &c.mask).unwrap();
+    let checks = check_views(
+        &mut m.params,
+        &m.grads,
+        |a| Ok(loss_of_on(&emu, &cfg, a, &c.batch, &c.targets, &c.mask)? as f64),
+        3,
+        1e-2,
+        1e-4,
+        3,
+    )
+    .unwrap();
+    for ch in &checks {
+        assert!(
+            ch.rel_err < 3e-2,
+            "emu {}: rel err {:.3e}",
+            ch.name,
+            ch.rel_err
         );
     }
 }
