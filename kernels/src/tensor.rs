@@ -21,20 +21,46 @@ enum HostBuffer {
 
 impl HostBuffer {
     fn filled(bytes: usize, byte: u8) -> Self {
-        let word = u64::from_ne_bytes([byte; 8]);
-        HostBuffer::Words {
-            words: vec![word; bytes.div_ceil(8)],
-            bytes,
-        }
-    }
-    /// A buffer holding a copy of `bytes` (zero-allocated words, then one copy: no fill pass).
-    fn from_bytes(bytes: &[u8]) -> Self {
-        let mut h = HostBuffer::Words {
-            words: vec![0u64; bytes.len().div_ceil(8)],
-            bytes: bytes.len(),
+        let n = bytes.div_ceil(8);
+        let words = if byte == 0 {
+            // Zeroed allocation: fresh pages come zeroed from the OS, so nothing is written.
+            vec![0u64; n]
+        } else {
+            let word = u64::from_ne_bytes([byte; 8]);
+            let mut words: Vec<u64> = Vec::with_capacity(n);
+            par_chunks(&mut words.spare_capacity_mut()[..n], |_, d| {
+                d.iter_mut().for_each(|w| {
+                    w.write(word);
+                })
+            });
+            // SAFETY: every one of the first n words was written just above.
+            unsafe { words.set_len(n) };
+            words
         };
-        h.as_bytes_mut().copy_from_slice(bytes);
-        h
+        HostBuffer::Words { words, bytes }
+    }
+    /// A buffer holding a copy of `bytes` (one copy into fresh memory, no fill pass first).
+    fn from_bytes(bytes: &[u8]) -> Self {
+        let n = bytes.len().div_ceil(8);
+        let mut words: Vec<u64> = Vec::with_capacity(n);
+        par_chunks(&mut words.spare_capacity_mut()[..n], |start, d| {
+            let src =
+                &bytes[(start * 8).min(bytes.len())..((start + d.len()) * 8).min(bytes.len())];
+            // SAFETY: `d` is d.len() * 8 writable bytes, at least src.len() (only the last
+            // chunk is shorter, by less than 8 bytes, which are zeroed); a fresh allocation, so
+            // no overlap; byte writes need no alignment.
+            unsafe {
+                let p = d.as_mut_ptr() as *mut u8;
+                std::ptr::copy_nonoverlapping(src.as_ptr(), p, src.len());
+                std::ptr::write_bytes(p.add(src.len()), 0, d.len() * 8 - src.len());
+            }
+        });
+        // SAFETY: every byte of the first n words was written just above.
+        unsafe { words.set_len(n) };
+        HostBuffer::Words {
+            words,
+            bytes: bytes.len(),
+        }
     }
     fn as_bytes(&self) -> &[u8] {
         match self {
@@ -48,6 +74,48 @@ impl HostBuffer {
             HostBuffer::F32(v) => bytemuck::cast_slice_mut(v),
         }
     }
+}
+
+/// Host copies and fills of at least this many bytes are split over rayon's threads: the model's
+/// CPU step copies tensors in and out of the ops, and a lone memcpy would leave the other cores
+/// idle.
+const PAR_BYTES: usize = 1 << 20;
+
+/// Calls `f(first index, chunk)` on chunks of `data` of about 256 KiB, in parallel when `data`
+/// is at least [`PAR_BYTES`] long, else on the whole slice at once.
+fn par_chunks<T: Send>(data: &mut [T], f: impl Fn(usize, &mut [T]) + Sync + Send) {
+    use rayon::prelude::*;
+    let size = std::mem::size_of::<T>().max(1);
+    if data.len() * size < PAR_BYTES {
+        f(0, data);
+        return;
+    }
+    let chunk = (PAR_BYTES / 4 / size).max(1);
+    data.par_chunks_mut(chunk)
+        .enumerate()
+        .for_each(|(i, c)| f(i * chunk, c));
+}
+
+/// `src` copied into a fresh vector (in parallel when large; no fill pass first).
+fn par_to_vec<T: Element>(src: &[T]) -> Vec<T> {
+    let mut v: Vec<T> = Vec::with_capacity(src.len());
+    par_chunks(&mut v.spare_capacity_mut()[..src.len()], |start, d| {
+        let n = d.len();
+        for (o, &x) in d.iter_mut().zip(&src[start..start + n]) {
+            o.write(x);
+        }
+    });
+    // SAFETY: every one of the first src.len() elements was written just above.
+    unsafe { v.set_len(src.len()) };
+    v
+}
+
+/// `dst.copy_from_slice(src)`, in parallel when large.
+fn par_copy(dst: &mut [u8], src: &[u8]) {
+    par_chunks(dst, |start, d| {
+        let n = d.len();
+        d.copy_from_slice(&src[start..start + n]);
+    });
 }
 
 enum Storage {
@@ -241,7 +309,7 @@ impl Tensor {
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         self.expect_dtype("tensor", T::DTYPE)?;
         if let Ok(host) = self.host_slice::<T>() {
-            return Ok(host.to_vec());
+            return Ok(par_to_vec(host));
         }
         let bytes = self.to_bytes()?;
         Ok(bytemuck::pod_collect_to_vec(&bytes))
@@ -327,10 +395,10 @@ impl Tensor {
         let range = self.byte_range("write_range", elem_offset, src.numel())?;
         match (&mut self.storage, &src.storage) {
             (Storage::Host(d), Storage::Host(s)) => {
-                d.as_bytes_mut()[range].copy_from_slice(s.as_bytes())
+                par_copy(&mut d.as_bytes_mut()[range], s.as_bytes())
             }
             (Storage::Emu(d), Storage::Emu(s)) => {
-                d.as_bytes_mut()[range].copy_from_slice(s.as_bytes())
+                par_copy(&mut d.as_bytes_mut()[range], s.as_bytes())
             }
             (Storage::Cuda(d, stream), Storage::Cuda(s, _)) => {
                 if !range.is_empty() {
@@ -605,6 +673,29 @@ mod tests {
         }
         let b16 = Tensor::from_f32_as(&Backend::Cpu, &[2], DType::BF16, &[1.5, -2.0]).unwrap();
         assert_eq!(&*b16.f32_data().unwrap(), &[1.5, -2.0]);
+    }
+
+    #[test]
+    fn large_host_copies_split_over_threads_keep_every_byte() {
+        // Above PAR_BYTES, with a ragged tail (not a multiple of the 256 KiB chunk or of 8).
+        let n = (3 << 20) + 5;
+        let bytes: Vec<u8> = (0..n).map(|i| (i * 7 + i / 4096) as u8).collect();
+        for backend in [Backend::Cpu, Backend::emu_with_seed(1)] {
+            let mut t = Tensor::from_bytes(&backend, &[n], DType::U8, &bytes).unwrap();
+            assert_eq!(t.to_bytes().unwrap(), bytes);
+            assert_eq!(t.to_vec::<u8>().unwrap(), bytes);
+            let w = t.copy_range(&backend, 3, &[n - 4]).unwrap();
+            assert_eq!(w.to_vec::<u8>().unwrap(), bytes[3..n - 1].to_vec());
+            t.write_range(1, &w).unwrap();
+            let mut want = bytes.clone();
+            want[1..n - 3].copy_from_slice(&bytes[3..n - 1]);
+            assert_eq!(t.to_vec::<u8>().unwrap(), want);
+            let p = Tensor::poisoned(&backend, &[n], DType::U8).unwrap();
+            assert!(p.to_vec::<u8>().unwrap().iter().all(|&b| b == POISON_BYTE));
+        }
+        let f: Vec<f32> = (0..(1 << 19) + 3).map(|i| i as f32).collect();
+        let t = Tensor::from_slice(&Backend::Cpu, &[f.len()], &f).unwrap();
+        assert_eq!(t.to_vec::<f32>().unwrap(), f);
     }
 
     #[test]
