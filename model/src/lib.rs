@@ -20,6 +20,7 @@ pub mod forward;
 pub mod gradcheck;
 pub mod init;
 pub mod layout;
+pub mod optim;
 
 pub use arena::Arena;
 pub use batch::PackedBatch;
