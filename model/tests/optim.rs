@@ -442,9 +442,14 @@ fn train_steps(
 
 #[test]
 fn state_round_trips_through_a_checkpoint_bit_exact_and_reset_clears() {
+    for (k, be) in [Backend::Cpu, Backend::emu_with_seed(1)].iter().enumerate() {
+        state_round_trip(be, &format!("{}-{k}", std::process::id()));
+    }
+}
+
+fn state_round_trip(be: &Backend, tag: &str) {
     let cfg = tiny();
-    let be = Backend::Cpu;
-    let dir = std::env::temp_dir().join(format!("sluice-optim-test-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("sluice-optim-test-{tag}"));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("state.safetensors");
     let mut m = Model::new(cfg.clone(), &be).unwrap();
@@ -547,11 +552,13 @@ fn steps_are_bit_identical_across_runs_on_cpu_and_emu() {
         .map(|&x| half::bf16::from_f32(x).to_f32())
         .collect();
     assert_eq!(bits(&cpu_a[3]), bits(&rounded));
-    // emu against cpu: compare the updates (p - p0); Newton-Schulz normalises in f32 on the
-    // device and in f64 on cpu, and its five steps amplify that last-bit difference a little.
+    // emu against cpu: compare the updates (p - p0), whose size the tolerance is about;
+    // Newton-Schulz normalises in f32 on the device and in f64 on cpu, and sums its GEMMs in
+    // another order (measured 4.7e-7).
     let upd = |p: &[f32]| -> Vec<f32> { p.iter().zip(&start).map(|(a, b)| a - b).collect() };
     let e = rel_norm(&upd(&emu_a[0]), &f64s(&upd(&cpu_a[0])));
-    assert!(e <= 1e-4, "emu vs cpu update: {e}");
+    println!("emu vs cpu, relative norm of the update difference: {e:.2e}");
+    assert!(e <= F32_TOL, "emu vs cpu update: {e}");
     assert!(rel_norm(&emu_a[1], &f64s(&cpu_a[1])) <= F32_TOL, "m");
     assert!(rel_norm(&emu_a[2], &f64s(&cpu_a[2])) <= F32_TOL, "v");
 }
@@ -661,6 +668,22 @@ fn bad_inputs_are_errors_naming_the_param() {
                 .unwrap_err()
         ),
         "grads"
+    );
+    // An optimizer built for cpu stepping on emu.
+    let mut emu_model = Model::new(cfg.clone(), &emu).unwrap();
+    let mut emu_state = OptimState::new(&emu, layout.clone()).unwrap();
+    assert_eq!(
+        name_of(
+            opt.step(
+                &emu,
+                &mut emu_model.params,
+                &emu_model.grads,
+                &mut emu_state,
+                None
+            )
+            .unwrap_err()
+        ),
+        "backend"
     );
     // A NaN learning-rate factor, a NaN gradient.
     assert_eq!(

@@ -614,13 +614,17 @@ pub fn adamw(
             hp,
         );
     }
-    let Some((starts, cum, wd)) = &table.device else {
-        return Ok(()); // no segments
-    };
     let total = table.total();
     if total == 0 {
         return Ok(());
     }
+    let Some((starts, cum, wd)) = &table.device else {
+        return Err(Error::Invalid(
+            "optim_adamw_f32: the segment table was built for the cpu device; build it on the \
+             launch's device"
+                .into(),
+        ));
+    };
     // Grid-stride over the compact index k in [0, total): thread k updates p/m/v at the one
     // arena index its segment maps k to.
     backend.launch(

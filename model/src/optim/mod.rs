@@ -29,7 +29,7 @@ use crate::arena::Arena;
 use crate::layout::Layout;
 use sluice_kernels::ops::newton_schulz::MAX_STEPS;
 use sluice_kernels::ops::optim::SegmentTable;
-use sluice_kernels::{Backend, DType, Error, Result};
+use sluice_kernels::{Backend, DType, Device, Error, Result};
 use std::sync::Arc;
 
 /// Muon's hyperparameters (DESIGN.md section 3.7).
@@ -224,6 +224,8 @@ pub struct StepStats {
 /// Muon and AdamW over one [`Layout`]'s arenas, with the tables built for one device.
 pub struct Optimizer {
     config: OptimConfig,
+    /// The device the tables were built for; every step must run there.
+    device: Device,
     layout: Arc<Layout>,
     adamw: SegmentTable,
     muon: Vec<muon::MuonGroup>,
@@ -249,6 +251,7 @@ impl Optimizer {
         let muon = muon::groups(backend, &layout)?;
         Ok(Optimizer {
             config,
+            device: backend.device(),
             layout,
             adamw,
             muon,
@@ -309,6 +312,16 @@ impl Optimizer {
     ) -> Result<StepStats> {
         check_nonneg("lr_factor", lr_factor)?;
         let device = backend.device();
+        if device != self.device {
+            return Err(Error::param(
+                "backend",
+                format!(
+                    "the optimizer's tables were built for {}, but the step runs on {device}; \
+                     build the optimizer on the device it steps on",
+                    self.device
+                ),
+            ));
+        }
         let mut arenas: Vec<(&str, &Arena, DType)> = vec![
             ("params", &*params, DType::F32),
             ("grads", grads, DType::F32),
