@@ -452,15 +452,15 @@ fn state_round_trip(be: &Backend, tag: &str) {
     let dir = std::env::temp_dir().join(format!("sluice-optim-test-{tag}"));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("state.safetensors");
-    let mut m = Model::new(cfg.clone(), &be).unwrap();
-    let opt = Optimizer::new(&be, m.layout().clone(), OptimConfig::default()).unwrap();
-    let mut st = opt.new_state(&be).unwrap();
-    train_steps(&mut m, &opt, &mut st, &be, 100, 3);
+    let mut m = Model::new(cfg.clone(), be).unwrap();
+    let opt = Optimizer::new(be, m.layout().clone(), OptimConfig::default()).unwrap();
+    let mut st = opt.new_state(be).unwrap();
+    train_steps(&mut m, &opt, &mut st, be, 100, 3);
     st.save(&path, &cfg, &m.params).unwrap();
 
-    let mut m2 = Model::new(cfg.clone(), &be).unwrap();
-    let mut st2 = opt.new_state(&be).unwrap();
-    st2.load(&path, &be, &cfg, &mut m2.params).unwrap();
+    let mut m2 = Model::new(cfg.clone(), be).unwrap();
+    let mut st2 = opt.new_state(be).unwrap();
+    st2.load(&path, be, &cfg, &mut m2.params).unwrap();
     assert_eq!(st2.step, 3);
     assert_eq!(
         bits(&st2.m.to_vec().unwrap()),
@@ -475,8 +475,8 @@ fn state_round_trip(be: &Backend, tag: &str) {
         bits(&m.params.to_vec().unwrap())
     );
     // The state is complete: one more identical step gives identical bits.
-    train_steps(&mut m, &opt, &mut st, &be, 200, 1);
-    train_steps(&mut m2, &opt, &mut st2, &be, 200, 1);
+    train_steps(&mut m, &opt, &mut st, be, 200, 1);
+    train_steps(&mut m2, &opt, &mut st2, be, 200, 1);
     assert_eq!(
         bits(&m2.params.to_vec().unwrap()),
         bits(&m.params.to_vec().unwrap())
@@ -487,13 +487,13 @@ fn state_round_trip(be: &Backend, tag: &str) {
     let weights = dir.join("weights.safetensors");
     m.save(&weights).unwrap();
     let before = bits(&st2.m.to_vec().unwrap());
-    let e = st2.load(&weights, &be, &cfg, &mut m2.params).unwrap_err();
+    let e = st2.load(&weights, be, &cfg, &mut m2.params).unwrap_err();
     assert!(e.to_string().contains("optim_m"), "{e}");
     assert_eq!(bits(&st2.m.to_vec().unwrap()), before);
     assert_eq!(st2.step, 4);
 
     // Reset: zeros and step 0, the same as fresh state.
-    st2.reset(&be).unwrap();
+    st2.reset(be).unwrap();
     assert_eq!(st2.step, 0);
     assert!(st2.m.to_vec().unwrap().iter().all(|&x| x == 0.0));
     assert!(st2.v.to_vec().unwrap().iter().all(|&x| x == 0.0));
