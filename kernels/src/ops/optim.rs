@@ -423,6 +423,25 @@ pub fn cast_bf16_reference(src: &[f32]) -> Vec<bf16> {
     src.par_iter().map(|&x| bf16::from_f32(x)).collect()
 }
 
+/// [`cast_bf16_reference`] into an existing slice of the same length (rayon, no allocation).
+pub fn cast_bf16_reference_into(src: &[f32], dst: &mut [bf16]) -> Result<()> {
+    if dst.len() != src.len() {
+        return Err(Error::shape(
+            "dst",
+            format!("[{}] (the length of `src`)", src.len()),
+            &[dst.len()],
+        ));
+    }
+    dst.par_chunks_mut(1 << 14)
+        .zip(src.par_chunks(1 << 14))
+        .for_each(|(d, s)| {
+            for (d, &x) in d.iter_mut().zip(s) {
+                *d = bf16::from_f32(x);
+            }
+        });
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------------
 // Tables uploaded once per optimizer
 // ---------------------------------------------------------------------------------------------
@@ -792,9 +811,7 @@ pub fn cast_bf16_into(backend: &Backend, src: &Tensor, dst: &mut Tensor) -> Resu
         ));
     }
     if let Backend::Cpu = backend {
-        let v = cast_bf16_reference(src.host_slice()?);
-        dst.host_slice_mut::<bf16>()?.copy_from_slice(&v);
-        return Ok(());
+        return cast_bf16_reference_into(src.host_slice()?, dst.host_slice_mut::<bf16>()?);
     }
     let n = src.numel();
     if n == 0 {

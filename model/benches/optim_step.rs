@@ -3,7 +3,7 @@
 //! training step (forward, loss, backward) of the model issue's batch: 32 sequences of 64
 //! tokens. Prints both times and the fraction of a full step (train + optimizer) that the
 //! optimizer takes, and Muon's Newton-Schulz FLOPs per step.
-//! `cargo bench -p sluice-model --bench optim`
+//! `cargo bench -p sluice-model --bench optim_step`
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use sluice_model::config::ModelConfig;
@@ -77,7 +77,7 @@ fn bench(c: &mut Criterion) {
         flops / step / 1e9
     );
 
-    let mut g = c.benchmark_group("optim");
+    let mut g = c.benchmark_group("optim_step");
     g.sample_size(10)
         .measurement_time(Duration::from_secs(5))
         .warm_up_time(Duration::from_secs(1));
