@@ -149,7 +149,17 @@ fn adam_inputs(seed: u64, len: usize) -> AdamInputs {
     }
 }
 
-const SEG_LENS: &[&[usize]] = &[&[1], &[17, 127], &[3, 1, 300, 17]];
+/// Ragged segments; the last case has 37 segments (lengths 1..13) so the kernel's binary search
+/// over the table takes every path.
+const SEG_LENS: &[&[usize]] = &[
+    &[1],
+    &[17, 127],
+    &[3, 1, 300, 17],
+    &[
+        1, 8, 2, 9, 3, 10, 4, 11, 5, 12, 6, 13, 7, 1, 8, 2, 9, 3, 10, 4, 11, 5, 12, 6, 13, 7, 1, 8,
+        2, 9, 3, 10, 4, 11, 5, 12, 6,
+    ],
+];
 
 #[test]
 fn adamw_reference_matches_f64_oracle_and_leaves_gaps() {
@@ -508,6 +518,20 @@ fn bad_input_is_an_error_naming_it() {
         }];
         assert_eq!(
             param_name(BlockTable::new(&be, rows_overlap, 2, 3, 100).err().unwrap()),
+            "blocks"
+        );
+        let overlapping = vec![
+            StridedBlock {
+                offset: 0,
+                row_stride: 8,
+            },
+            StridedBlock {
+                offset: 10,
+                row_stride: 8,
+            },
+        ];
+        assert_eq!(
+            param_name(BlockTable::new(&be, overlapping, 3, 4, 100).err().unwrap()),
             "blocks"
         );
         let past = vec![StridedBlock {

@@ -706,3 +706,64 @@ fn bad_inputs_are_errors_naming_the_param() {
     assert_eq!(st.step, 0);
     assert!(st.m.to_vec().unwrap().iter().all(|&x| x == 0.0));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Gradient norm and clipping
+// ---------------------------------------------------------------------------------------------
+
+/// The global norm matches an f64 oracle on cpu and emu, and clipping to c multiplies the
+/// gradient by c / (norm + 1e-6): the momentum after one clipped step equals the momentum after
+/// one unclipped step on the pre-scaled gradient, bit for bit (the same f32 product).
+#[test]
+fn clipping_scales_the_gradient_by_max_norm_over_norm() {
+    for be in [Backend::Cpu, Backend::emu_with_seed(1)] {
+        let mut m = Model::new(tiny(), &be).unwrap();
+        fill_random(&mut m.grads, 77, 0.3);
+        let g = m.grads.to_vec().unwrap();
+        let want: f64 = g.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt();
+        let norm = sluice_model::optim::clip::global_norm(&be, &m.grads).unwrap();
+        assert!(
+            ((norm - want) / want).abs() < F32_TOL,
+            "{norm} vs {want} on {be:?}"
+        );
+
+        let c = (want / 4.0) as f32;
+        let clipped = OptimConfig {
+            clip_norm: Some(c),
+            ..OptimConfig::default()
+        };
+        let opt = Optimizer::new(&be, m.layout().clone(), clipped).unwrap();
+        let mut st = opt.new_state(&be).unwrap();
+        let mut p = m.params.cast_copy(&be, DType::F32).unwrap();
+        let stats = opt.step(&be, &mut p, &m.grads, &mut st, None).unwrap();
+        let scale = (c as f64 / (norm + 1e-6)) as f32;
+        assert_eq!(stats.clip_scale, scale);
+        assert_eq!(stats.grad_norm, norm);
+
+        let opt2 = Optimizer::new(&be, m.layout().clone(), no_clip()).unwrap();
+        let mut st2 = opt2.new_state(&be).unwrap();
+        let mut scaled = m.grads.cast_copy(&be, DType::F32).unwrap();
+        for x in scaled.as_mut_slice().unwrap() {
+            *x *= scale;
+        }
+        let mut p2 = m.params.cast_copy(&be, DType::F32).unwrap();
+        opt2.step(&be, &mut p2, &scaled, &mut st2, None).unwrap();
+        assert_eq!(
+            bits(&st.m.to_vec().unwrap()),
+            bits(&st2.m.to_vec().unwrap())
+        );
+        assert_eq!(
+            bits(&st.v.to_vec().unwrap()),
+            bits(&st2.v.to_vec().unwrap())
+        );
+        // Below the threshold nothing is scaled.
+        let loose = OptimConfig {
+            clip_norm: Some((want * 2.0) as f32),
+            ..OptimConfig::default()
+        };
+        let opt3 = Optimizer::new(&be, m.layout().clone(), loose).unwrap();
+        let mut st3 = opt3.new_state(&be).unwrap();
+        let s3 = opt3.step(&be, &mut p2, &m.grads, &mut st3, None).unwrap();
+        assert_eq!(s3.clip_scale, 1.0);
+    }
+}

@@ -8,7 +8,8 @@
 //! a *block* is a strided 2-D window (`rows` x `cols`, element (r, c) at
 //! `offset + r * row_stride + c`): a head's rows or columns of a projection, one expert's
 //! matrix, or a whole matrix. Segments and blocks must not overlap each other (the model's
-//! layout guarantees it; each element then has one writer per launch).
+//! layout guarantees it, and [`SegmentTable::new`] / [`BlockTable::new`] check it; each element
+//! then has one writer per launch).
 //!
 //! Formulas (f32 on every device, in this operation order):
 //! - AdamW, per element with `g' = grad_scale * g`:
@@ -193,8 +194,8 @@ pub fn check_segments(segments: &[Segment], len: usize) -> Result<()> {
 }
 
 /// Checks blocks of `rows` x `cols` against an arena of `len` elements: each in bounds and its
-/// rows non-overlapping (`cols <= row_stride` when rows > 1). Disjointness between blocks is the
-/// caller's contract (a layout's `muon_blocks` are disjoint).
+/// rows non-overlapping (`cols <= row_stride` when rows > 1). Disjointness between blocks is
+/// checked once by [`BlockTable::new`] ([`check_disjoint`]).
 pub fn check_blocks(blocks: &[StridedBlock], rows: usize, cols: usize, len: usize) -> Result<()> {
     if blocks.len() > MAX_BLOCKS {
         return Err(Error::param(
@@ -232,6 +233,33 @@ pub fn check_blocks(blocks: &[StridedBlock], rows: usize, cols: usize, len: usiz
                 format!(
                     "block {k} (offset {}, [{rows},{cols}], row stride {}) runs past the arena's {len} elements",
                     b.offset, b.row_stride
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks that no two blocks share an element (every element then has one writer per launch):
+/// the blocks' row windows sorted by start must not overlap. O(R log R) in the number of rows R.
+pub fn check_disjoint(blocks: &[StridedBlock], rows: usize, cols: usize) -> Result<()> {
+    if cols == 0 {
+        return Ok(());
+    }
+    let mut rows_of: Vec<(usize, usize)> = blocks
+        .iter()
+        .enumerate()
+        .flat_map(|(k, b)| (0..rows).map(move |r| (b.offset + r * b.row_stride, k)))
+        .collect();
+    rows_of.sort_unstable();
+    for w in rows_of.windows(2) {
+        if w[1].0 < w[0].0 + cols {
+            return Err(Error::param(
+                "blocks",
+                format!(
+                    "blocks {} and {} overlap (rows at arena offsets {} and {}, {cols} columns); \
+                     blocks must be disjoint",
+                    w[0].1, w[1].1, w[0].0, w[1].0
                 ),
             ));
         }
@@ -512,6 +540,7 @@ impl BlockTable {
         len: usize,
     ) -> Result<BlockTable> {
         check_blocks(&blocks, rows, cols, len)?;
+        check_disjoint(&blocks, rows, cols)?;
         let device = if matches!(backend, Backend::Cpu) || blocks.is_empty() {
             None
         } else {
