@@ -78,7 +78,7 @@ fn preempted_sequences_still_match_the_learner() {
     for mode in [PreemptMode::Recompute, PreemptMode::SwapToHost] {
         let m = model(ModelConfig::small(), 3, &Backend::Cpu);
         let jobs = workload(m.config.vocab, 11);
-        let mut eng = engine(&m, Backend::Cpu, config(14, 4, mode));
+        let mut eng = engine(&m, Backend::Cpu, config(16, 4, mode));
         let res = drive(&mut eng, &jobs, &SUBMIT, |_, _| {});
         let st = eng.stats();
         assert!(
@@ -86,6 +86,30 @@ fn preempted_sequences_still_match_the_learner() {
             "{mode:?}: nothing was preempted: {st:?}"
         );
         assert_bit_identical(&m, &res, |_| true);
+    }
+}
+
+#[test]
+fn preemption_across_a_continue_swap_loses_nothing() {
+    // Sequences preempted (recompute or swap to host) around a Continue swap: all finish, all
+    // valid, tokens sampled before the swap match the learner at v0.
+    for mode in [PreemptMode::Recompute, PreemptMode::SwapToHost] {
+        let m0 = model(ModelConfig::small(), 3, &Backend::Cpu);
+        let m1 = model(ModelConfig::small(), 4, &Backend::Cpu);
+        let jobs = workload(m0.config.vocab, 11);
+        let mut eng = engine(&m0, Backend::Cpu, config(16, 4, mode));
+        let res = drive(&mut eng, &jobs, &SUBMIT, |e, step| {
+            if step == 9 {
+                e.swap_weights(&m1.params, WeightVersion(1), None).unwrap();
+            }
+        });
+        let st = eng.stats();
+        assert!(
+            st.preempted_recompute + st.preempted_swap > 0,
+            "{mode:?}: {st:?}"
+        );
+        assert_eq!(res.len(), 11);
+        assert!(assert_bit_identical(&m0, &res, |v| v == WeightVersion(0)) > 10);
     }
 }
 

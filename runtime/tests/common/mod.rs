@@ -1,7 +1,7 @@
 //! Shared pieces of the engine tests: models, a scripted workload (groups, shared prompts,
 //! multi-turn sessions), a driver that steps an engine and answers turns, and the learner's
 //! log-probs of finished trajectories.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::needless_range_loop)]
 
 use sluice_kernels::ops::is_gate_loss::{
     is_gate_loss, is_gate_loss_reference, GateMode, GateParams, TokenBatch, TokenInputs,
