@@ -665,3 +665,27 @@ pub fn decode(
     let rows: Vec<i32> = (0..b as i32).collect();
     lm_head_rows(backend, w, dm, &x, &rows)
 }
+
+/// FLOPs of one token's pass through the layer stack at position `pos` (0-based): every matrix
+/// product counted as 2 m n k (q, k, v, o projections; router; the k routed experts' or the
+/// dense FFN's three matrices; the shared expert), and attention as 4 (pos + 1) H hd per layer
+/// (QK^T and PV over pos + 1 keys). The LM head (run for sampled rows only) and elementwise ops
+/// are not included. What a prefix-cache hit or a shared group prefill saves per token.
+pub fn token_flops(cfg: &ModelConfig, pos: usize) -> u64 {
+    let d = cfg.d_model as u64;
+    let proj = 2 * d * (2 * cfg.q_dim() as u64 + 2 * cfg.kv_dim() as u64);
+    let attn = 4 * (pos as u64 + 1) * cfg.q_dim() as u64;
+    (0..cfg.n_layers)
+        .map(|l| {
+            let ffn = if cfg.is_dense_layer(l) {
+                6 * d * cfg.dense_ffn_width().unwrap_or(0) as u64
+            } else {
+                let routed = 6 * d * (cfg.top_k * cfg.expert_ffn_dim) as u64;
+                let router = 2 * d * cfg.n_experts as u64;
+                let shared = 6 * d * cfg.shared_expert_width().unwrap_or(0) as u64;
+                routed + router + shared
+            };
+            proj + attn + ffn
+        })
+        .sum()
+}
