@@ -74,7 +74,8 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// Tokens computed per step (prefill chunks plus one per decoding sequence), >= 1.
     pub max_batch_tokens: usize,
-    /// Sequences admitted (holding KV and computing) at once, >= 1.
+    /// Sequences admitted (holding KV and computing) at once, >= 1. A group of G counts G
+    /// when its leader is admitted (a group larger than the limit runs alone).
     pub max_seqs: usize,
     pub preempt: PreemptMode,
     /// The default for [`Engine::swap_weights`].
@@ -630,7 +631,10 @@ impl Engine {
         }
         // 2. Admission, FIFO, within the limits.
         while let Some(&h) = self.waiting.front() {
-            if self.running.len() >= self.cfg.max_seqs || budget == 0 || preempted.contains(&h) {
+            // A group leader brings its G - 1 siblings when its prompt completes: count them.
+            let need = 1 + self.seq(h)?.fork.len();
+            let full = !self.running.is_empty() && self.running.len() + need > self.cfg.max_seqs;
+            if full || budget == 0 || preempted.contains(&h) {
                 break;
             }
             match self.admit(h)? {
