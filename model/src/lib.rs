@@ -5,6 +5,7 @@
 //! - [`arena`]: one contiguous buffer holding every view (parameters, gradients, optimizer state,
 //!   a bf16 compute copy);
 //! - [`forward`]: the forward, the supervised loss and the hand-written backward (cpu);
+//! - [`infer`]: the inference forward over a paged KV cache (prefill, decode) on any device;
 //! - [`gradcheck`]: finite-difference checks of a gradient arena, view by view;
 //! - [`init`]: the seeded, documented initialisation;
 //! - [`batch`]: packed variable-length batches (tokens, cu_seqlens, positions);
@@ -18,6 +19,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod forward;
 pub mod gradcheck;
+pub mod infer;
 pub mod init;
 pub mod layout;
 pub mod optim;
