@@ -34,6 +34,9 @@ pub const VERSION: &str = "1";
 pub const CONFIG_KEY: &str = "sluice.config";
 pub const GROUPS_KEY: &str = "sluice.groups";
 pub const CHECKSUMS_KEY: &str = "sluice.checksums";
+/// Prefix of the caller's own metadata entries (e.g. `sluice.meta.optim_step`): scalars that
+/// travel with the arenas, such as the optimizer's step count.
+pub const META_PREFIX: &str = "sluice.meta.";
 
 fn io(path: &Path, message: impl Into<String>) -> Error {
     Error::Io {
@@ -84,6 +87,27 @@ pub fn save_with_extra(
     params: &Arena,
     extra: &[(&str, &Arena)],
 ) -> Result<()> {
+    save_with_meta(path, config, params, extra, &[])
+}
+
+/// [`save_with_extra`] plus caller metadata: each `(key, value)` is stored as the string entry
+/// `sluice.meta.<key>` of the safetensors header (keys: lowercase letters, digits, `_`).
+pub fn save_with_meta(
+    path: &Path,
+    config: &ModelConfig,
+    params: &Arena,
+    extra: &[(&str, &Arena)],
+    meta: &[(&str, String)],
+) -> Result<()> {
+    for (i, (key, _)) in meta.iter().enumerate() {
+        check_meta_key(key)?;
+        if meta[..i].iter().any(|(k, _)| k == key) {
+            return Err(Error::param(
+                "checkpoint metadata key",
+                format!("`{key}` is given twice"),
+            ));
+        }
+    }
     let mut groups: Vec<(&str, &Arena)> = vec![("", params)];
     for &(prefix, arena) in extra {
         check_prefix(prefix)?;
@@ -137,6 +161,10 @@ pub fn save_with_extra(
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
+    .chain(
+        meta.iter()
+            .map(|(k, v)| (format!("{META_PREFIX}{k}"), v.clone())),
+    )
     .collect();
     let mut out =
         safetensors::serialize(views, Some(metadata)).map_err(|e| io(path, e.to_string()))?;
@@ -201,6 +229,8 @@ struct Parsed {
     config: ModelConfig,
     groups: Vec<String>,
     checksums: BTreeMap<String, String>,
+    /// The caller metadata (`sluice.meta.<key>` entries), keyed without the prefix.
+    meta: BTreeMap<String, String>,
 }
 
 fn parse(path: &Path) -> Result<Parsed> {
@@ -257,11 +287,16 @@ fn parse(path: &Path) -> Result<Parsed> {
                 format!("metadata `{CHECKSUMS_KEY}` is not a JSON object of strings: {e}"),
             )
         })?;
+    let caller_meta = meta
+        .iter()
+        .filter_map(|(k, v)| Some((k.strip_prefix(META_PREFIX)?.to_string(), v.clone())))
+        .collect();
     Ok(Parsed {
         bytes,
         config,
         groups,
         checksums,
+        meta: caller_meta,
     })
 }
 
@@ -292,8 +327,37 @@ pub fn load_with_extra(
     params: &mut Arena,
     extra: &mut [(&str, &mut Arena)],
 ) -> Result<ModelConfig> {
-    let parsed = parse(path)?;
-    load_parsed(parsed, path, backend, config, params, extra)
+    load_with_meta(path, backend, config, params, extra).map(|(config, _)| config)
+}
+
+/// [`load_with_extra`] that also returns the caller metadata written by [`save_with_meta`]
+/// (keys without the `sluice.meta.` prefix). Returns the checkpoint's config and that map.
+pub fn load_with_meta(
+    path: &Path,
+    backend: &Backend,
+    config: &ModelConfig,
+    params: &mut Arena,
+    extra: &mut [(&str, &mut Arena)],
+) -> Result<(ModelConfig, BTreeMap<String, String>)> {
+    let mut parsed = parse(path)?;
+    let meta = std::mem::take(&mut parsed.meta);
+    let config = load_parsed(parsed, path, backend, config, params, extra)?;
+    Ok((config, meta))
+}
+
+/// A caller metadata key: non-empty, lowercase ASCII letters, digits and `_`.
+fn check_meta_key(key: &str) -> Result<()> {
+    let ok = !key.is_empty()
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if !ok {
+        return Err(Error::param(
+            "checkpoint metadata key",
+            format!("`{key}` must be non-empty lowercase letters, digits and `_`"),
+        ));
+    }
+    Ok(())
 }
 
 /// Reads a checkpoint into a new parameter arena on `backend`, shaped by the checkpoint's own

@@ -8,6 +8,7 @@
 //!   dense/MoE/shared FFN, embedding, head) and their backward, as tensor functions on any device;
 //! - [`forward`]: the whole model's forward, the losses and the hand-written backward, on any
 //!   device (cpu, emu, cuda);
+//! - [`infer`]: the inference forward over a paged KV cache (prefill, decode) on any device;
 //! - [`gradcheck`]: finite-difference checks of a gradient arena, view by view;
 //! - [`init`]: the seeded, documented initialisation;
 //! - [`batch`]: packed variable-length batches (tokens, cu_seqlens, positions);
@@ -21,9 +22,11 @@ pub mod checkpoint;
 pub mod config;
 pub mod forward;
 pub mod gradcheck;
+pub mod infer;
 pub mod init;
 pub mod layers;
 pub mod layout;
+pub mod optim;
 
 pub use arena::Arena;
 pub use batch::PackedBatch;

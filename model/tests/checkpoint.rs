@@ -364,3 +364,36 @@ fn extra_arenas_round_trip_all_or_nothing() {
     let e = checkpoint::save_with_extra(&q, &a.config, &a.params, &[("m", &m1), ("m", &m2)]);
     assert!(e.is_err());
 }
+
+#[test]
+fn caller_metadata_round_trips_and_bad_keys_are_rejected() {
+    let dir = TempDir::new("meta");
+    let p = dir.path("m.safetensors");
+    let backend = Backend::Cpu;
+    let a = model(3);
+    let meta = [
+        ("optim_step", "123456789012".to_string()),
+        ("run", "x y".to_string()),
+    ];
+    checkpoint::save_with_meta(&p, &a.config, &a.params, &[], &meta).unwrap();
+    let raw = parts(&p);
+    assert_eq!(raw.meta["sluice.meta.optim_step"], "123456789012");
+    let mut params = Arena::zeros(&backend, a.layout().clone(), DType::F32).unwrap();
+    let (_, got) =
+        checkpoint::load_with_meta(&p, &backend, &a.config, &mut params, &mut []).unwrap();
+    assert_eq!(got.len(), 2);
+    assert_eq!(got["optim_step"], "123456789012");
+    assert_eq!(got["run"], "x y");
+    assert_eq!(bits(&params), bits(&a.params));
+
+    for bad in ["", "Step", "a.b", "sluice format"] {
+        let q = dir.path("bad.safetensors");
+        let e = checkpoint::save_with_meta(&q, &a.config, &a.params, &[], &[(bad, "1".into())])
+            .unwrap_err();
+        assert!(e.to_string().contains("metadata key"), "{bad}: {e}");
+        assert!(!q.exists(), "{bad}: nothing is written");
+    }
+    let twice = [("k", "1".to_string()), ("k", "2".to_string())];
+    let e = checkpoint::save_with_meta(&p, &a.config, &a.params, &[], &twice).unwrap_err();
+    assert!(e.to_string().contains("given twice"), "{e}");
+}

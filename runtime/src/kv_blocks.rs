@@ -145,6 +145,10 @@ struct Seq {
     /// Chained hashes of the full blocks, in order.
     hashes: Vec<u64>,
     len: usize,
+    /// Whether blocks this sequence fills enter the prefix cache (false once its KV may differ
+    /// from a fresh prefill's: after [`BlockManager::invalidate_prefix_cache`], or when joined
+    /// with KV restored from elsewhere).
+    cacheable: bool,
 }
 
 /// The block manager. See the module docs.
@@ -291,6 +295,20 @@ impl BlockManager {
     /// Leading full blocks found in the prefix cache are shared, but never the block holding the
     /// last token: its KV (and the logits it yields) is always computed by this call's prefill.
     pub fn join(&mut self, seq: SeqId, tokens: &[u32]) -> Result<WritePlan, KvError> {
+        self.join_with(seq, tokens, true, true)
+    }
+
+    /// [`BlockManager::join`] with options: `share_prefix` = false takes no block from the
+    /// prefix cache (every token gets a fresh slot: for KV restored from host memory);
+    /// `cacheable` = false keeps the blocks this sequence fills out of the prefix cache (for KV
+    /// that a fresh prefill at the current weights would not reproduce).
+    pub fn join_with(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        share_prefix: bool,
+        cacheable: bool,
+    ) -> Result<WritePlan, KvError> {
         if self.seqs.contains_key(&seq) {
             return Err(KvError::DuplicateSequence(seq));
         }
@@ -304,7 +322,7 @@ impl BlockManager {
         for chunk in tokens[..tokens.len() - 1].chunks_exact(bs) {
             let h = hash_block(parent, chunk);
             match self.cache.get(&h) {
-                Some(&b) if self.blocks[b.0 as usize].tokens == chunk => {
+                Some(&b) if share_prefix && self.blocks[b.0 as usize].tokens == chunk => {
                     hits.push(b);
                     hashes.push(h);
                     parent = h;
@@ -335,6 +353,7 @@ impl BlockManager {
             blocks: hits,
             hashes,
             len: cached,
+            cacheable,
         };
         let slots = self.push_tokens(&mut s, &tokens[cached..]);
         self.seqs.insert(seq, s);
@@ -450,6 +469,23 @@ impl BlockManager {
         Ok(tokens)
     }
 
+    /// Forgets the prefix cache (after a weight swap, cached KV belongs to the old weights):
+    /// unheld cached blocks return to the free list, held blocks are released to the free list
+    /// when their holders finish, and blocks that live sequences fill from now on are not
+    /// cached (their KV mixes versions). Sequences joined later cache as usual.
+    pub fn invalidate_prefix_cache(&mut self) {
+        self.cache.clear();
+        for (_, b) in std::mem::take(&mut self.evictable) {
+            let blk = &mut self.blocks[b.0 as usize];
+            blk.hash = None;
+            blk.tokens.clear();
+            self.free.push_back(b);
+        }
+        for s in self.seqs.values_mut() {
+            s.cacheable = false;
+        }
+    }
+
     fn seq(&self, seq: SeqId) -> Result<&Seq, KvError> {
         self.seqs.get(&seq).ok_or(KvError::UnknownSequence(seq))
     }
@@ -500,7 +536,9 @@ impl BlockManager {
                 let h = hash_block(parent, &blk.tokens);
                 blk.hash = Some(h);
                 s.hashes.push(h);
-                self.cache.entry(h).or_insert(b);
+                if s.cacheable {
+                    self.cache.entry(h).or_insert(b);
+                }
             }
         }
         slots

@@ -1,11 +1,12 @@
 //! sluice-runtime: the RL system (rollout engine, data buffer, learner, weight sync).
 //!
 //! What exists so far (docs/runtime.md): the trajectory schema and its validator
-//! ([`trajectory`]), the paged KV block manager ([`kv_blocks`]) and the session router
-//! ([`router`]). The engine loop, the data buffer, the learner and weight sync arrive with their
-//! issues. The crate's place in the dependency chain is kernels <- model <- runtime <- trainer
+//! ([`trajectory`]), the paged KV block manager ([`kv_blocks`]), the session router
+//! ([`router`]) and the rollout engine with its replicas ([`engine`]). The data buffer, the
+//! learner and weight sync arrive with their issues. The crate's place in the dependency chain is kernels <- model <- runtime <- trainer
 //! (DESIGN.md section 1).
 
+pub mod engine;
 pub mod hash;
 pub mod kv_blocks;
 pub mod router;

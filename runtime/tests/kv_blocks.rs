@@ -482,3 +482,45 @@ fn random_operations_never_leak_or_corrupt_small_blocks() {
     all.extend((0..50).map(|seed| run_seed(5000 + seed, 1, 150, 200)));
     assert_exercised(&all);
 }
+
+#[test]
+fn invalidating_the_prefix_cache_frees_cached_blocks_and_stops_caching_live_ones() {
+    let mut m = BlockManager::new(8, 4).unwrap();
+    let prompt: Vec<u32> = (0..9).collect();
+    m.join(SeqId(1), &prompt).unwrap();
+    m.finish(SeqId(1)).unwrap();
+    assert_eq!(m.stats().blocks_cached, 2);
+    m.join(SeqId(2), &prompt).unwrap();
+    assert_eq!(m.stats().prefix_hit_tokens, 8);
+    m.invalidate_prefix_cache();
+    // Held blocks stay held; nothing is shared with a new join any more.
+    assert_eq!(m.stats().blocks_cached, 0);
+    let plan = m.join(SeqId(3), &prompt).unwrap();
+    assert_eq!(plan.cached_tokens, 0);
+    // Sequence 2 (live across the invalidation) fills a block: it is not cached...
+    m.append(SeqId(2), &[9, 10, 11]).unwrap();
+    m.finish(SeqId(2)).unwrap();
+    assert_eq!(m.stats().blocks_cached, 0, "{:?}", m.stats());
+    // ...while sequence 3 (joined after it) caches as usual.
+    m.finish(SeqId(3)).unwrap();
+    assert_eq!(m.stats().blocks_cached, 2);
+    assert_eq!(m.join(SeqId(4), &prompt).unwrap().cached_tokens, 8);
+}
+
+#[test]
+fn join_with_options() {
+    let mut m = BlockManager::new(8, 4).unwrap();
+    let prompt: Vec<u32> = (0..9).collect();
+    m.join(SeqId(1), &prompt).unwrap();
+    // No sharing: fresh blocks for every token even though the prefix is cached.
+    let plan = m.join_with(SeqId(2), &prompt, false, false).unwrap();
+    assert_eq!(plan.cached_tokens, 0);
+    assert_eq!(plan.slots.len(), 9);
+    let t1 = m.block_table(SeqId(1)).unwrap().to_vec();
+    let t2 = m.block_table(SeqId(2)).unwrap().to_vec();
+    assert!(t1.iter().all(|b| !t2.contains(b)));
+    // Not cacheable: once finished, its blocks return to the free list.
+    m.finish(SeqId(2)).unwrap();
+    assert_eq!(m.stats().blocks_cached, 0);
+    assert_eq!(m.stats().blocks_free, 8 - 3);
+}

@@ -9,6 +9,7 @@ pub mod gemm;
 pub mod is_gate_loss;
 pub mod moe;
 pub mod newton_schulz;
+pub mod optim;
 pub mod paged_attention;
 pub mod philox;
 pub mod rmsnorm;

@@ -1,0 +1,691 @@
+//! The inference forward over a paged KV cache (DESIGN.md 3.5, 6.3): what the rollout engine
+//! runs. Built only from the kernels crate's device entry points on [`Tensor`]s (gemm, rmsnorm,
+//! rope, kv_append, paged_prefill, paged_attention, swiglu, moe_forward, embedding,
+//! residual_add), so the same code runs on `cpu`, `emu` and `cuda`.
+//!
+//! - [`InferWeights`]: one tensor per view of the layout on the engine's backend, built from a
+//!   parameter [`Arena`], with the version it holds.
+//! - [`KvCache`]: per layer a K and a V cache of shape [NB, BS, Hkv, D] (F32).
+//! - [`prefill`]: new tokens of several sequences (a chunk each; their K/V are appended at the
+//!   given slots, and each token attends to its sequence's cached keys plus the chunk's own,
+//!   causally) -> logits of the rows asked for.
+//! - [`decode`]: one new token per sequence -> logits of every row.
+//!
+//! Every op is row-wise or batch-invariant with a fixed reduction order, and `paged_prefill` /
+//! `paged_attention` give each query row bit-for-bit the row `attention_forward` gives over the
+//! whole sequence. So the logits of a token are bit-identical to the training forward's
+//! ([`crate::forward::logits`]) on the same device and weights, whichever way the sequence was
+//! split into chunks, and whatever else is in the batch. `runtime/tests/zero_mismatch.rs` checks
+//! this end to end.
+//!
+//! The layer pieces are small functions ([`attention_block`], [`ffn_block`], [`linear`], ...)
+//! so the training forward can later share them.
+
+use crate::arena::Arena;
+use crate::config::{ModelConfig, ScoreFn};
+use crate::layout::{FfnViews, Layout};
+use sluice_kernels::ops::attention::resolve_scale;
+use sluice_kernels::ops::elementwise::residual_add;
+use sluice_kernels::ops::embedding::embedding;
+use sluice_kernels::ops::gemm::gemm;
+use sluice_kernels::ops::moe::{moe_forward, MoeConfig, ScoreFn as MoeScoreFn};
+use sluice_kernels::ops::paged_attention::{kv_append, paged_attention, paged_prefill};
+use sluice_kernels::ops::rmsnorm::rmsnorm;
+use sluice_kernels::ops::rope::rope;
+use sluice_kernels::ops::swiglu::swiglu;
+use sluice_kernels::{Backend, DType, Error, Result, Tensor};
+
+/// The weights of one SwiGLU FFN: w1, w3 [f, d], w2 [d, f].
+pub struct DenseWeights {
+    pub w1: Tensor,
+    pub w3: Tensor,
+    pub w2: Tensor,
+}
+
+/// One layer's FFN weights.
+pub enum FfnWeights {
+    Dense(DenseWeights),
+    Moe {
+        /// [E, d]
+        router: Tensor,
+        /// [E, f, d]
+        w1: Tensor,
+        /// [E, f, d]
+        w3: Tensor,
+        /// [E, d, f]
+        w2: Tensor,
+        shared: Option<Box<DenseWeights>>,
+    },
+}
+
+/// One transformer block's weights.
+pub struct LayerWeights {
+    pub attn_norm: Tensor,
+    /// [H*hd, d]
+    pub wq: Tensor,
+    /// [Hkv*hd, d]
+    pub wk: Tensor,
+    /// [Hkv*hd, d]
+    pub wv: Tensor,
+    /// [d, H*hd]
+    pub wo: Tensor,
+    pub ffn_norm: Tensor,
+    pub ffn: FfnWeights,
+}
+
+/// The model's weights as tensors on one backend, and the version they are.
+pub struct InferWeights {
+    pub config: ModelConfig,
+    pub version: u64,
+    /// [vocab, d]
+    pub embed: Tensor,
+    pub layers: Vec<LayerWeights>,
+    pub final_norm: Tensor,
+    /// [vocab, d]
+    pub lm_head: Tensor,
+}
+
+impl InferWeights {
+    /// Copies every view of `arena` (F32 or BF16, any device; downloaded once) to `backend`
+    /// as F32 tensors of the view's shape.
+    pub fn from_arena(
+        backend: &Backend,
+        config: &ModelConfig,
+        arena: &Arena,
+        version: u64,
+    ) -> Result<InferWeights> {
+        config.validate()?;
+        let layout = arena.layout();
+        let expected = Layout::new(config)?;
+        if **layout != expected {
+            return Err(Error::Invalid(
+                "InferWeights: the arena's layout is not the layout of the model config".into(),
+            ));
+        }
+        let all = arena.to_vec()?;
+        let t = |i: usize| -> Result<Tensor> {
+            let spec = &layout.views()[i];
+            Tensor::from_slice(backend, &spec.shape, &all[spec.range()])
+        };
+        let dense = |(w1, w3, w2): (usize, usize, usize)| -> Result<DenseWeights> {
+            Ok(DenseWeights {
+                w1: t(w1)?,
+                w3: t(w3)?,
+                w2: t(w2)?,
+            })
+        };
+        let mut layers = Vec::with_capacity(layout.layers().len());
+        for lv in layout.layers() {
+            let ffn = match lv.ffn {
+                FfnViews::Dense { w1, w3, w2 } => FfnWeights::Dense(dense((w1, w3, w2))?),
+                FfnViews::Moe {
+                    router,
+                    w1,
+                    w3,
+                    w2,
+                    shared,
+                } => FfnWeights::Moe {
+                    router: t(router)?,
+                    w1: t(w1)?,
+                    w3: t(w3)?,
+                    w2: t(w2)?,
+                    shared: shared.map(dense).transpose()?.map(Box::new),
+                },
+            };
+            layers.push(LayerWeights {
+                attn_norm: t(lv.attn_norm)?,
+                wq: t(lv.wq)?,
+                wk: t(lv.wk)?,
+                wv: t(lv.wv)?,
+                wo: t(lv.wo)?,
+                ffn_norm: t(lv.ffn_norm)?,
+                ffn,
+            });
+        }
+        Ok(InferWeights {
+            config: config.clone(),
+            version,
+            embed: t(layout.embed())?,
+            layers,
+            final_norm: t(layout.final_norm())?,
+            lm_head: t(layout.lm_head())?,
+        })
+    }
+}
+
+/// The paged K/V caches: per layer K and V of shape [NB, BS, Hkv, D], F32.
+pub struct KvCache {
+    pub k: Vec<Tensor>,
+    pub v: Vec<Tensor>,
+    num_blocks: usize,
+    block_size: usize,
+    row: usize,
+}
+
+impl KvCache {
+    /// Zeroed caches of `num_blocks` blocks of `block_size` slots for every layer of `config`.
+    pub fn new(
+        backend: &Backend,
+        config: &ModelConfig,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<KvCache> {
+        if num_blocks == 0 || block_size == 0 {
+            return Err(Error::param(
+                "kv_cache",
+                format!("num_blocks {num_blocks} and block_size {block_size} must be >= 1"),
+            ));
+        }
+        let shape = [num_blocks, block_size, config.n_kv_heads, config.head_dim];
+        let mut k = Vec::with_capacity(config.n_layers);
+        let mut v = Vec::with_capacity(config.n_layers);
+        for _ in 0..config.n_layers {
+            k.push(Tensor::zeros(backend, &shape, DType::F32)?);
+            v.push(Tensor::zeros(backend, &shape, DType::F32)?);
+        }
+        Ok(KvCache {
+            k,
+            v,
+            num_blocks,
+            block_size,
+            row: config.n_kv_heads * config.head_dim,
+        })
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn layers(&self) -> usize {
+        self.k.len()
+    }
+
+    /// Values of one slot row (Hkv * D).
+    pub fn row_len(&self) -> usize {
+        self.row
+    }
+
+    /// Reads the K and V rows of `slots` in every layer: per layer ([n, Hkv*D], [n, Hkv*D]) as
+    /// F32 tensors on `backend` (a gather through the embedding op, an exact copy).
+    pub fn gather(&mut self, backend: &Backend, slots: &[i32]) -> Result<Vec<(Tensor, Tensor)>> {
+        let idx = Tensor::from_slice(backend, &[slots.len()], slots)?;
+        let n_slots = self.num_blocks * self.block_size;
+        let shape4 = [
+            self.num_blocks,
+            self.block_size,
+            self.row / self.k_head_dim(),
+            self.k_head_dim(),
+        ];
+        let mut out = Vec::with_capacity(self.layers());
+        for l in 0..self.layers() {
+            let k = gather_rows(backend, &mut self.k[l], &idx, [n_slots, self.row], shape4)?;
+            let v = gather_rows(backend, &mut self.v[l], &idx, [n_slots, self.row], shape4)?;
+            out.push((k, v));
+        }
+        Ok(out)
+    }
+
+    /// Writes per-layer K/V rows ([n, Hkv*D] each, as from [`KvCache::gather`]) into `slots`.
+    pub fn scatter(
+        &mut self,
+        backend: &Backend,
+        rows: Vec<(Tensor, Tensor)>,
+        slots: &[i32],
+    ) -> Result<()> {
+        if rows.len() != self.layers() {
+            return Err(Error::Invalid(format!(
+                "KvCache::scatter: {} layers of rows for a cache of {} layers",
+                rows.len(),
+                self.layers()
+            )));
+        }
+        let slot_t = Tensor::from_slice(backend, &[slots.len()], slots)?;
+        let hd = self.k_head_dim();
+        let shape3 = [slots.len(), self.row / hd, hd];
+        for (l, (k, v)) in rows.into_iter().enumerate() {
+            let k = k.reshape(&shape3)?;
+            let v = v.reshape(&shape3)?;
+            kv_append(backend, &k, &v, &slot_t, &mut self.k[l], &mut self.v[l])?;
+        }
+        Ok(())
+    }
+
+    /// Copies the first `tokens` slots of block `src` into block `dst` in every layer
+    /// (the block manager's copy-on-write instruction).
+    pub fn copy_block(
+        &mut self,
+        backend: &Backend,
+        src: usize,
+        dst: usize,
+        tokens: usize,
+    ) -> Result<()> {
+        if src >= self.num_blocks || dst >= self.num_blocks || tokens > self.block_size {
+            return Err(Error::Invalid(format!(
+                "KvCache::copy_block: block {src} -> {dst} ({tokens} slots) outside {} blocks of {}",
+                self.num_blocks, self.block_size
+            )));
+        }
+        if tokens == 0 || src == dst {
+            return Ok(());
+        }
+        let bs = self.block_size;
+        let from: Vec<i32> = (0..tokens).map(|i| (src * bs + i) as i32).collect();
+        let to: Vec<i32> = (0..tokens).map(|i| (dst * bs + i) as i32).collect();
+        let rows = self.gather(backend, &from)?;
+        self.scatter(backend, rows, &to)
+    }
+
+    fn k_head_dim(&self) -> usize {
+        self.k.first().map_or(1, |t| t.shape()[3])
+    }
+}
+
+/// Rows `idx` of a cache viewed as [slots, row]: the tensor is reshaped in place and back.
+fn gather_rows(
+    backend: &Backend,
+    cache: &mut Tensor,
+    idx: &Tensor,
+    flat: [usize; 2],
+    shape4: [usize; 4],
+) -> Result<Tensor> {
+    let placeholder = Tensor::zeros(backend, &[0], DType::F32)?;
+    let whole = std::mem::replace(cache, placeholder).reshape(&flat)?;
+    let rows = embedding(backend, &whole, idx);
+    *cache = whole.reshape(&shape4)?;
+    rows
+}
+
+/// One prefill call: chunks of new tokens of B sequences, packed.
+#[derive(Clone, Debug, Default)]
+pub struct PrefillBatch {
+    /// [T] the new tokens, sequence after sequence.
+    pub tokens: Vec<i32>,
+    /// [T] each token's position in its own sequence.
+    pub positions: Vec<i32>,
+    /// [T] the cache slot each token's K/V is written to.
+    pub slots: Vec<i32>,
+    /// [B+1] chunk boundaries in `tokens`.
+    pub cu_seqlens: Vec<i32>,
+    /// [B, max_blocks] block table rows.
+    pub block_table: Vec<i32>,
+    pub max_blocks: usize,
+    /// [B] keys in each sequence's cache after this chunk (cached ones + the chunk's).
+    pub context_lens: Vec<i32>,
+    /// Rows of `tokens` whose logits are returned, in this order.
+    pub logits_rows: Vec<i32>,
+}
+
+/// One decode call: one new token per sequence.
+#[derive(Clone, Debug, Default)]
+pub struct DecodeBatch {
+    /// [B]
+    pub tokens: Vec<i32>,
+    /// [B]
+    pub positions: Vec<i32>,
+    /// [B]
+    pub slots: Vec<i32>,
+    /// [B, max_blocks]
+    pub block_table: Vec<i32>,
+    pub max_blocks: usize,
+    /// [B] keys after this token (its own included).
+    pub context_lens: Vec<i32>,
+}
+
+/// Sizes used by the layer pieces.
+#[derive(Clone, Copy, Debug)]
+pub struct InferDims {
+    pub d: usize,
+    pub h: usize,
+    pub hkv: usize,
+    pub hd: usize,
+    pub eps: f32,
+    pub theta: f32,
+    pub scale: f32,
+}
+
+impl InferDims {
+    pub fn new(cfg: &ModelConfig) -> Result<InferDims> {
+        Ok(InferDims {
+            d: cfg.d_model,
+            h: cfg.n_heads,
+            hkv: cfg.n_kv_heads,
+            hd: cfg.head_dim,
+            eps: cfg.norm_eps as f32,
+            theta: cfg.rope_theta as f32,
+            scale: resolve_scale(None, cfg.head_dim)?,
+        })
+    }
+}
+
+/// y[T, n] = x[T, k] w[n, k]^T.
+pub fn linear(backend: &Backend, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    gemm(backend, x, w)
+}
+
+/// A SwiGLU FFN: (silu(x w1^T) * (x w3^T)) w2^T.
+pub fn dense_ffn(backend: &Backend, x: &Tensor, w: &DenseWeights) -> Result<Tensor> {
+    let u = linear(backend, x, &w.w1)?;
+    let g = linear(backend, x, &w.w3)?;
+    let s = swiglu(backend, &u, &g)?;
+    linear(backend, &s, &w.w2)
+}
+
+/// The moe family's config for the model's routed experts.
+pub fn moe_config(cfg: &ModelConfig) -> MoeConfig {
+    MoeConfig {
+        k: cfg.top_k,
+        score_fn: match cfg.score_fn {
+            ScoreFn::Softmax => MoeScoreFn::Softmax,
+            ScoreFn::Sigmoid => MoeScoreFn::Sigmoid,
+        },
+        renorm: cfg.renorm,
+        aux_alpha: 0.0,
+    }
+}
+
+/// The FFN half of a layer on the normed input h[T, d]: dense, or routed experts plus the
+/// optional shared expert (added after the routed output, as the training forward does).
+pub fn ffn_block(
+    backend: &Backend,
+    cfg: &ModelConfig,
+    ffn: &FfnWeights,
+    h: &Tensor,
+) -> Result<Tensor> {
+    match ffn {
+        FfnWeights::Dense(w) => dense_ffn(backend, h, w),
+        FfnWeights::Moe {
+            router,
+            w1,
+            w3,
+            w2,
+            shared,
+        } => {
+            let y = moe_forward(backend, h, router, w1, w3, w2, moe_config(cfg))?.y;
+            match shared {
+                Some(s) => residual_add(backend, &y, &dense_ffn(backend, h, s)?),
+                None => Ok(y),
+            }
+        }
+    }
+}
+
+/// q [T,H,hd], k and v [T,Hkv,hd] of the normed input h[T,d], RoPE applied to q and k at
+/// `positions` [T] I32.
+pub fn qkv(
+    backend: &Backend,
+    dm: InferDims,
+    lw: &LayerWeights,
+    h: &Tensor,
+    positions: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let t = h.shape()[0];
+    let q = linear(backend, h, &lw.wq)?.reshape(&[t, dm.h, dm.hd])?;
+    let k = linear(backend, h, &lw.wk)?.reshape(&[t, dm.hkv, dm.hd])?;
+    let v = linear(backend, h, &lw.wv)?.reshape(&[t, dm.hkv, dm.hd])?;
+    let q = rope(backend, &q, positions, dm.theta)?;
+    let k = rope(backend, &k, positions, dm.theta)?;
+    Ok((q, k, v))
+}
+
+/// How a layer's attention reads the cache.
+pub enum AttnInputs<'a> {
+    Prefill {
+        block_table: &'a Tensor,
+        cu_seqlens: &'a Tensor,
+        context_lens: &'a Tensor,
+    },
+    Decode {
+        block_table: &'a Tensor,
+        context_lens: &'a Tensor,
+    },
+}
+
+/// The attention half of a layer: x + wo(attention(rope(q), cache after appending k, v)).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_block(
+    backend: &Backend,
+    dm: InferDims,
+    lw: &LayerWeights,
+    x: &Tensor,
+    positions: &Tensor,
+    slots: &Tensor,
+    k_cache: &mut Tensor,
+    v_cache: &mut Tensor,
+    attn: &AttnInputs<'_>,
+) -> Result<Tensor> {
+    let t = x.shape()[0];
+    let h1 = rmsnorm(backend, x, &lw.attn_norm, dm.eps)?;
+    let (q, k, v) = qkv(backend, dm, lw, &h1, positions)?;
+    kv_append(backend, &k, &v, slots, k_cache, v_cache)?;
+    let o = match attn {
+        AttnInputs::Prefill {
+            block_table,
+            cu_seqlens,
+            context_lens,
+        } => paged_prefill(
+            backend,
+            &q,
+            k_cache,
+            v_cache,
+            block_table,
+            cu_seqlens,
+            context_lens,
+            Some(dm.scale),
+        )?,
+        AttnInputs::Decode {
+            block_table,
+            context_lens,
+        } => paged_attention(
+            backend,
+            &q,
+            k_cache,
+            v_cache,
+            block_table,
+            context_lens,
+            Some(dm.scale),
+        )?,
+    };
+    let o = linear(backend, &o.reshape(&[t, dm.h * dm.hd])?, &lw.wo)?;
+    residual_add(backend, x, &o)
+}
+
+/// One full layer: attention half, then x + ffn(rmsnorm(x)).
+#[allow(clippy::too_many_arguments)]
+pub fn layer(
+    backend: &Backend,
+    cfg: &ModelConfig,
+    dm: InferDims,
+    lw: &LayerWeights,
+    x: &Tensor,
+    positions: &Tensor,
+    slots: &Tensor,
+    k_cache: &mut Tensor,
+    v_cache: &mut Tensor,
+    attn: &AttnInputs<'_>,
+) -> Result<Tensor> {
+    let x_mid = attention_block(backend, dm, lw, x, positions, slots, k_cache, v_cache, attn)?;
+    let h2 = rmsnorm(backend, &x_mid, &lw.ffn_norm, dm.eps)?;
+    let y = ffn_block(backend, cfg, &lw.ffn, &h2)?;
+    residual_add(backend, &x_mid, &y)
+}
+
+/// Final norm and LM head of the rows `rows` of x[T, d]: logits [R, vocab].
+pub fn lm_head_rows(
+    backend: &Backend,
+    w: &InferWeights,
+    dm: InferDims,
+    x: &Tensor,
+    rows: &[i32],
+) -> Result<Tensor> {
+    let all = rows.len() == x.shape()[0] && rows.iter().enumerate().all(|(i, &r)| r as usize == i);
+    let hf = if all {
+        rmsnorm(backend, x, &w.final_norm, dm.eps)?
+    } else {
+        let idx = Tensor::from_slice(backend, &[rows.len()], rows)?;
+        let picked = embedding(backend, x, &idx)?;
+        rmsnorm(backend, &picked, &w.final_norm, dm.eps)?
+    };
+    linear(backend, &hf, &w.lm_head)
+}
+
+fn check_tokens(cfg: &ModelConfig, tokens: &[i32]) -> Result<()> {
+    if let Some(&bad) = tokens.iter().find(|&&x| x < 0 || x as usize >= cfg.vocab) {
+        return Err(Error::Invalid(format!(
+            "token id {bad} is outside the model's vocabulary 0..{}",
+            cfg.vocab
+        )));
+    }
+    Ok(())
+}
+
+fn check_cache(cfg: &ModelConfig, cache: &KvCache) -> Result<()> {
+    if cache.layers() != cfg.n_layers || cache.row_len() != cfg.n_kv_heads * cfg.head_dim {
+        return Err(Error::Invalid(format!(
+            "the KV cache has {} layers of rows {} wide; the model needs {} layers of {}",
+            cache.layers(),
+            cache.row_len(),
+            cfg.n_layers,
+            cfg.n_kv_heads * cfg.head_dim
+        )));
+    }
+    Ok(())
+}
+
+/// Prefill: writes the chunk's K/V into the cache and returns the logits [R, vocab] of
+/// `batch.logits_rows`.
+pub fn prefill(
+    backend: &Backend,
+    w: &InferWeights,
+    cache: &mut KvCache,
+    batch: &PrefillBatch,
+) -> Result<Tensor> {
+    let cfg = &w.config;
+    check_cache(cfg, cache)?;
+    check_tokens(cfg, &batch.tokens)?;
+    let t = batch.tokens.len();
+    if t == 0 || batch.positions.len() != t || batch.slots.len() != t {
+        return Err(Error::Invalid(format!(
+            "prefill: {t} tokens, {} positions, {} slots (one each, at least one token)",
+            batch.positions.len(),
+            batch.slots.len()
+        )));
+    }
+    if let Some(&r) = batch
+        .logits_rows
+        .iter()
+        .find(|&&r| r < 0 || r as usize >= t)
+    {
+        return Err(Error::Invalid(format!(
+            "prefill: logits row {r} is not a row of the {t} tokens"
+        )));
+    }
+    let b = batch.context_lens.len();
+    let dm = InferDims::new(cfg)?;
+    let tokens = Tensor::from_slice(backend, &[t], &batch.tokens)?;
+    let positions = Tensor::from_slice(backend, &[t], &batch.positions)?;
+    let slots = Tensor::from_slice(backend, &[t], &batch.slots)?;
+    let cu = Tensor::from_slice(backend, &[batch.cu_seqlens.len()], &batch.cu_seqlens)?;
+    let table = Tensor::from_slice(backend, &[b, batch.max_blocks], &batch.block_table)?;
+    let ctx = Tensor::from_slice(backend, &[b], &batch.context_lens)?;
+    let attn = AttnInputs::Prefill {
+        block_table: &table,
+        cu_seqlens: &cu,
+        context_lens: &ctx,
+    };
+    let mut x = embedding(backend, &w.embed, &tokens)?;
+    for (l, lw) in w.layers.iter().enumerate() {
+        x = layer(
+            backend,
+            cfg,
+            dm,
+            lw,
+            &x,
+            &positions,
+            &slots,
+            &mut cache.k[l],
+            &mut cache.v[l],
+            &attn,
+        )?;
+    }
+    lm_head_rows(backend, w, dm, &x, &batch.logits_rows)
+}
+
+/// Decode: one token per sequence; writes its K/V and returns the logits [B, vocab].
+pub fn decode(
+    backend: &Backend,
+    w: &InferWeights,
+    cache: &mut KvCache,
+    batch: &DecodeBatch,
+) -> Result<Tensor> {
+    let cfg = &w.config;
+    check_cache(cfg, cache)?;
+    check_tokens(cfg, &batch.tokens)?;
+    let b = batch.tokens.len();
+    if b == 0
+        || batch.positions.len() != b
+        || batch.slots.len() != b
+        || batch.context_lens.len() != b
+    {
+        return Err(Error::Invalid(format!(
+            "decode: {b} tokens, {} positions, {} slots, {} context lengths (one each, at least one)",
+            batch.positions.len(),
+            batch.slots.len(),
+            batch.context_lens.len()
+        )));
+    }
+    let dm = InferDims::new(cfg)?;
+    let tokens = Tensor::from_slice(backend, &[b], &batch.tokens)?;
+    let positions = Tensor::from_slice(backend, &[b], &batch.positions)?;
+    let slots = Tensor::from_slice(backend, &[b], &batch.slots)?;
+    let table = Tensor::from_slice(backend, &[b, batch.max_blocks], &batch.block_table)?;
+    let ctx = Tensor::from_slice(backend, &[b], &batch.context_lens)?;
+    let attn = AttnInputs::Decode {
+        block_table: &table,
+        context_lens: &ctx,
+    };
+    let mut x = embedding(backend, &w.embed, &tokens)?;
+    for (l, lw) in w.layers.iter().enumerate() {
+        x = layer(
+            backend,
+            cfg,
+            dm,
+            lw,
+            &x,
+            &positions,
+            &slots,
+            &mut cache.k[l],
+            &mut cache.v[l],
+            &attn,
+        )?;
+    }
+    let rows: Vec<i32> = (0..b as i32).collect();
+    lm_head_rows(backend, w, dm, &x, &rows)
+}
+
+/// FLOPs of one token's pass through the layer stack at position `pos` (0-based): every matrix
+/// product counted as 2 m n k (q, k, v, o projections; router; the k routed experts' or the
+/// dense FFN's three matrices; the shared expert), and attention as 4 (pos + 1) H hd per layer
+/// (QK^T and PV over pos + 1 keys). The LM head (run for sampled rows only) and elementwise ops
+/// are not included. What a prefix-cache hit or a shared group prefill saves per token.
+pub fn token_flops(cfg: &ModelConfig, pos: usize) -> u64 {
+    let d = cfg.d_model as u64;
+    let proj = 2 * d * (2 * cfg.q_dim() as u64 + 2 * cfg.kv_dim() as u64);
+    let attn = 4 * (pos as u64 + 1) * cfg.q_dim() as u64;
+    (0..cfg.n_layers)
+        .map(|l| {
+            let ffn = if cfg.is_dense_layer(l) {
+                6 * d * cfg.dense_ffn_width().unwrap_or(0) as u64
+            } else {
+                let routed = 6 * d * (cfg.top_k * cfg.expert_ffn_dim) as u64;
+                let router = 2 * d * cfg.n_experts as u64;
+                let shared = 6 * d * cfg.shared_expert_width().unwrap_or(0) as u64;
+                routed + router + shared
+            };
+            proj + attn + ffn
+        })
+        .sum()
+}

@@ -1,0 +1,164 @@
+//! Rollout engine benches on CPU (docs/perf/rollout.md):
+//! - decode throughput (tokens/s) against batch size 1, 4, 16, 64 for the default small model
+//!   (configs/model/small.toml): B sequences already prefilled, each step decodes one token
+//!   for each (contexts 17..80 tokens);
+//! - prefix sharing for a GRPO group of G = 8 on a 64-token prompt: prefill tokens computed
+//!   and FLOPs saved, counted from the engine's and the block manager's counters, for the
+//!   group path (prefill once, fork 8 ways) and the prefix-cache path (8 separate requests
+//!   with the same prompt), plus their wall time against 8 unshared prefills.
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use sluice_kernels::Backend;
+use sluice_model::infer::token_flops;
+use sluice_model::{Model, ModelConfig};
+use sluice_runtime::engine::{Engine, EngineConfig, Request};
+use sluice_runtime::trajectory::WeightVersion;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+const PROMPT: usize = 16;
+/// Decode steps timed per engine (then a fresh one, so contexts stay within 17..80).
+const STEPS: u64 = 64;
+
+fn small() -> Model {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/model/small.toml");
+    let cfg = ModelConfig::from_file(&path).expect("configs/model/small.toml");
+    Model::new(cfg, &Backend::Cpu).expect("model")
+}
+
+fn engine(m: &Model, max_seqs: usize, num_blocks: usize) -> Engine {
+    let cfg = EngineConfig {
+        num_blocks,
+        block_size: 16,
+        max_batch_tokens: 8192,
+        max_seqs,
+        ..EngineConfig::default()
+    };
+    Engine::new(Backend::Cpu, &m.config, &m.params, WeightVersion(0), cfg).expect("engine")
+}
+
+fn prompt(i: usize, n: usize, vocab: usize) -> Vec<u32> {
+    (0..n)
+        .map(|j| ((i * 131 + j * 17 + 3) % vocab) as u32)
+        .collect()
+}
+
+/// An engine with `b` sequences prefilled (one step) and decoding.
+fn warmed(m: &Model, b: usize) -> Engine {
+    let blocks = b * (PROMPT + STEPS as usize + 2).div_ceil(16) + 4;
+    let mut e = engine(m, b, blocks);
+    for i in 0..b {
+        let r = Request::new(&format!("s{i}"), prompt(i, PROMPT, m.config.vocab), 1 << 20);
+        e.submit(r).expect("submit");
+    }
+    e.step().expect("prefill step");
+    e
+}
+
+fn decode(c: &mut Criterion) {
+    let m = small();
+    let mut g = c.benchmark_group("rollout_decode_cpu_small");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3));
+    for b in [1usize, 4, 16, 64] {
+        g.throughput(Throughput::Elements(b as u64));
+        g.bench_function(BenchmarkId::new("batch", b), |bench| {
+            bench.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                let mut done = 0;
+                while done < iters {
+                    let mut e = warmed(&m, b);
+                    let n = (iters - done).min(STEPS);
+                    let t = Instant::now();
+                    for _ in 0..n {
+                        let ev = e.step().expect("step");
+                        std::hint::black_box(ev);
+                    }
+                    total += t.elapsed();
+                    done += n;
+                }
+                total
+            })
+        });
+    }
+    g.finish();
+}
+
+fn prefix_sharing(c: &mut Criterion) {
+    const G: usize = 8;
+    const LEN: usize = 64;
+    let m = small();
+    let p = prompt(0, LEN, m.config.vocab);
+    let flops = |positions: std::ops::Range<usize>| -> u64 {
+        positions.map(|q| token_flops(&m.config, q)).sum()
+    };
+    let full = flops(0..LEN);
+    // Group path: one request of G samples.
+    let mut e = engine(&m, 64, 64);
+    let mut r = Request::new("g", p.clone(), 1);
+    r.group_size = G as u32;
+    e.submit(r).expect("submit");
+    e.run_until_idle().expect("run");
+    let group = e.stats();
+    // Prefix-cache path: G separate requests with the same prompt, one after another.
+    let mut e = engine(&m, 64, 64);
+    for i in 0..G {
+        e.submit(Request::new(&format!("c{i}"), p.clone(), 1))
+            .expect("submit");
+        e.run_until_idle().expect("run");
+    }
+    let cache = e.stats();
+    let hit = cache.kv.prefix_hit_tokens as usize;
+    let per_req_hit = hit / (G - 1);
+    eprintln!(
+        "prefix sharing, G = {G}, {LEN}-token prompt, block 16, small model: unshared prefill {} tokens = {:.3} GFLOP",
+        G * LEN,
+        (G as u64 * full) as f64 / 1e9
+    );
+    eprintln!(
+        "  group (prefill once, fork): {} prefill tokens computed, {} saved = {:.3} GFLOP saved ({:.1}%)",
+        group.prefill_tokens,
+        G * LEN - group.prefill_tokens as usize,
+        ((G as u64 - 1) * full) as f64 / 1e9,
+        100.0 * (G - 1) as f64 / G as f64
+    );
+    eprintln!(
+        "  prefix cache (separate requests): {} prefix-hit tokens (block manager), {} computed, {:.3} GFLOP saved ({:.1}%)",
+        hit,
+        cache.prefill_tokens,
+        ((G as u64 - 1) * flops(0..per_req_hit)) as f64 / 1e9,
+        100.0 * ((G as u64 - 1) * flops(0..per_req_hit)) as f64 / (G as u64 * full) as f64
+    );
+    let mut g = c.benchmark_group("rollout_prefill_g8_cpu_small");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(2));
+    g.bench_function("group_fork", |bench| {
+        bench.iter(|| {
+            let mut e = engine(&m, 64, 64);
+            let mut r = Request::new("g", p.clone(), 1);
+            r.group_size = G as u32;
+            e.submit(r).expect("submit");
+            e.run_until_idle().expect("run")
+        })
+    });
+    g.bench_function("unshared", |bench| {
+        bench.iter(|| {
+            let mut e = engine(&m, 64, 64);
+            for i in 0..G {
+                e.submit(Request::new(
+                    &format!("u{i}"),
+                    prompt(i, LEN, m.config.vocab),
+                    1,
+                ))
+                .expect("submit");
+            }
+            e.run_until_idle().expect("run")
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, decode, prefix_sharing);
+criterion_main!(benches);

@@ -1,0 +1,1201 @@
+//! The rollout engine (DESIGN 6.3): continuous batching over the paged KV cache.
+//!
+//! An [`Engine`] owns one backend, the model's weights as tensors ([`InferWeights`]), the K/V
+//! caches ([`KvCache`]) and a [`BlockManager`]. It is driven step by step:
+//!
+//! - [`Engine::submit`] queues a [`Request`]: a prompt, a GRPO group size G, sampling
+//!   parameters, stop conditions. The prompt is prefilled once and forked G ways (the children
+//!   share its blocks; a shared partial block is copied on write, the copy run on the caches).
+//! - [`Engine::step`] runs one scheduling step: sequences needing blocks get them (preempting
+//!   when the pool is short), waiting sequences are admitted while the token and sequence limits
+//!   allow, then one `prefill` call computes the K/V of every pending chunk (new prompts,
+//!   observations, recomputed sequences; long ones chunked across steps) and one `decode` call
+//!   the next token of every generating sequence; every sequence whose K/V is complete samples
+//!   its next token with the batch-invariant sampler keyed by (seed, request id, position).
+//! - A turn stops on the EOS id, a stop sequence, `max_new_tokens`, or when the sequence alone
+//!   outgrows the pool. A single-turn request then finishes and its [`Sample`] is emitted; a
+//!   multi-turn one pauses (keeping its KV) until [`Engine::observe`] appends an observation
+//!   (prefilled, loss-masked) and generation resumes, or [`Engine::finish`] ends it.
+//! - [`Engine::swap_weights`] (between steps) installs a new weight version. In-flight
+//!   sequences continue with their KV ([`SwapMode::Continue`], the default; tokens sampled
+//!   afterwards record the new version) or are recomputed at the new version
+//!   ([`SwapMode::Recompute`]). The prefix cache is invalidated either way.
+//! - Preemption when blocks run out: [`PreemptMode::Recompute`] (drop the KV, prefill again on
+//!   readmission) or [`PreemptMode::SwapToHost`] (copy the sequence's K/V rows to host memory
+//!   and back into fresh blocks on readmission). Either way no sequence is lost, and under the
+//!   same weights the tokens and log-probs are the ones an unconstrained run produces.
+//!
+//! Every ordering is deterministic (ordered maps, FIFO queues, admission order), so a run is
+//! reproducible; and since every op is batch-invariant, a request's tokens do not depend on
+//! what else is in the batch.
+
+pub mod replicas;
+
+use crate::hash::{hash_str, mix64};
+use crate::kv_blocks::{BlockManager, KvError, KvStats, SeqId};
+use crate::trajectory::{
+    ArtifactVersions, ClockStamps, Sample, SamplingParams, TerminalReason, TokenId,
+    TrajectoryError, TurnBoundary, WeightVersion,
+};
+use sluice_kernels::ops::embedding::embedding;
+use sluice_kernels::ops::sample::{sample, SampleParams};
+use sluice_kernels::{Backend, Tensor};
+use sluice_model::infer::{self, DecodeBatch, InferWeights, KvCache, PrefillBatch};
+use sluice_model::{Arena, ModelConfig};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt;
+
+/// What happens to in-flight sequences on a weight swap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum SwapMode {
+    /// Keep their K/V (computed with the old weights); later tokens record the new version.
+    #[default]
+    Continue,
+    /// Drop their K/V and prefill them again with the new weights.
+    Recompute,
+}
+
+/// How a sequence is preempted when the pool runs out of blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PreemptMode {
+    /// Drop its K/V; prefill it again when readmitted (prefix blocks still cached are reused).
+    #[default]
+    Recompute,
+    /// Copy its K/V rows to host memory; copy them back into fresh blocks when readmitted.
+    SwapToHost,
+}
+
+/// Engine limits and policies.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Blocks in the KV pool.
+    pub num_blocks: usize,
+    /// Token slots per block.
+    pub block_size: usize,
+    /// Tokens computed per step (prefill chunks plus one per decoding sequence), >= 1.
+    pub max_batch_tokens: usize,
+    /// Sequences admitted (holding KV and computing) at once, >= 1. A group of G counts G
+    /// when its leader is admitted (a group larger than the limit runs alone).
+    pub max_seqs: usize,
+    pub preempt: PreemptMode,
+    /// The default for [`Engine::swap_weights`].
+    pub swap: SwapMode,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            num_blocks: 256,
+            block_size: crate::kv_blocks::DEFAULT_BLOCK_SIZE,
+            max_batch_tokens: 2048,
+            max_seqs: 64,
+            preempt: PreemptMode::Recompute,
+            swap: SwapMode::Continue,
+        }
+    }
+}
+
+/// When a turn stops (besides `max_new_tokens`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StopConfig {
+    /// The end-of-sequence token (kept in the output).
+    pub eos: Option<TokenId>,
+    /// Token sequences that end a turn when generated (kept in the output).
+    pub stop_sequences: Vec<Vec<TokenId>>,
+}
+
+/// A rollout request: one prompt, sampled `group_size` times.
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub session_id: String,
+    pub instance_id: String,
+    pub task: String,
+    /// G >= 1 samples of the prompt (group indices 0..G); the prompt is prefilled once.
+    pub group_size: u32,
+    pub prompt: Vec<TokenId>,
+    /// Temperature, top-k, top-p, seed, and `max_new_tokens` per turn.
+    pub sampling: SamplingParams,
+    pub stop: StopConfig,
+    /// false: the trajectory finishes when its first turn stops. true: it pauses after each
+    /// turn for [`Engine::observe`] or [`Engine::finish`].
+    pub multi_turn: bool,
+}
+
+impl Request {
+    /// A single-turn request of one sample with default sampling.
+    pub fn new(session_id: &str, prompt: Vec<TokenId>, max_new_tokens: u32) -> Request {
+        Request {
+            session_id: session_id.to_string(),
+            instance_id: session_id.to_string(),
+            task: String::new(),
+            group_size: 1,
+            prompt,
+            sampling: SamplingParams {
+                max_new_tokens,
+                ..SamplingParams::default()
+            },
+            stop: StopConfig::default(),
+            multi_turn: false,
+        }
+    }
+}
+
+/// A trajectory inside the engine (one group member).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SeqHandle(pub u64);
+
+/// Why a turn stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    Eos,
+    StopSequence,
+    MaxNewTokens,
+    /// The sequence alone needs more blocks than the pool has.
+    Capacity,
+}
+
+impl StopReason {
+    /// The terminal reason of a single-turn trajectory that stopped this way.
+    pub fn terminal(self) -> TerminalReason {
+        match self {
+            StopReason::Eos | StopReason::StopSequence => TerminalReason::Success,
+            StopReason::MaxNewTokens | StopReason::Capacity => TerminalReason::Budget,
+        }
+    }
+}
+
+/// What a step reports.
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// A multi-turn trajectory's turn stopped; it waits for `observe` or `finish`.
+    TurnEnded {
+        handle: SeqHandle,
+        session_id: String,
+        group_index: u32,
+        reason: StopReason,
+    },
+    /// A single-turn trajectory finished (reward 0; terminal reason from the stop reason).
+    Finished {
+        handle: SeqHandle,
+        reason: StopReason,
+        sample: Box<Sample>,
+    },
+}
+
+#[derive(Debug)]
+pub enum EngineError {
+    /// A bad request or call, named.
+    Invalid(String),
+    UnknownHandle(SeqHandle),
+    Kernel(sluice_kernels::Error),
+    Kv(KvError),
+    /// A trajectory failed validation (an engine bug).
+    Trajectory(TrajectoryError),
+}
+
+impl fmt::Display for EngineError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EngineError::Invalid(m) => write!(f, "engine: {m}"),
+            EngineError::UnknownHandle(h) => {
+                write!(f, "engine: no trajectory with handle {}", h.0)
+            }
+            EngineError::Kernel(e) => write!(f, "engine: {e}"),
+            EngineError::Kv(e) => write!(f, "engine: {e}"),
+            EngineError::Trajectory(e) => write!(f, "engine produced an invalid trajectory: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for EngineError {}
+
+impl From<sluice_kernels::Error> for EngineError {
+    fn from(e: sluice_kernels::Error) -> Self {
+        EngineError::Kernel(e)
+    }
+}
+
+impl From<KvError> for EngineError {
+    fn from(e: KvError) -> Self {
+        EngineError::Kv(e)
+    }
+}
+
+pub type Result<T> = std::result::Result<T, EngineError>;
+
+/// Counters of an engine.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    pub steps: u64,
+    /// Tokens whose K/V a prefill call computed.
+    pub prefill_tokens: u64,
+    /// Tokens a decode call computed.
+    pub decode_tokens: u64,
+    /// Tokens sampled.
+    pub sampled_tokens: u64,
+    pub preempted_recompute: u64,
+    pub preempted_swap: u64,
+    /// K/V rows copied to host memory by swap-out.
+    pub swapped_out_tokens: u64,
+    pub weight_swaps: u64,
+    pub kv: KvStats,
+}
+
+/// Where a sequence's K/V lives.
+enum Kv {
+    /// Nowhere: everything is computed on admission.
+    None,
+    /// In the pool (the block manager holds the sequence).
+    Device,
+    /// In host memory: per layer (K rows, V rows) of `kv_len` tokens, each Hkv*D wide.
+    Host(Vec<(Vec<f32>, Vec<f32>)>),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Generating (running or waiting for admission).
+    Active,
+    /// A multi-turn trajectory between turns.
+    Paused,
+}
+
+struct Meta {
+    session_id: String,
+    instance_id: String,
+    task: String,
+    sampling: SamplingParams,
+    stop: StopConfig,
+    multi_turn: bool,
+}
+
+struct Seq {
+    meta: std::sync::Arc<Meta>,
+    group_index: u32,
+    /// The sampler's request id.
+    request_id: u64,
+    /// Group members 1..G still to fork from this one when its prompt's K/V completes.
+    fork: Vec<(SeqHandle, u32)>,
+    tokens: Vec<TokenId>,
+    loss_mask: Vec<bool>,
+    logp: Vec<f32>,
+    versions: Vec<WeightVersion>,
+    prompt_len: usize,
+    turns: Vec<TurnBoundary>,
+    /// Index of the first token of the current generation turn.
+    turn_start: usize,
+    max_new: u32,
+    /// Tokens whose K/V is in the cache (or on host).
+    kv_len: usize,
+    /// Tokens registered with the block manager.
+    bm_len: usize,
+    kv: Kv,
+    /// The weight epoch whose prefill produced this K/V from token 0.
+    kv_epoch: u64,
+    phase: Phase,
+    /// Admission order (the newest admitted is preempted first).
+    order: u64,
+}
+
+/// The rollout engine. See the module docs.
+pub struct Engine {
+    backend: Backend,
+    weights: InferWeights,
+    cache: KvCache,
+    bm: BlockManager,
+    cfg: EngineConfig,
+    seqs: BTreeMap<SeqHandle, Seq>,
+    /// Active sequences holding blocks, in admission order.
+    running: Vec<SeqHandle>,
+    /// Active sequences waiting for admission (preempted ones at the front).
+    waiting: VecDeque<SeqHandle>,
+    next_handle: u64,
+    next_order: u64,
+    /// Bumped on every weight swap.
+    epoch: u64,
+    stats: EngineStats,
+}
+
+fn bad(msg: impl Into<String>) -> EngineError {
+    EngineError::Invalid(msg.into())
+}
+
+impl Engine {
+    /// An engine on `backend` for the model `config` with the weights in `arena`, at `version`.
+    pub fn new(
+        backend: Backend,
+        config: &ModelConfig,
+        arena: &Arena,
+        version: WeightVersion,
+        cfg: EngineConfig,
+    ) -> Result<Engine> {
+        if cfg.max_batch_tokens == 0 || cfg.max_seqs == 0 {
+            return Err(bad(format!(
+                "max_batch_tokens ({}) and max_seqs ({}) must be >= 1",
+                cfg.max_batch_tokens, cfg.max_seqs
+            )));
+        }
+        let bm = BlockManager::new(cfg.num_blocks, cfg.block_size)?;
+        let weights = InferWeights::from_arena(&backend, config, arena, version.0)?;
+        let cache = KvCache::new(&backend, config, cfg.num_blocks, cfg.block_size)?;
+        Ok(Engine {
+            backend,
+            weights,
+            cache,
+            bm,
+            cfg,
+            seqs: BTreeMap::new(),
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            next_handle: 1,
+            next_order: 0,
+            epoch: 0,
+            stats: EngineStats::default(),
+        })
+    }
+
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    pub fn model_config(&self) -> &ModelConfig {
+        &self.weights.config
+    }
+
+    pub fn version(&self) -> WeightVersion {
+        WeightVersion(self.weights.version)
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            kv: self.bm.stats(),
+            ..self.stats
+        }
+    }
+
+    /// Whether any sequence still has work (running or waiting; paused ones do not count).
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// Trajectories held (active or paused).
+    pub fn len(&self) -> usize {
+        self.seqs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    /// Queues a request; returns the handles of its G trajectories (group indices 0..G).
+    pub fn submit(&mut self, req: Request) -> Result<Vec<SeqHandle>> {
+        let vocab = self.weights.config.vocab;
+        if req.prompt.is_empty() {
+            return Err(bad(format!(
+                "request of session {:?}: the prompt is empty; at least one token is needed",
+                req.session_id
+            )));
+        }
+        check_ids(&req.prompt, vocab, "prompt")?;
+        let capacity = self.cfg.num_blocks * self.cfg.block_size;
+        if req.prompt.len() + 1 > capacity {
+            return Err(bad(format!(
+                "prompt of {} tokens (plus one generated) is longer than the KV pool of {} slots \
+                 ({} blocks of {})",
+                req.prompt.len(),
+                capacity,
+                self.cfg.num_blocks,
+                self.cfg.block_size
+            )));
+        }
+        if req.group_size == 0 {
+            return Err(bad("group_size must be >= 1"));
+        }
+        check_sampling(&req.sampling)?;
+        if let Some(eos) = req.stop.eos {
+            check_ids(&[eos], vocab, "stop.eos")?;
+        }
+        for (i, s) in req.stop.stop_sequences.iter().enumerate() {
+            if s.is_empty() {
+                return Err(bad(format!("stop.stop_sequences[{i}] is empty")));
+            }
+            check_ids(s, vocab, &format!("stop.stop_sequences[{i}]"))?;
+        }
+        let meta = std::sync::Arc::new(Meta {
+            session_id: req.session_id,
+            instance_id: req.instance_id,
+            task: req.task,
+            sampling: req.sampling,
+            stop: req.stop,
+            multi_turn: req.multi_turn,
+        });
+        let handles: Vec<SeqHandle> = (0..req.group_size)
+            .map(|_| {
+                let h = SeqHandle(self.next_handle);
+                self.next_handle += 1;
+                h
+            })
+            .collect();
+        let n = req.prompt.len();
+        let version = self.version();
+        let lead = Seq {
+            request_id: request_id(&meta, 0),
+            meta: meta.clone(),
+            group_index: 0,
+            fork: handles[1..]
+                .iter()
+                .enumerate()
+                .map(|(i, &h)| (h, i as u32 + 1))
+                .collect(),
+            tokens: req.prompt,
+            loss_mask: vec![false; n],
+            logp: vec![0.0; n],
+            versions: vec![version; n],
+            prompt_len: n,
+            turns: Vec::new(),
+            turn_start: n,
+            max_new: meta.sampling.max_new_tokens,
+            kv_len: 0,
+            bm_len: 0,
+            kv: Kv::None,
+            kv_epoch: self.epoch,
+            phase: Phase::Active,
+            order: 0,
+        };
+        self.seqs.insert(handles[0], lead);
+        self.waiting.push_back(handles[0]);
+        Ok(handles)
+    }
+
+    /// Appends observation tokens (loss-masked) to a paused multi-turn trajectory and resumes
+    /// generation for at most `max_new_tokens` tokens.
+    pub fn observe(
+        &mut self,
+        handle: SeqHandle,
+        observation: &[TokenId],
+        max_new_tokens: u32,
+    ) -> Result<()> {
+        let vocab = self.weights.config.vocab;
+        let version = self.version();
+        let capacity = self.cfg.num_blocks * self.cfg.block_size;
+        let s = self
+            .seqs
+            .get_mut(&handle)
+            .ok_or(EngineError::UnknownHandle(handle))?;
+        if s.phase != Phase::Paused {
+            return Err(bad(format!(
+                "observe: trajectory {} is generating; observations go in between turns",
+                handle.0
+            )));
+        }
+        if observation.is_empty() {
+            return Err(bad("observe: the observation is empty"));
+        }
+        if max_new_tokens == 0 {
+            return Err(bad("observe: max_new_tokens must be >= 1"));
+        }
+        check_ids(observation, vocab, "observation")?;
+        if s.tokens.len() + observation.len() + 1 > capacity {
+            return Err(bad(format!(
+                "observe: the trajectory would hold {} tokens (plus one generated), more than \
+                 the KV pool's {capacity} slots",
+                s.tokens.len() + observation.len()
+            )));
+        }
+        s.turns.push(TurnBoundary {
+            start: s.tokens.len(),
+        });
+        let m = observation.len();
+        s.tokens.extend_from_slice(observation);
+        s.loss_mask.extend(std::iter::repeat_n(false, m));
+        s.logp.extend(std::iter::repeat_n(0.0, m));
+        s.versions.extend(std::iter::repeat_n(version, m));
+        s.turn_start = s.tokens.len();
+        s.max_new = max_new_tokens;
+        s.phase = Phase::Active;
+        if matches!(s.kv, Kv::Device) {
+            s.order = self.next_order;
+            self.next_order += 1;
+            self.running.push(handle);
+        } else {
+            self.waiting.push_back(handle);
+        }
+        Ok(())
+    }
+
+    /// Ends a trajectory (any phase) and returns it, with `reward` and `reason`.
+    pub fn finish(
+        &mut self,
+        handle: SeqHandle,
+        reward: f32,
+        reason: TerminalReason,
+    ) -> Result<Sample> {
+        if !self.seqs.contains_key(&handle) {
+            return Err(EngineError::UnknownHandle(handle));
+        }
+        self.release(handle)?;
+        let s = self
+            .seqs
+            .remove(&handle)
+            .ok_or(EngineError::UnknownHandle(handle))?;
+        self.to_sample(s, reward, reason)
+    }
+
+    /// Installs new weights (from `arena`, same architecture) at `version` (not older than
+    /// the current one), between steps. `mode` None uses the engine's configured default.
+    pub fn swap_weights(
+        &mut self,
+        arena: &Arena,
+        version: WeightVersion,
+        mode: Option<SwapMode>,
+    ) -> Result<()> {
+        if version < self.version() {
+            return Err(bad(format!(
+                "swap_weights: version {version} is older than the current {}",
+                self.version()
+            )));
+        }
+        let config = self.weights.config.clone();
+        let w = InferWeights::from_arena(&self.backend, &config, arena, version.0)?;
+        self.weights = w;
+        self.epoch += 1;
+        self.stats.weight_swaps += 1;
+        self.bm.invalidate_prefix_cache();
+        if mode.unwrap_or(self.cfg.swap) == SwapMode::Recompute {
+            let holders: Vec<SeqHandle> = self
+                .seqs
+                .iter()
+                .filter(|(_, s)| !matches!(s.kv, Kv::None))
+                .map(|(&h, _)| h)
+                .collect();
+            let mut requeue = Vec::new();
+            for h in holders {
+                self.drop_kv(h)?;
+                if let Some(i) = self.running.iter().position(|&r| r == h) {
+                    self.running.remove(i);
+                    requeue.push(h);
+                }
+            }
+            for h in requeue.into_iter().rev() {
+                self.waiting.push_front(h);
+            }
+        }
+        Ok(())
+    }
+
+    /// Steps until no sequence has work; returns every event.
+    pub fn run_until_idle(&mut self) -> Result<Vec<Event>> {
+        let mut events = Vec::new();
+        while self.has_work() {
+            events.extend(self.step()?);
+        }
+        Ok(events)
+    }
+
+    /// One scheduling step (see the module docs).
+    pub fn step(&mut self) -> Result<Vec<Event>> {
+        let mut events = Vec::new();
+        self.stats.steps += 1;
+        let mut budget = self.cfg.max_batch_tokens;
+        let mut decode: Vec<SeqHandle> = Vec::new();
+        let mut prefill: Vec<(SeqHandle, usize)> = Vec::new();
+        let mut preempted: BTreeSet<SeqHandle> = BTreeSet::new();
+        // 1. Running sequences: register their new tokens with the block manager (preempting
+        //    the newest holders when the pool is short) and plan their work.
+        let mut i = 0;
+        while i < self.running.len() {
+            let h = self.running[i];
+            match self.register(h)? {
+                Ok(()) => {}
+                Err(KvError::OutOfBlocks { .. }) => {
+                    match self.victim(Some(h)) {
+                        Some(v) => {
+                            self.preempt(v)?;
+                            preempted.insert(v);
+                        }
+                        None => {
+                            // Nothing else holds blocks: this sequence alone outgrows the pool.
+                            self.running.remove(i);
+                            events.extend(self.end_turn(h, StopReason::Capacity)?);
+                        }
+                    }
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            }
+            self.plan(h, &mut budget, &mut decode, &mut prefill);
+            i += 1;
+        }
+        // 2. Admission, FIFO, within the limits.
+        while let Some(&h) = self.waiting.front() {
+            // A group leader brings its G - 1 siblings when its prompt completes: count them.
+            let need = 1 + self.seq(h)?.fork.len();
+            let full = !self.running.is_empty() && self.running.len() + need > self.cfg.max_seqs;
+            if full || budget == 0 || preempted.contains(&h) {
+                break;
+            }
+            match self.admit(h)? {
+                Ok(()) => {
+                    self.waiting.pop_front();
+                    self.seqs
+                        .get_mut(&h)
+                        .ok_or(EngineError::UnknownHandle(h))?
+                        .order = self.next_order;
+                    self.next_order += 1;
+                    self.running.push(h);
+                    match self.register(h)? {
+                        Ok(()) => {}
+                        Err(KvError::OutOfBlocks { .. }) => {
+                            // Admitted with its K/V but no room for its pending tokens yet:
+                            // back to the queue front.
+                            self.preempt(h)?;
+                            preempted.insert(h);
+                            break;
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
+                    self.plan(h, &mut budget, &mut decode, &mut prefill);
+                }
+                Err(KvError::OutOfBlocks { .. }) => {
+                    if let Some(v) = self.victim(None).filter(|v| self.is_paused(*v)) {
+                        self.preempt(v)?;
+                        continue;
+                    }
+                    if self.running.is_empty() {
+                        // Nothing holds blocks and it still does not fit.
+                        self.waiting.pop_front();
+                        events.extend(self.end_turn(h, StopReason::Capacity)?);
+                        continue;
+                    }
+                    break;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        // 3. Compute: one prefill call and one decode call; collect the rows to sample.
+        let mut to_sample: Vec<(SeqHandle, usize, usize)> = Vec::new(); // (seq, source, row)
+        let mut logits: Vec<Tensor> = Vec::new();
+        if !prefill.is_empty() {
+            let (batch, rows) = self.prefill_batch(&prefill)?;
+            let l = infer::prefill(&self.backend, &self.weights, &mut self.cache, &batch)?;
+            self.stats.prefill_tokens += batch.tokens.len() as u64;
+            for &(h, n) in &prefill {
+                self.seqs
+                    .get_mut(&h)
+                    .ok_or(EngineError::UnknownHandle(h))?
+                    .kv_len += n;
+            }
+            for (h, r) in rows {
+                to_sample.push((h, logits.len(), r));
+            }
+            logits.push(l);
+        }
+        if !decode.is_empty() {
+            let batch = self.decode_batch(&decode)?;
+            let l = infer::decode(&self.backend, &self.weights, &mut self.cache, &batch)?;
+            self.stats.decode_tokens += decode.len() as u64;
+            for (r, &h) in decode.iter().enumerate() {
+                self.seqs
+                    .get_mut(&h)
+                    .ok_or(EngineError::UnknownHandle(h))?
+                    .kv_len += 1;
+                to_sample.push((h, logits.len(), r));
+            }
+            logits.push(l);
+        }
+        // 4. Forks: group leaders whose prompt is complete spawn their siblings, which sample
+        //    from the same logits row.
+        let mut rows: Vec<(SeqHandle, usize, usize)> = Vec::new();
+        for (h, src, r) in to_sample {
+            rows.push((h, src, r));
+            for child in self.fork_group(h)? {
+                rows.push((child, src, r));
+            }
+        }
+        // 5. Sample and stop.
+        let drawn = self.sample_rows(&rows, &logits)?;
+        for ((h, _, _), (tok, lp)) in rows.iter().zip(drawn) {
+            if let Some(reason) = self.push_token(*h, tok, lp)? {
+                if let Some(i) = self.running.iter().position(|r| r == h) {
+                    self.running.remove(i);
+                }
+                events.extend(self.end_turn(*h, reason)?);
+            }
+        }
+        Ok(events)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Scheduling pieces.
+
+    fn seq(&self, h: SeqHandle) -> Result<&Seq> {
+        self.seqs.get(&h).ok_or(EngineError::UnknownHandle(h))
+    }
+
+    fn seq_mut(&mut self, h: SeqHandle) -> Result<&mut Seq> {
+        self.seqs.get_mut(&h).ok_or(EngineError::UnknownHandle(h))
+    }
+
+    fn is_paused(&self, h: SeqHandle) -> bool {
+        self.seqs.get(&h).is_some_and(|s| s.phase == Phase::Paused)
+    }
+
+    /// Registers a running sequence's unregistered tokens with the block manager, executing
+    /// any copy-on-write. The inner result is the block manager's (OutOfBlocks: nothing done).
+    fn register(&mut self, h: SeqHandle) -> Result<std::result::Result<(), KvError>> {
+        let s = self.seq(h)?;
+        if s.bm_len >= s.tokens.len() {
+            return Ok(Ok(()));
+        }
+        let new = s.tokens[s.bm_len..].to_vec();
+        match self.bm.append(SeqId(h.0), &new) {
+            Ok(plan) => {
+                for c in &plan.copies {
+                    self.cache.copy_block(
+                        &self.backend,
+                        c.src.0 as usize,
+                        c.dst.0 as usize,
+                        c.tokens,
+                    )?;
+                }
+                let s = self.seq_mut(h)?;
+                s.bm_len = s.tokens.len();
+                Ok(Ok(()))
+            }
+            Err(e) => Ok(Err(e)),
+        }
+    }
+
+    /// Takes the block manager's view of a waiting sequence: joins its tokens (computing from
+    /// the prefix-cache hits on) or restores its host K/V.
+    fn admit(&mut self, h: SeqHandle) -> Result<std::result::Result<(), KvError>> {
+        let epoch = self.epoch;
+        let s = self.seq(h)?;
+        match &s.kv {
+            Kv::Device => Ok(Ok(())),
+            Kv::None => {
+                let tokens = s.tokens.clone();
+                match self.bm.join(SeqId(h.0), &tokens) {
+                    Ok(plan) => {
+                        let s = self.seq_mut(h)?;
+                        s.kv_len = plan.cached_tokens;
+                        s.bm_len = tokens.len();
+                        s.kv = Kv::Device;
+                        s.kv_epoch = epoch;
+                        Ok(Ok(()))
+                    }
+                    Err(e) => Ok(Err(e)),
+                }
+            }
+            Kv::Host(_) => {
+                let n = s.kv_len;
+                let same = s.kv_epoch == epoch;
+                let tokens = s.tokens[..n].to_vec();
+                match self.bm.join_with(SeqId(h.0), &tokens, same, same) {
+                    Ok(plan) => {
+                        let s = self.seq_mut(h)?;
+                        let Kv::Host(rows) = std::mem::replace(&mut s.kv, Kv::Device) else {
+                            return Err(bad("internal: host K/V vanished"));
+                        };
+                        s.bm_len = n;
+                        let c = plan.cached_tokens;
+                        let row = self.cache.row_len();
+                        let mut tensors = Vec::with_capacity(rows.len());
+                        for (k, v) in rows {
+                            tensors.push((
+                                Tensor::from_slice(&self.backend, &[n - c, row], &k[c * row..])?,
+                                Tensor::from_slice(&self.backend, &[n - c, row], &v[c * row..])?,
+                            ));
+                        }
+                        if n > c {
+                            self.cache.scatter(&self.backend, tensors, &plan.slots)?;
+                        }
+                        Ok(Ok(()))
+                    }
+                    Err(e) => Ok(Err(e)),
+                }
+            }
+        }
+    }
+
+    /// Adds a running sequence's work to this step within the token budget.
+    fn plan(
+        &self,
+        h: SeqHandle,
+        budget: &mut usize,
+        decode: &mut Vec<SeqHandle>,
+        prefill: &mut Vec<(SeqHandle, usize)>,
+    ) {
+        let Some(s) = self.seqs.get(&h) else { return };
+        let work = s.tokens.len() - s.kv_len;
+        if work == 0 || *budget == 0 {
+            return;
+        }
+        if work == 1 {
+            decode.push(h);
+            *budget -= 1;
+        } else {
+            let n = work.min(*budget);
+            prefill.push((h, n));
+            *budget -= n;
+        }
+    }
+
+    /// The sequence to preempt: a paused holder first (the oldest), else the newest running
+    /// sequence. None when `asking` is the only holder.
+    fn victim(&self, asking: Option<SeqHandle>) -> Option<SeqHandle> {
+        let paused = self
+            .seqs
+            .iter()
+            .filter(|(_, s)| s.phase == Phase::Paused && matches!(s.kv, Kv::Device))
+            .min_by_key(|(_, s)| s.order)
+            .map(|(&h, _)| h);
+        if paused.is_some() {
+            return paused;
+        }
+        let newest = *self.running.last()?;
+        if Some(newest) == asking && self.running.len() == 1 {
+            return None;
+        }
+        Some(newest)
+    }
+
+    /// Preempts `h` (running or paused) by the configured mode; a running one goes to the
+    /// front of the queue.
+    fn preempt(&mut self, h: SeqHandle) -> Result<()> {
+        match self.cfg.preempt {
+            PreemptMode::Recompute => {
+                self.drop_kv(h)?;
+                self.stats.preempted_recompute += 1;
+            }
+            PreemptMode::SwapToHost => {
+                let n = self.seq(h)?.kv_len;
+                if n == 0 {
+                    self.drop_kv(h)?;
+                } else {
+                    let slots: Vec<i32> = (0..n)
+                        .map(|p| self.bm.slot(SeqId(h.0), p))
+                        .collect::<std::result::Result<_, _>>()?;
+                    let rows = self.cache.gather(&self.backend, &slots)?;
+                    let mut host = Vec::with_capacity(rows.len());
+                    for (k, v) in rows {
+                        host.push((k.to_f32_vec()?, v.to_f32_vec()?));
+                    }
+                    self.bm.finish(SeqId(h.0))?;
+                    let s = self.seq_mut(h)?;
+                    s.kv = Kv::Host(host);
+                    s.bm_len = 0;
+                    self.stats.swapped_out_tokens += n as u64;
+                }
+                self.stats.preempted_swap += 1;
+            }
+        }
+        if let Some(i) = self.running.iter().position(|&r| r == h) {
+            self.running.remove(i);
+            self.waiting.push_front(h);
+        }
+        Ok(())
+    }
+
+    /// Releases `h`'s K/V wherever it is; its next admission computes everything.
+    fn drop_kv(&mut self, h: SeqHandle) -> Result<()> {
+        if matches!(self.seq(h)?.kv, Kv::Device) {
+            self.bm.finish(SeqId(h.0))?;
+        }
+        let s = self.seq_mut(h)?;
+        s.kv = Kv::None;
+        s.kv_len = 0;
+        s.bm_len = 0;
+        Ok(())
+    }
+
+    /// Releases everything `h` holds and takes it off the queues.
+    fn release(&mut self, h: SeqHandle) -> Result<()> {
+        self.drop_kv(h)?;
+        self.running.retain(|&r| r != h);
+        self.waiting.retain(|&r| r != h);
+        Ok(())
+    }
+
+    fn max_blocks(&self, hs: impl Iterator<Item = SeqHandle>) -> Result<usize> {
+        let mut mb = 1;
+        for h in hs {
+            mb = mb.max(self.bm.block_table(SeqId(h.0))?.len());
+        }
+        Ok(mb)
+    }
+
+    fn prefill_batch(
+        &self,
+        work: &[(SeqHandle, usize)],
+    ) -> Result<(PrefillBatch, Vec<(SeqHandle, usize)>)> {
+        let ids: Vec<SeqId> = work.iter().map(|(h, _)| SeqId(h.0)).collect();
+        let mb = self.max_blocks(work.iter().map(|w| w.0))?;
+        let (table, _) = self.bm.block_tables(&ids, mb)?;
+        let mut b = PrefillBatch {
+            block_table: table,
+            max_blocks: mb,
+            cu_seqlens: vec![0],
+            ..PrefillBatch::default()
+        };
+        let mut rows = Vec::new();
+        for &(h, n) in work {
+            let s = self.seq(h)?;
+            let start = s.kv_len;
+            for p in start..start + n {
+                b.tokens.push(s.tokens[p] as i32);
+                b.positions.push(p as i32);
+                b.slots.push(self.bm.slot(SeqId(h.0), p)?);
+            }
+            b.cu_seqlens.push(b.tokens.len() as i32);
+            b.context_lens.push((start + n) as i32);
+            if start + n == s.tokens.len() {
+                rows.push((h, b.logits_rows.len()));
+                b.logits_rows.push(b.tokens.len() as i32 - 1);
+            }
+        }
+        Ok((b, rows))
+    }
+
+    fn decode_batch(&self, hs: &[SeqHandle]) -> Result<DecodeBatch> {
+        let ids: Vec<SeqId> = hs.iter().map(|h| SeqId(h.0)).collect();
+        let mb = self.max_blocks(hs.iter().copied())?;
+        let (table, _) = self.bm.block_tables(&ids, mb)?;
+        let mut b = DecodeBatch {
+            block_table: table,
+            max_blocks: mb,
+            ..DecodeBatch::default()
+        };
+        for &h in hs {
+            let s = self.seq(h)?;
+            let p = s.kv_len;
+            b.tokens.push(s.tokens[p] as i32);
+            b.positions.push(p as i32);
+            b.slots.push(self.bm.slot(SeqId(h.0), p)?);
+            b.context_lens.push(p as i32 + 1);
+        }
+        Ok(b)
+    }
+
+    /// Forks a group leader whose prompt K/V just completed into its siblings (sharing its
+    /// blocks); returns their handles.
+    fn fork_group(&mut self, h: SeqHandle) -> Result<Vec<SeqHandle>> {
+        let s = self.seq_mut(h)?;
+        if s.fork.is_empty() {
+            return Ok(Vec::new());
+        }
+        let fork = std::mem::take(&mut s.fork);
+        let children: Vec<SeqId> = fork.iter().map(|(c, _)| SeqId(c.0)).collect();
+        self.bm.fork(SeqId(h.0), &children)?;
+        let s = self.seq(h)?;
+        let mut made = Vec::with_capacity(fork.len());
+        let mut new = Vec::with_capacity(fork.len());
+        for &(c, gi) in &fork {
+            new.push((
+                c,
+                Seq {
+                    meta: s.meta.clone(),
+                    group_index: gi,
+                    request_id: request_id(&s.meta, gi),
+                    fork: Vec::new(),
+                    tokens: s.tokens.clone(),
+                    loss_mask: s.loss_mask.clone(),
+                    logp: s.logp.clone(),
+                    versions: s.versions.clone(),
+                    prompt_len: s.prompt_len,
+                    turns: s.turns.clone(),
+                    turn_start: s.turn_start,
+                    max_new: s.max_new,
+                    kv_len: s.kv_len,
+                    bm_len: s.bm_len,
+                    kv: Kv::Device,
+                    kv_epoch: s.kv_epoch,
+                    phase: Phase::Active,
+                    order: 0,
+                },
+            ));
+            made.push(c);
+        }
+        for (c, mut seq) in new {
+            seq.order = self.next_order;
+            self.next_order += 1;
+            self.seqs.insert(c, seq);
+            self.running.push(c);
+        }
+        Ok(made)
+    }
+
+    /// Samples one token per row: rows grouped by sampling parameters (one sampler call each),
+    /// gathered from their step's logits.
+    fn sample_rows(
+        &self,
+        rows: &[(SeqHandle, usize, usize)],
+        logits: &[Tensor],
+    ) -> Result<Vec<(TokenId, f32)>> {
+        let mut out = vec![(0u32, 0.0f32); rows.len()];
+        // Group by (logits source, sampling parameters).
+        let mut groups: BTreeMap<(usize, u64, u32, u32, u32), Vec<usize>> = BTreeMap::new();
+        for (i, &(h, src, _)) in rows.iter().enumerate() {
+            let sp = &self.seq(h)?.meta.sampling;
+            groups
+                .entry((
+                    src,
+                    sp.seed,
+                    sp.temperature.to_bits(),
+                    sp.top_k,
+                    sp.top_p.to_bits(),
+                ))
+                .or_default()
+                .push(i);
+        }
+        for ((src, seed, temp, top_k, top_p), members) in groups {
+            let idx: Vec<i32> = members.iter().map(|&i| rows[i].2 as i32).collect();
+            let l = &logits[src];
+            let identity =
+                idx.len() == l.shape()[0] && idx.iter().enumerate().all(|(i, &r)| r as usize == i);
+            let picked;
+            let table = if identity {
+                l
+            } else {
+                let t = Tensor::from_slice(&self.backend, &[idx.len()], &idx)?;
+                picked = embedding(&self.backend, l, &t)?;
+                &picked
+            };
+            let mut ids = Vec::with_capacity(members.len());
+            let mut pos = Vec::with_capacity(members.len());
+            for &i in &members {
+                let s = self.seq(rows[i].0)?;
+                ids.push(s.request_id);
+                pos.push(s.tokens.len() as i32);
+            }
+            let ids = Tensor::from_slice(&self.backend, &[ids.len()], &ids)?;
+            let pos = Tensor::from_slice(&self.backend, &[pos.len()], &pos)?;
+            let p = SampleParams {
+                seed,
+                temperature: f32::from_bits(temp),
+                top_k: top_k as usize,
+                top_p: f32::from_bits(top_p),
+            };
+            let (toks, lps) = sample(&self.backend, table, &ids, &pos, &p)?;
+            let toks = toks.to_vec::<i32>()?;
+            let lps = lps.to_vec::<f32>()?;
+            for (j, &i) in members.iter().enumerate() {
+                out[i] = (toks[j] as TokenId, lps[j]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Appends a sampled token; returns the stop reason if the turn ends.
+    fn push_token(&mut self, h: SeqHandle, tok: TokenId, lp: f32) -> Result<Option<StopReason>> {
+        let version = self.version();
+        self.stats.sampled_tokens += 1;
+        let s = self.seq_mut(h)?;
+        if s.tokens.len() == s.turn_start {
+            s.turns.push(TurnBoundary {
+                start: s.tokens.len(),
+            });
+        }
+        s.tokens.push(tok);
+        s.loss_mask.push(true);
+        s.logp.push(lp);
+        s.versions.push(version);
+        let gen = &s.tokens[s.turn_start..];
+        let stop = &s.meta.stop;
+        Ok(if stop.eos == Some(tok) {
+            Some(StopReason::Eos)
+        } else if stop.stop_sequences.iter().any(|q| gen.ends_with(q)) {
+            Some(StopReason::StopSequence)
+        } else if gen.len() >= s.max_new as usize {
+            Some(StopReason::MaxNewTokens)
+        } else {
+            None
+        })
+    }
+
+    /// A turn stopped: pause a multi-turn trajectory (keeping its K/V), or finish a single-turn
+    /// one and emit its sample. The sequence is already off the running list.
+    fn end_turn(&mut self, h: SeqHandle, reason: StopReason) -> Result<Vec<Event>> {
+        let s = self.seq_mut(h)?;
+        if s.meta.multi_turn {
+            s.phase = Phase::Paused;
+            return Ok(vec![Event::TurnEnded {
+                handle: h,
+                session_id: s.meta.session_id.clone(),
+                group_index: s.group_index,
+                reason,
+            }]);
+        }
+        self.release(h)?;
+        let s = self.seqs.remove(&h).ok_or(EngineError::UnknownHandle(h))?;
+        let sample = self.to_sample(s, 0.0, reason.terminal())?;
+        Ok(vec![Event::Finished {
+            handle: h,
+            reason,
+            sample: Box::new(sample),
+        }])
+    }
+
+    fn to_sample(&self, s: Seq, reward: f32, reason: TerminalReason) -> Result<Sample> {
+        let sample = Sample {
+            instance_id: s.meta.instance_id.clone(),
+            group_index: s.group_index,
+            session_id: s.meta.session_id.clone(),
+            task: s.meta.task.clone(),
+            prompt_len: s.prompt_len,
+            tokens: s.tokens,
+            loss_mask: s.loss_mask,
+            behavior_logp: s.logp,
+            weight_version: s.versions,
+            reward,
+            terminal_reason: reason,
+            turns: s.turns,
+            clocks: ClockStamps {
+                behavior_version: self.version(),
+                inference_refresh: self.stats.weight_swaps,
+                ..ClockStamps::default()
+            },
+            versions: ArtifactVersions::default(),
+            sampling: s.meta.sampling,
+        };
+        sample.validate().map_err(EngineError::Trajectory)?;
+        Ok(sample)
+    }
+}
+
+/// The sampler's request id of group member `gi`: a stable hash of (session, instance, gi).
+pub fn request_id_of(session_id: &str, instance_id: &str, group_index: u32) -> u64 {
+    let a = hash_str(0x7365_7373, session_id);
+    let b = hash_str(0x696e_7374, instance_id);
+    mix64(a ^ mix64(b ^ mix64(group_index as u64 + 1)))
+}
+
+fn request_id(meta: &Meta, gi: u32) -> u64 {
+    request_id_of(&meta.session_id, &meta.instance_id, gi)
+}
+
+fn check_ids(ids: &[TokenId], vocab: usize, what: &str) -> Result<()> {
+    if let Some((i, &t)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+        return Err(bad(format!(
+            "{what}[{i}] = {t} is outside the model's vocabulary 0..{vocab}"
+        )));
+    }
+    Ok(())
+}
+
+fn check_sampling(p: &SamplingParams) -> Result<()> {
+    if p.max_new_tokens == 0 {
+        return Err(bad("sampling.max_new_tokens must be >= 1"));
+    }
+    SampleParams {
+        seed: p.seed,
+        temperature: p.temperature,
+        top_k: p.top_k as usize,
+        top_p: p.top_p,
+    }
+    .validate()
+    .map_err(|e| bad(format!("sampling: {e}")))
+}

@@ -1,0 +1,326 @@
+//! Shared pieces of the engine tests: models, a scripted workload (groups, shared prompts,
+//! multi-turn sessions), a driver that steps an engine and answers turns, and the learner's
+//! log-probs of finished trajectories.
+#![allow(dead_code, clippy::needless_range_loop)]
+
+use sluice_kernels::ops::is_gate_loss::{
+    is_gate_loss, is_gate_loss_reference, GateMode, GateParams, TokenBatch, TokenInputs,
+};
+use sluice_kernels::testing::Rng;
+use sluice_kernels::{Backend, Tensor};
+use sluice_model::infer::{self, InferWeights, KvCache, PrefillBatch};
+use sluice_model::{forward, Model, ModelConfig, PackedBatch};
+use sluice_runtime::engine::{
+    Engine, EngineConfig, Event, Request, SeqHandle, StopConfig, StopReason,
+};
+use sluice_runtime::trajectory::{Sample, SamplingParams, TerminalReason, WeightVersion};
+use std::collections::BTreeMap;
+
+/// A model with larger weights than the training init (so the logits are far from uniform and
+/// the sampled tokens vary), seed `seed`.
+pub fn model(mut cfg: ModelConfig, seed: u64, backend: &Backend) -> Model {
+    cfg.seed = seed;
+    cfg.init_std = 0.15;
+    Model::new(cfg, backend).unwrap()
+}
+
+pub fn engine(m: &Model, backend: Backend, cfg: EngineConfig) -> Engine {
+    Engine::new(backend, &m.config, &m.params, WeightVersion(0), cfg).unwrap()
+}
+
+pub fn prompt(rng: &mut Rng, n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.below(vocab) as u32).collect()
+}
+
+/// One request of the workload and how many observation turns its sessions get.
+#[derive(Clone, Debug)]
+pub struct Job {
+    pub req: Request,
+    /// Observation turns after the first turn (multi-turn requests only).
+    pub turns: u32,
+}
+
+/// The workload of the zero-mismatch test: requests of different lengths, GRPO groups, two
+/// requests sharing a long prompt prefix, multi-turn sessions with observations; EOS and a
+/// stop sequence among the stop conditions.
+pub fn workload(vocab: usize, seed: u64) -> Vec<Job> {
+    let mut rng = Rng::new(seed);
+    let shared = prompt(&mut rng, 37, vocab);
+    let mut jobs = Vec::new();
+    let mut add = |name: &str, p: Vec<u32>, g: u32, max_new: u32, turns: u32, eos: Option<u32>| {
+        let mut req = Request::new(name, p, max_new);
+        req.instance_id = format!("inst-{name}");
+        req.group_size = g;
+        req.sampling = SamplingParams {
+            max_new_tokens: max_new,
+            seed: 7,
+            ..SamplingParams::default()
+        };
+        req.stop = StopConfig {
+            eos,
+            stop_sequences: vec![vec![1, 2]],
+        };
+        req.multi_turn = turns > 0;
+        jobs.push(Job { req, turns });
+    };
+    add("a", prompt(&mut rng, 5, vocab), 4, 12, 0, Some(3));
+    add("b", shared.clone(), 1, 20, 0, None);
+    add("c", prompt(&mut rng, 9, vocab), 2, 6, 2, Some(3));
+    let mut e = shared[..33].to_vec();
+    e.extend(prompt(&mut rng, 6, vocab));
+    add("e", e, 3, 9, 0, None);
+    add("f", prompt(&mut rng, 1, vocab), 1, 17, 1, None);
+    jobs
+}
+
+/// The observation a session gets after turn `turn`: a deterministic function of both.
+pub fn observation(session: &str, turn: u32, vocab: usize) -> Vec<u32> {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for b in session.bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+    }
+    let mut rng = Rng::new(h ^ turn as u64);
+    let n = 3 + (h as usize + turn as usize) % 5;
+    prompt(&mut rng, n, vocab)
+}
+
+/// Finished trajectories keyed by (session, group index).
+pub type Results = BTreeMap<(String, u32), Sample>;
+
+/// Steps `eng` until every job's trajectories finished, answering multi-turn sessions with
+/// [`observation`]s. `submit_after[i]` = the number of steps before job i is submitted.
+/// `on_step(engine, step)` runs between steps (e.g. a weight swap).
+pub fn drive(
+    eng: &mut Engine,
+    jobs: &[Job],
+    submit_after: &[u64],
+    mut on_step: impl FnMut(&mut Engine, u64),
+) -> Results {
+    let vocab = eng.model_config().vocab;
+    let mut owner: BTreeMap<SeqHandle, (String, u32, u32)> = BTreeMap::new(); // session, gi, turns left
+    let mut out = Results::new();
+    let mut submitted = vec![false; jobs.len()];
+    let mut step = 0u64;
+    let expected: usize = jobs.iter().map(|j| j.req.group_size as usize).sum();
+    while out.len() < expected {
+        for (i, j) in jobs.iter().enumerate() {
+            if !submitted[i] && submit_after[i] <= step {
+                let hs = eng.submit(j.req.clone()).unwrap();
+                for (gi, h) in hs.into_iter().enumerate() {
+                    owner.insert(h, (j.req.session_id.clone(), gi as u32, j.turns));
+                }
+                submitted[i] = true;
+            }
+        }
+        on_step(eng, step);
+        let events = eng.step().unwrap();
+        step += 1;
+        assert!(step < 10_000, "the engine made no progress");
+        for ev in events {
+            match ev {
+                Event::Finished { sample, handle, .. } => {
+                    let (s, gi, _) = owner[&handle].clone();
+                    sample.validate().unwrap();
+                    assert_eq!(sample.group_index, gi);
+                    out.insert((s, gi), *sample);
+                }
+                Event::TurnEnded { handle, reason, .. } => {
+                    let (s, gi, left) = owner[&handle].clone();
+                    assert_ne!(reason, StopReason::Capacity);
+                    if left == 0 {
+                        let sample = eng.finish(handle, 1.0, TerminalReason::Success).unwrap();
+                        sample.validate().unwrap();
+                        out.insert((s, gi), sample);
+                    } else {
+                        let obs = observation(&format!("{s}/{gi}"), left, vocab);
+                        eng.observe(handle, &obs, 5).unwrap();
+                        owner.insert(handle, (s, gi, left - 1));
+                    }
+                }
+            }
+        }
+    }
+    assert!(eng.is_empty(), "trajectories left in the engine");
+    out
+}
+
+/// The learner's log-probs of every token of each trajectory (0 where not generated): the
+/// training forward (`forward::logits`) over ONE packed batch of all the full sequences, then
+/// is_gate_loss's logp (the row reduction the sampler shares), at temperature 1.
+pub fn learner_logps(m: &Model, samples: &[&Sample]) -> Vec<Vec<f32>> {
+    let v = m.config.vocab;
+    let seqs: Vec<Vec<i32>> = samples
+        .iter()
+        .map(|s| s.tokens.iter().map(|&t| t as i32).collect())
+        .collect();
+    let batch = PackedBatch::pack(&seqs, v).unwrap();
+    let logits = forward::logits(m, &batch).unwrap();
+    let n = batch.len();
+    // Row r predicts the next token of its sequence.
+    let mut targets = vec![0i32; n];
+    let mut mask = vec![0.0f32; n];
+    for (b, s) in samples.iter().enumerate() {
+        let r = batch.seq_range(b);
+        for j in 0..s.tokens.len() - 1 {
+            targets[r.start + j] = s.tokens[j + 1] as i32;
+            mask[r.start + j] = if s.loss_mask[j + 1] { 1.0 } else { 0.0 };
+        }
+    }
+    let zeros = vec![0.0f32; n];
+    let ones = vec![1.0f32; n];
+    let inputs = TokenInputs {
+        tokens: &targets,
+        behavior_logp: &zeros,
+        advantages: &ones,
+        mask: &mask,
+        weight: None,
+    };
+    let params = GateParams {
+        mode: GateMode::Pg,
+        ..GateParams::default()
+    };
+    let mut dl = vec![0.0f32; logits.len()];
+    let r = is_gate_loss_reference(&logits, n, v, &inputs, &params, &mut dl).unwrap();
+    samples
+        .iter()
+        .enumerate()
+        .map(|(b, s)| {
+            let r0 = batch.seq_range(b).start;
+            let mut lp = vec![0.0f32; s.tokens.len()];
+            for j in 1..s.tokens.len() {
+                if s.loss_mask[j] {
+                    lp[j] = r.logp[r0 + j - 1];
+                }
+            }
+            lp
+        })
+        .collect()
+}
+
+/// Asserts that every generated token whose version passes `which` has the learner's log-prob
+/// bit for bit; returns how many tokens were compared.
+pub fn assert_bit_identical(
+    m: &Model,
+    results: &Results,
+    which: impl Fn(WeightVersion) -> bool,
+) -> usize {
+    let samples: Vec<&Sample> = results.values().collect();
+    let learner = learner_logps(m, &samples);
+    let mut compared = 0;
+    for (s, lp) in samples.iter().zip(&learner) {
+        for j in 0..s.tokens.len() {
+            if s.loss_mask[j] && which(s.weight_version[j]) {
+                assert_eq!(
+                    s.behavior_logp[j].to_bits(),
+                    lp[j].to_bits(),
+                    "session {} sample {} token {j}: engine logp {} learner {}",
+                    s.session_id,
+                    s.group_index,
+                    s.behavior_logp[j],
+                    lp[j]
+                );
+                compared += 1;
+            }
+        }
+    }
+    compared
+}
+
+/// is_gate_loss's logp on `backend` for logits [n, V] (host values uploaded) of rows whose
+/// targets/mask are given.
+fn device_logp(backend: &Backend, logits: Tensor, targets: &[i32], mask: &[f32]) -> Vec<f32> {
+    let n = targets.len();
+    let tokens = Tensor::from_slice(backend, &[n], targets).unwrap();
+    let zeros = Tensor::from_slice(backend, &[n], &vec![0.0f32; n]).unwrap();
+    let ones = Tensor::from_slice(backend, &[n], &vec![1.0f32; n]).unwrap();
+    let mask = Tensor::from_slice(backend, &[n], mask).unwrap();
+    let batch = TokenBatch {
+        tokens: &tokens,
+        behavior_logp: &zeros,
+        advantages: &ones,
+        mask: &mask,
+        weight: None,
+    };
+    let params = GateParams {
+        mode: GateMode::Pg,
+        ..GateParams::default()
+    };
+    let (out, _) = is_gate_loss(backend, &logits, &batch, &params).unwrap();
+    out.logp.to_vec::<f32>().unwrap()
+}
+
+fn targets_mask(s: &Sample) -> (Vec<i32>, Vec<f32>) {
+    let n = s.tokens.len();
+    let mut targets = vec![0i32; n];
+    let mut mask = vec![0.0f32; n];
+    for j in 0..n - 1 {
+        targets[j] = s.tokens[j + 1] as i32;
+        mask[j] = if s.loss_mask[j + 1] { 1.0 } else { 0.0 };
+    }
+    (targets, mask)
+}
+
+fn compare(s: &Sample, logp: &[f32], what: &str) -> usize {
+    let mut compared = 0;
+    for j in 1..s.tokens.len() {
+        if s.loss_mask[j] {
+            assert_eq!(
+                s.behavior_logp[j].to_bits(),
+                logp[j - 1].to_bits(),
+                "{what}: session {} sample {} token {j}: engine {} vs {}",
+                s.session_id,
+                s.group_index,
+                s.behavior_logp[j],
+                logp[j - 1]
+            );
+            compared += 1;
+        }
+    }
+    compared
+}
+
+/// Recomputes each trajectory on `backend` with ONE prefill over its full sequence (fresh
+/// cache, contiguous slots), then is_gate_loss's logp there; asserts bit identity with the
+/// engine's behavior log-probs. Returns the tokens compared.
+pub fn assert_full_recompute_identical(backend: &Backend, m: &Model, results: &Results) -> usize {
+    let w = InferWeights::from_arena(backend, &m.config, &m.params, 0).unwrap();
+    let mut compared = 0;
+    for s in results.values() {
+        let n = s.tokens.len();
+        let bs = 4;
+        let nb = n.div_ceil(bs);
+        let mut cache = KvCache::new(backend, &m.config, nb, bs).unwrap();
+        let batch = PrefillBatch {
+            tokens: s.tokens.iter().map(|&t| t as i32).collect(),
+            positions: (0..n as i32).collect(),
+            slots: (0..n as i32).collect(),
+            cu_seqlens: vec![0, n as i32],
+            block_table: (0..nb as i32).collect(),
+            max_blocks: nb,
+            context_lens: vec![n as i32],
+            logits_rows: (0..n as i32).collect(),
+        };
+        let logits = infer::prefill(backend, &w, &mut cache, &batch).unwrap();
+        let (targets, mask) = targets_mask(s);
+        let lp = device_logp(backend, logits, &targets, &mask);
+        compared += compare(s, &lp, "full-sequence recompute");
+    }
+    compared
+}
+
+/// The learner's training forward on `m`'s device, then is_gate_loss on `backend`: bit identity
+/// with the engine's behavior log-probs.
+pub fn assert_bit_identical_on(backend: &Backend, m: &Model, results: &Results) -> usize {
+    let mut compared = 0;
+    for s in results.values() {
+        let seq: Vec<i32> = s.tokens.iter().map(|&t| t as i32).collect();
+        let batch = PackedBatch::pack(&[seq], m.config.vocab).unwrap();
+        let logits = forward::logits(m, &batch).unwrap();
+        let logits =
+            Tensor::from_slice(backend, &[s.tokens.len(), m.config.vocab], &logits).unwrap();
+        let (targets, mask) = targets_mask(s);
+        let lp = device_logp(backend, logits, &targets, &mask);
+        compared += compare(s, &lp, "learner");
+    }
+    compared
+}
