@@ -4,8 +4,8 @@
 //! Every function takes the [`Backend`] and tensors that live on it and calls the kernels
 //! crate's device entry points: on `cpu` they run the CPU references, on `emu` and `cuda` the
 //! CUDA kernels (under the emulator on `emu`). The learner ([`crate::forward`]) chains them into
-//! the whole model. The projection and FFN functions ([`qkv`], [`attn_output`], [`ffn`],
-//! [`ffn_block`]) are meant for the rollout engine as well (with its paged attention in place of
+//! the whole model. The projection and FFN functions ([`qkv`], [`project_qkv`], [`attn_output`],
+//! [`ffn`], [`ffn_block`]) are meant for the rollout engine as well (with its paged attention in place of
 //! [`attention`]), so that the engine and the learner compute a token's activations with the
 //! same code.
 //!
@@ -327,15 +327,29 @@ pub fn qkv(
     x: &Tensor,
     positions: &Tensor,
 ) -> Result<Qkv> {
-    let t = rows(x);
-    let (hq, hkv, hd) = (dims.n_heads, dims.n_kv_heads, dims.head_dim);
     let h = rmsnorm(backend, x, &w.norm, dims.norm_eps)?;
-    let q = linear(backend, &h, &w.wq)?.reshape(&[t, hq, hd])?;
-    let k = linear(backend, &h, &w.wk)?.reshape(&[t, hkv, hd])?;
-    let v = linear(backend, &h, &w.wv)?.reshape(&[t, hkv, hd])?;
+    let (q, k, v) = project_qkv(backend, dims, w, &h, positions)?;
+    Ok(Qkv { h, q, k, v })
+}
+
+/// The q/k/v projections of the normalised input h `[T, d]` and RoPE at `positions [T]` (I32):
+/// q `[T,H,D]`, k and v `[T,Hkv,D]` (what a paged-KV engine appends to its cache and attends
+/// with).
+pub fn project_qkv(
+    backend: &Backend,
+    dims: &Dims,
+    w: &AttnWeights,
+    h: &Tensor,
+    positions: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let t = rows(h);
+    let (hq, hkv, hd) = (dims.n_heads, dims.n_kv_heads, dims.head_dim);
+    let q = linear(backend, h, &w.wq)?.reshape(&[t, hq, hd])?;
+    let k = linear(backend, h, &w.wk)?.reshape(&[t, hkv, hd])?;
+    let v = linear(backend, h, &w.wv)?.reshape(&[t, hkv, hd])?;
     let q = rope(backend, &q, positions, dims.rope_theta)?;
     let k = rope(backend, &k, positions, dims.rope_theta)?;
-    Ok(Qkv { h, q, k, v })
+    Ok((q, k, v))
 }
 
 /// Causal varlen attention over a packed batch: the output `[T, H*D]` and its log-sum-exp
