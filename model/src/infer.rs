@@ -18,76 +18,31 @@
 //! split into chunks, and whatever else is in the batch. `runtime/tests/zero_mismatch.rs` checks
 //! this end to end.
 //!
-//! The layer pieces are small functions ([`attention_block`], [`ffn_block`], [`linear`], ...)
-//! so the training forward can later share them.
+//! The layer pieces are the learner's own ([`crate::layers`]): the weights as tensors
+//! ([`ModelWeights`]), the q/k/v projections with RoPE ([`layers::project_qkv`]), the output
+//! projection with its residual ([`layers::attn_output`]) and the FFN half
+//! ([`layers::ffn_block`]); only the attention itself differs (the paged cache instead of the
+//! packed batch), so the engine and the learner compute a token's activations with the same code.
 
 use crate::arena::Arena;
-use crate::config::{ModelConfig, ScoreFn};
-use crate::layout::{FfnViews, Layout};
-use sluice_kernels::ops::attention::resolve_scale;
-use sluice_kernels::ops::elementwise::residual_add;
+use crate::config::ModelConfig;
+use crate::layers::{self, Dims, LayerWeights, ModelWeights};
+use crate::layout::Layout;
 use sluice_kernels::ops::embedding::embedding;
-use sluice_kernels::ops::gemm::gemm;
-use sluice_kernels::ops::moe::{moe_forward, MoeConfig, ScoreFn as MoeScoreFn};
 use sluice_kernels::ops::paged_attention::{kv_append, paged_attention, paged_prefill};
 use sluice_kernels::ops::rmsnorm::rmsnorm;
-use sluice_kernels::ops::rope::rope;
-use sluice_kernels::ops::swiglu::swiglu;
 use sluice_kernels::{Backend, DType, Error, Result, Tensor};
 
-/// The weights of one SwiGLU FFN: w1, w3 [f, d], w2 [d, f].
-pub struct DenseWeights {
-    pub w1: Tensor,
-    pub w3: Tensor,
-    pub w2: Tensor,
-}
-
-/// One layer's FFN weights.
-pub enum FfnWeights {
-    Dense(DenseWeights),
-    Moe {
-        /// [E, d]
-        router: Tensor,
-        /// [E, f, d]
-        w1: Tensor,
-        /// [E, f, d]
-        w3: Tensor,
-        /// [E, d, f]
-        w2: Tensor,
-        shared: Option<Box<DenseWeights>>,
-    },
-}
-
-/// One transformer block's weights.
-pub struct LayerWeights {
-    pub attn_norm: Tensor,
-    /// [H*hd, d]
-    pub wq: Tensor,
-    /// [Hkv*hd, d]
-    pub wk: Tensor,
-    /// [Hkv*hd, d]
-    pub wv: Tensor,
-    /// [d, H*hd]
-    pub wo: Tensor,
-    pub ffn_norm: Tensor,
-    pub ffn: FfnWeights,
-}
-
-/// The model's weights as tensors on one backend, and the version they are.
+/// The model's weights as F32 tensors on one backend, and the version they are.
 pub struct InferWeights {
     pub config: ModelConfig,
     pub version: u64,
-    /// [vocab, d]
-    pub embed: Tensor,
-    pub layers: Vec<LayerWeights>,
-    pub final_norm: Tensor,
-    /// [vocab, d]
-    pub lm_head: Tensor,
+    pub weights: ModelWeights,
 }
 
 impl InferWeights {
-    /// Copies every view of `arena` (F32 or BF16, any device; downloaded once) to `backend`
-    /// as F32 tensors of the view's shape.
+    /// Copies every view of `arena` (F32 or BF16, on any device) to `backend` as F32 tensors
+    /// of the view's shape.
     pub fn from_arena(
         backend: &Backend,
         config: &ModelConfig,
@@ -95,60 +50,18 @@ impl InferWeights {
         version: u64,
     ) -> Result<InferWeights> {
         config.validate()?;
-        let layout = arena.layout();
         let expected = Layout::new(config)?;
-        if **layout != expected {
+        if **arena.layout() != expected {
             return Err(Error::Invalid(
                 "InferWeights: the arena's layout is not the layout of the model config".into(),
             ));
         }
-        let all = arena.to_vec()?;
-        let t = |i: usize| -> Result<Tensor> {
-            let spec = &layout.views()[i];
-            Tensor::from_slice(backend, &spec.shape, &all[spec.range()])
-        };
-        let dense = |(w1, w3, w2): (usize, usize, usize)| -> Result<DenseWeights> {
-            Ok(DenseWeights {
-                w1: t(w1)?,
-                w3: t(w3)?,
-                w2: t(w2)?,
-            })
-        };
-        let mut layers = Vec::with_capacity(layout.layers().len());
-        for lv in layout.layers() {
-            let ffn = match lv.ffn {
-                FfnViews::Dense { w1, w3, w2 } => FfnWeights::Dense(dense((w1, w3, w2))?),
-                FfnViews::Moe {
-                    router,
-                    w1,
-                    w3,
-                    w2,
-                    shared,
-                } => FfnWeights::Moe {
-                    router: t(router)?,
-                    w1: t(w1)?,
-                    w3: t(w3)?,
-                    w2: t(w2)?,
-                    shared: shared.map(dense).transpose()?.map(Box::new),
-                },
-            };
-            layers.push(LayerWeights {
-                attn_norm: t(lv.attn_norm)?,
-                wq: t(lv.wq)?,
-                wk: t(lv.wk)?,
-                wv: t(lv.wv)?,
-                wo: t(lv.wo)?,
-                ffn_norm: t(lv.ffn_norm)?,
-                ffn,
-            });
-        }
+        // One F32 copy of the arena on the engine's backend, then its views as tensors.
+        let f32_arena = arena.cast_copy(backend, DType::F32)?;
         Ok(InferWeights {
             config: config.clone(),
             version,
-            embed: t(layout.embed())?,
-            layers,
-            final_norm: t(layout.final_norm())?,
-            lm_head: t(layout.lm_head())?,
+            weights: ModelWeights::from_arena(backend, &f32_arena)?,
         })
     }
 }
@@ -335,102 +248,6 @@ pub struct DecodeBatch {
     pub context_lens: Vec<i32>,
 }
 
-/// Sizes used by the layer pieces.
-#[derive(Clone, Copy, Debug)]
-pub struct InferDims {
-    pub d: usize,
-    pub h: usize,
-    pub hkv: usize,
-    pub hd: usize,
-    pub eps: f32,
-    pub theta: f32,
-    pub scale: f32,
-}
-
-impl InferDims {
-    pub fn new(cfg: &ModelConfig) -> Result<InferDims> {
-        Ok(InferDims {
-            d: cfg.d_model,
-            h: cfg.n_heads,
-            hkv: cfg.n_kv_heads,
-            hd: cfg.head_dim,
-            eps: cfg.norm_eps as f32,
-            theta: cfg.rope_theta as f32,
-            scale: resolve_scale(None, cfg.head_dim)?,
-        })
-    }
-}
-
-/// y[T, n] = x[T, k] w[n, k]^T.
-pub fn linear(backend: &Backend, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    gemm(backend, x, w)
-}
-
-/// A SwiGLU FFN: (silu(x w1^T) * (x w3^T)) w2^T.
-pub fn dense_ffn(backend: &Backend, x: &Tensor, w: &DenseWeights) -> Result<Tensor> {
-    let u = linear(backend, x, &w.w1)?;
-    let g = linear(backend, x, &w.w3)?;
-    let s = swiglu(backend, &u, &g)?;
-    linear(backend, &s, &w.w2)
-}
-
-/// The moe family's config for the model's routed experts.
-pub fn moe_config(cfg: &ModelConfig) -> MoeConfig {
-    MoeConfig {
-        k: cfg.top_k,
-        score_fn: match cfg.score_fn {
-            ScoreFn::Softmax => MoeScoreFn::Softmax,
-            ScoreFn::Sigmoid => MoeScoreFn::Sigmoid,
-        },
-        renorm: cfg.renorm,
-        aux_alpha: 0.0,
-    }
-}
-
-/// The FFN half of a layer on the normed input h[T, d]: dense, or routed experts plus the
-/// optional shared expert (added after the routed output, as the training forward does).
-pub fn ffn_block(
-    backend: &Backend,
-    cfg: &ModelConfig,
-    ffn: &FfnWeights,
-    h: &Tensor,
-) -> Result<Tensor> {
-    match ffn {
-        FfnWeights::Dense(w) => dense_ffn(backend, h, w),
-        FfnWeights::Moe {
-            router,
-            w1,
-            w3,
-            w2,
-            shared,
-        } => {
-            let y = moe_forward(backend, h, router, w1, w3, w2, moe_config(cfg))?.y;
-            match shared {
-                Some(s) => residual_add(backend, &y, &dense_ffn(backend, h, s)?),
-                None => Ok(y),
-            }
-        }
-    }
-}
-
-/// q [T,H,hd], k and v [T,Hkv,hd] of the normed input h[T,d], RoPE applied to q and k at
-/// `positions` [T] I32.
-pub fn qkv(
-    backend: &Backend,
-    dm: InferDims,
-    lw: &LayerWeights,
-    h: &Tensor,
-    positions: &Tensor,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let t = h.shape()[0];
-    let q = linear(backend, h, &lw.wq)?.reshape(&[t, dm.h, dm.hd])?;
-    let k = linear(backend, h, &lw.wk)?.reshape(&[t, dm.hkv, dm.hd])?;
-    let v = linear(backend, h, &lw.wv)?.reshape(&[t, dm.hkv, dm.hd])?;
-    let q = rope(backend, &q, positions, dm.theta)?;
-    let k = rope(backend, &k, positions, dm.theta)?;
-    Ok((q, k, v))
-}
-
 /// How a layer's attention reads the cache.
 pub enum AttnInputs<'a> {
     Prefill {
@@ -448,7 +265,7 @@ pub enum AttnInputs<'a> {
 #[allow(clippy::too_many_arguments)]
 pub fn attention_block(
     backend: &Backend,
-    dm: InferDims,
+    dims: &Dims,
     lw: &LayerWeights,
     x: &Tensor,
     positions: &Tensor,
@@ -458,8 +275,8 @@ pub fn attention_block(
     attn: &AttnInputs<'_>,
 ) -> Result<Tensor> {
     let t = x.shape()[0];
-    let h1 = rmsnorm(backend, x, &lw.attn_norm, dm.eps)?;
-    let (q, k, v) = qkv(backend, dm, lw, &h1, positions)?;
+    let h1 = rmsnorm(backend, x, &lw.attn.norm, dims.norm_eps)?;
+    let (q, k, v) = layers::project_qkv(backend, dims, &lw.attn, &h1, positions)?;
     kv_append(backend, &k, &v, slots, k_cache, v_cache)?;
     let o = match attn {
         AttnInputs::Prefill {
@@ -474,7 +291,7 @@ pub fn attention_block(
             block_table,
             cu_seqlens,
             context_lens,
-            Some(dm.scale),
+            Some(dims.scale),
         )?,
         AttnInputs::Decode {
             block_table,
@@ -486,19 +303,19 @@ pub fn attention_block(
             v_cache,
             block_table,
             context_lens,
-            Some(dm.scale),
+            Some(dims.scale),
         )?,
     };
-    let o = linear(backend, &o.reshape(&[t, dm.h * dm.hd])?, &lw.wo)?;
-    residual_add(backend, x, &o)
+    let o = o.reshape(&[t, dims.n_heads * dims.head_dim])?;
+    layers::attn_output(backend, &lw.attn, x, &o)
 }
 
-/// One full layer: attention half, then x + ffn(rmsnorm(x)).
+/// One full layer: the attention half over the paged cache, then the learner's FFN half
+/// x + ffn(rmsnorm(x)).
 #[allow(clippy::too_many_arguments)]
 pub fn layer(
     backend: &Backend,
-    cfg: &ModelConfig,
-    dm: InferDims,
+    dims: &Dims,
     lw: &LayerWeights,
     x: &Tensor,
     positions: &Tensor,
@@ -507,29 +324,30 @@ pub fn layer(
     v_cache: &mut Tensor,
     attn: &AttnInputs<'_>,
 ) -> Result<Tensor> {
-    let x_mid = attention_block(backend, dm, lw, x, positions, slots, k_cache, v_cache, attn)?;
-    let h2 = rmsnorm(backend, &x_mid, &lw.ffn_norm, dm.eps)?;
-    let y = ffn_block(backend, cfg, &lw.ffn, &h2)?;
-    residual_add(backend, &x_mid, &y)
+    let x_mid = attention_block(
+        backend, dims, lw, x, positions, slots, k_cache, v_cache, attn,
+    )?;
+    let (_, x_out) = layers::ffn_block(backend, dims, &lw.ffn_norm, &lw.ffn, x_mid)?;
+    Ok(x_out)
 }
 
 /// Final norm and LM head of the rows `rows` of x[T, d]: logits [R, vocab].
 pub fn lm_head_rows(
     backend: &Backend,
-    w: &InferWeights,
-    dm: InferDims,
+    w: &ModelWeights,
+    dims: &Dims,
     x: &Tensor,
     rows: &[i32],
 ) -> Result<Tensor> {
     let all = rows.len() == x.shape()[0] && rows.iter().enumerate().all(|(i, &r)| r as usize == i);
     let hf = if all {
-        rmsnorm(backend, x, &w.final_norm, dm.eps)?
+        rmsnorm(backend, x, &w.final_norm, dims.norm_eps)?
     } else {
         let idx = Tensor::from_slice(backend, &[rows.len()], rows)?;
         let picked = embedding(backend, x, &idx)?;
-        rmsnorm(backend, &picked, &w.final_norm, dm.eps)?
+        rmsnorm(backend, &picked, &w.final_norm, dims.norm_eps)?
     };
-    linear(backend, &hf, &w.lm_head)
+    layers::linear(backend, &hf, &w.lm_head)
 }
 
 fn check_tokens(cfg: &ModelConfig, tokens: &[i32]) -> Result<()> {
@@ -584,7 +402,7 @@ pub fn prefill(
         )));
     }
     let b = batch.context_lens.len();
-    let dm = InferDims::new(cfg)?;
+    let dims = Dims::new(cfg)?;
     let tokens = Tensor::from_slice(backend, &[t], &batch.tokens)?;
     let positions = Tensor::from_slice(backend, &[t], &batch.positions)?;
     let slots = Tensor::from_slice(backend, &[t], &batch.slots)?;
@@ -596,12 +414,11 @@ pub fn prefill(
         cu_seqlens: &cu,
         context_lens: &ctx,
     };
-    let mut x = embedding(backend, &w.embed, &tokens)?;
-    for (l, lw) in w.layers.iter().enumerate() {
+    let mut x = embedding(backend, &w.weights.embed, &tokens)?;
+    for (l, lw) in w.weights.layers.iter().enumerate() {
         x = layer(
             backend,
-            cfg,
-            dm,
+            &dims,
             lw,
             &x,
             &positions,
@@ -611,7 +428,7 @@ pub fn prefill(
             &attn,
         )?;
     }
-    lm_head_rows(backend, w, dm, &x, &batch.logits_rows)
+    lm_head_rows(backend, &w.weights, &dims, &x, &batch.logits_rows)
 }
 
 /// Decode: one token per sequence; writes its K/V and returns the logits [B, vocab].
@@ -637,7 +454,7 @@ pub fn decode(
             batch.context_lens.len()
         )));
     }
-    let dm = InferDims::new(cfg)?;
+    let dims = Dims::new(cfg)?;
     let tokens = Tensor::from_slice(backend, &[b], &batch.tokens)?;
     let positions = Tensor::from_slice(backend, &[b], &batch.positions)?;
     let slots = Tensor::from_slice(backend, &[b], &batch.slots)?;
@@ -647,12 +464,11 @@ pub fn decode(
         block_table: &table,
         context_lens: &ctx,
     };
-    let mut x = embedding(backend, &w.embed, &tokens)?;
-    for (l, lw) in w.layers.iter().enumerate() {
+    let mut x = embedding(backend, &w.weights.embed, &tokens)?;
+    for (l, lw) in w.weights.layers.iter().enumerate() {
         x = layer(
             backend,
-            cfg,
-            dm,
+            &dims,
             lw,
             &x,
             &positions,
@@ -663,7 +479,7 @@ pub fn decode(
         )?;
     }
     let rows: Vec<i32> = (0..b as i32).collect();
-    lm_head_rows(backend, w, dm, &x, &rows)
+    lm_head_rows(backend, &w.weights, &dims, &x, &rows)
 }
 
 /// FLOPs of one token's pass through the layer stack at position `pos` (0-based): every matrix

@@ -15,9 +15,9 @@
 //!   the new weights for the rest: no single-version learner forward reproduces them, so only
 //!   their recorded version (v1) and validity are checked.
 //!
-//! Devices: cpu here. The emu variant runs the engine on the emulator; comparing it with the
-//! learner forward on emu needs the device-generic training forward (model/src/forward.rs runs
-//! on cpu only for now), so that comparison is the ignored test at the end.
+//! Devices: cpu, and emu (the engine on the emulator against the learner's training forward on
+//! the emulator, both running the CUDA kernels). CUDA: the same comparison runs where a GPU
+//! exists and prints that it skipped where not.
 
 mod common;
 
@@ -163,8 +163,7 @@ fn swap_with_continue_keeps_kv_and_records_the_new_version() {
 /// The emu variant: the engine on the emulator. Its trajectories must equal the same engine's
 /// one-shot recomputation on emu (a single prefill over each full sequence, then the sampler's
 /// row reduction through is_gate_loss on emu): decode vs prefill, forks, and sampler vs loss
-/// are bit-identical on the device. (Against the learner's training forward: see the ignored
-/// test below.)
+/// are bit-identical on the device. (Against the learner's training forward: the next test.)
 #[test]
 fn emu_engine_matches_its_full_sequence_recompute() {
     let m = model(ModelConfig::tiny(), 5, &Backend::Cpu);
@@ -185,17 +184,31 @@ fn emu_engine_matches_its_full_sequence_recompute() {
     assert!(n >= 8, "only {n} tokens compared");
 }
 
+/// The engine on emu against the learner's training forward on emu (`forward::logits` on an
+/// emu arena: every op the emulated CUDA kernel), bit for bit.
 #[test]
-#[ignore = "needs the device-generic learner forward (model/src/forward.rs runs on cpu only; \
-            another helper is making it device-generic)"]
 fn emu_engine_logps_equal_the_learner_on_emu() {
-    let m_emu = model(ModelConfig::tiny(), 5, &Backend::emu_with_seed(1));
-    let jobs = workload(m_emu.config.vocab, 13);
-    let mut eng = engine(
-        &m_emu,
-        Backend::emu_with_seed(1),
-        config(64, 4, PreemptMode::Recompute),
-    );
-    let res = drive(&mut eng, &jobs[..3], &[0, 0, 1], |_, _| {});
-    assert!(assert_bit_identical_on(eng.backend(), &m_emu, &res) > 0);
+    check_engine_against_learner(Backend::emu_with_seed(1), "emu");
+}
+
+/// The same on a GPU, where one exists.
+#[test]
+fn cuda_engine_logps_equal_the_learner_on_cuda() {
+    if let Some(gpu) = sluice_kernels::device::cuda_for_tests("zero_mismatch cuda") {
+        check_engine_against_learner(gpu, "cuda");
+    }
+}
+
+fn check_engine_against_learner(backend: Backend, what: &str) {
+    let m = model(ModelConfig::tiny(), 5, &backend);
+    let mut jobs = workload(m.config.vocab, 13);
+    jobs.truncate(3);
+    for j in &mut jobs {
+        j.req.sampling.max_new_tokens = 5;
+        j.turns = j.turns.min(1);
+    }
+    let mut eng = engine(&m, backend, config(64, 4, PreemptMode::Recompute));
+    let res = drive(&mut eng, &jobs, &[0, 0, 1], |_, _| {});
+    let n = assert_bit_identical_on(eng.backend(), &m, &res);
+    assert!(n >= 8, "{what}: only {n} tokens compared");
 }

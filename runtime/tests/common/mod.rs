@@ -315,7 +315,7 @@ pub fn assert_bit_identical_on(backend: &Backend, m: &Model, results: &Results) 
     for s in results.values() {
         let seq: Vec<i32> = s.tokens.iter().map(|&t| t as i32).collect();
         let batch = PackedBatch::pack(&[seq], m.config.vocab).unwrap();
-        let logits = forward::logits(m, &batch).unwrap();
+        let logits = forward::logits_on(backend, m, &batch).unwrap();
         let logits =
             Tensor::from_slice(backend, &[s.tokens.len(), m.config.vocab], &logits).unwrap();
         let (targets, mask) = targets_mask(s);
