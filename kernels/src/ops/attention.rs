@@ -602,9 +602,9 @@ pub fn attention_forward(
             let mut out = vec![0.0f32; t * h * d];
             let mut lse = vec![0.0f32; t * h];
             attention_forward_reference(
-                &q.to_f32_vec()?,
-                &k.to_f32_vec()?,
-                &v.to_f32_vec()?,
+                &q.f32_data()?,
+                &k.f32_data()?,
+                &v.f32_data()?,
                 &cu_seqlens.to_vec::<i32>()?,
                 dims,
                 causal,
@@ -735,16 +735,16 @@ pub fn attention_backward_saved(
             let mut dk = vec![0.0f32; t * hkv * d];
             let mut dv = vec![0.0f32; t * hkv * d];
             attention_backward_reference(
-                &q.to_f32_vec()?,
-                &k.to_f32_vec()?,
-                &v.to_f32_vec()?,
+                &q.f32_data()?,
+                &k.f32_data()?,
+                &v.f32_data()?,
                 &cu_seqlens.to_vec::<i32>()?,
                 dims,
                 causal,
                 scale,
                 &out.to_vec::<f32>()?,
                 &lse.to_vec::<f32>()?,
-                &dout.to_f32_vec()?,
+                &dout.f32_data()?,
                 &mut dq,
                 &mut dk,
                 &mut dv,

@@ -139,7 +139,7 @@ pub fn embedding(backend: &Backend, table: &Tensor, tokens: &Tensor) -> Result<T
     validate_tokens(&host_tokens, vocab)?;
     let t = host_tokens.len();
     if let Backend::Cpu = backend {
-        let out = embedding_reference(&table.to_f32_vec()?, &host_tokens, vocab, d)?;
+        let out = embedding_reference(&table.f32_data()?, &host_tokens, vocab, d)?;
         return host_tensor(backend, &[t, d], &out);
     }
     let out = Tensor::poisoned(backend, &[t, d], DType::F32)?;
@@ -183,7 +183,7 @@ pub fn embedding_backward(
     }
     let d = dout.shape()[1];
     if let Backend::Cpu = backend {
-        let dtable = embedding_backward_reference(&dout.to_f32_vec()?, &host_tokens, vocab, d)?;
+        let dtable = embedding_backward_reference(&dout.f32_data()?, &host_tokens, vocab, d)?;
         return host_tensor(backend, &[vocab, d], &dtable);
     }
     let (order, offsets) = counting_sort(&host_tokens, vocab)?;

@@ -430,8 +430,8 @@ fn batched(
     dims_fit_i32(&[("M", m), ("N", n), ("K", k), ("batch", batch)])?;
     match backend {
         Backend::Cpu => {
-            let af = a.to_f32_vec()?;
-            let bf = b.to_f32_vec()?;
+            let af = a.f32_data()?;
+            let bf = b.f32_data()?;
             let c = c.host_slice_mut::<f32>()?;
             for i in 0..batch {
                 let bi = if shared_b { 0 } else { i };
@@ -538,8 +538,8 @@ pub fn gemm_grouped_with_path(
     let bounds = check_offsets(&offsets.to_vec::<i32>()?, Some(rows))?;
     match backend {
         Backend::Cpu => {
-            let af = a.to_f32_vec()?;
-            let bf = b_stack.to_f32_vec()?;
+            let af = a.f32_data()?;
+            let bf = b_stack.f32_data()?;
             let mut c = vec![0.0f32; rows * n];
             for g in 0..groups {
                 let (r0, r1) = (bounds[g], bounds[g + 1]);

@@ -731,18 +731,18 @@ pub fn moe_forward(
     let k = cfg.k;
     if let Backend::Cpu = backend {
         let out = moe_forward_reference(
-            &x.to_f32_vec()?,
-            &w_router.to_f32_vec()?,
-            &w1.to_f32_vec()?,
-            &w3.to_f32_vec()?,
-            &w2.to_f32_vec()?,
+            &x.f32_data()?,
+            &w_router.f32_data()?,
+            &w1.f32_data()?,
+            &w3.f32_data()?,
+            &w2.f32_data()?,
             inp.dims,
             cfg,
         );
         return Ok(MoeOutput {
-            y: Tensor::from_slice(backend, &[t, d], &out.y)?,
+            y: Tensor::from_f32_vec(backend, &[t, d], out.y)?,
             topk_idx: Tensor::from_slice(backend, &[t, k], &out.topk_idx)?,
-            topk_gate: Tensor::from_slice(backend, &[t, k], &out.topk_gate)?,
+            topk_gate: Tensor::from_f32_vec(backend, &[t, k], out.topk_gate)?,
             aux_loss: Tensor::from_slice(backend, &[1], &[out.aux_loss])?,
         });
     }
@@ -773,21 +773,21 @@ pub fn moe_backward(
     let MoeDims { t, d, f, e } = inp.dims;
     if let Backend::Cpu = backend {
         let g = moe_backward_reference(
-            &x.to_f32_vec()?,
-            &w_router.to_f32_vec()?,
-            &w1.to_f32_vec()?,
-            &w3.to_f32_vec()?,
-            &w2.to_f32_vec()?,
-            &dy.to_f32_vec()?,
+            &x.f32_data()?,
+            &w_router.f32_data()?,
+            &w1.f32_data()?,
+            &w3.f32_data()?,
+            &w2.f32_data()?,
+            &dy.f32_data()?,
             inp.dims,
             cfg,
         );
         return Ok(MoeGradTensors {
-            dx: Tensor::from_slice(backend, &[t, d], &g.dx)?,
-            dw_router: Tensor::from_slice(backend, &[e, d], &g.dw_router)?,
-            dw1: Tensor::from_slice(backend, &[e, f, d], &g.dw1)?,
-            dw3: Tensor::from_slice(backend, &[e, f, d], &g.dw3)?,
-            dw2: Tensor::from_slice(backend, &[e, d, f], &g.dw2)?,
+            dx: Tensor::from_f32_vec(backend, &[t, d], g.dx)?,
+            dw_router: Tensor::from_f32_vec(backend, &[e, d], g.dw_router)?,
+            dw1: Tensor::from_f32_vec(backend, &[e, f, d], g.dw1)?,
+            dw3: Tensor::from_f32_vec(backend, &[e, f, d], g.dw3)?,
+            dw2: Tensor::from_f32_vec(backend, &[e, d, f], g.dw2)?,
         });
     }
     let w = Widened::new(backend, &inp)?;

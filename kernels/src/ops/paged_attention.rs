@@ -222,14 +222,16 @@ fn cpu_append<E: Element>(
     k_cache: &mut Tensor,
     v_cache: &mut Tensor,
 ) -> Result<()> {
-    let kn = k_new.host_slice::<E>()?.to_vec();
-    let vn = v_new.host_slice::<E>()?.to_vec();
-    let mut kc = k_cache.host_slice_mut::<E>()?.to_vec();
-    let mut vc = v_cache.host_slice_mut::<E>()?.to_vec();
-    kv_append_reference(&kn, &vn, slots, row, &mut kc, &mut vc)?;
-    k_cache.host_slice_mut::<E>()?.copy_from_slice(&kc);
-    v_cache.host_slice_mut::<E>()?.copy_from_slice(&vc);
-    Ok(())
+    // In place: the reference checks every length and slot before it writes anything, so an
+    // error leaves the caches untouched.
+    kv_append_reference(
+        k_new.host_slice::<E>()?,
+        v_new.host_slice::<E>()?,
+        slots,
+        row,
+        k_cache.host_slice_mut::<E>()?,
+        v_cache.host_slice_mut::<E>()?,
+    )
 }
 
 /// Writes k_new/v_new [T,Hkv,D] into the caches [NB,BS,Hkv,D] at slot_mapping[T] (I32, slot =
@@ -456,9 +458,9 @@ pub fn paged_attention(
         Backend::Cpu => {
             let mut out = vec![0.0f32; b * h * d];
             paged_attention_reference(
-                &q.to_f32_vec()?,
-                &k_cache.to_f32_vec()?,
-                &v_cache.to_f32_vec()?,
+                &q.f32_data()?,
+                &k_cache.f32_data()?,
+                &v_cache.f32_data()?,
                 &block_table.to_vec::<i32>()?,
                 &context_lens.to_vec::<i32>()?,
                 dims,
@@ -625,9 +627,9 @@ pub fn paged_prefill(
         Backend::Cpu => {
             let mut out = vec![0.0f32; t * h * d];
             paged_prefill_reference(
-                &q.to_f32_vec()?,
-                &k_cache.to_f32_vec()?,
-                &v_cache.to_f32_vec()?,
+                &q.f32_data()?,
+                &k_cache.f32_data()?,
+                &v_cache.f32_data()?,
                 &block_table.to_vec::<i32>()?,
                 &cu,
                 &ctx,

@@ -135,7 +135,7 @@ pub fn rmsnorm(backend: &Backend, x: &Tensor, w: &Tensor, eps: f32) -> Result<Te
     let (t, d) = check_inputs(x, w)?;
     check_eps(eps)?;
     if let Backend::Cpu = backend {
-        let y = rmsnorm_reference(&x.to_f32_vec()?, &w.to_f32_vec()?, t, d, eps)?;
+        let y = rmsnorm_reference(&x.f32_data()?, &w.f32_data()?, t, d, eps)?;
         return host_tensor(backend, &[t, d], &y);
     }
     let y = Tensor::poisoned(backend, &[t, d], DType::F32)?;
@@ -171,14 +171,8 @@ pub fn rmsnorm_backward(
     expect_shape("dy", dy, &[t, d], "[T,d], the shape of x")?;
     check_eps(eps)?;
     if let Backend::Cpu = backend {
-        let (dx, dw) = rmsnorm_backward_reference(
-            &x.to_f32_vec()?,
-            &w.to_f32_vec()?,
-            &dy.to_f32_vec()?,
-            t,
-            d,
-            eps,
-        )?;
+        let (dx, dw) =
+            rmsnorm_backward_reference(&x.f32_data()?, &w.f32_data()?, &dy.f32_data()?, t, d, eps)?;
         return Ok((
             host_tensor(backend, &[t, d], &dx)?,
             host_tensor(backend, &[d], &dw)?,

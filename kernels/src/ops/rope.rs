@@ -154,7 +154,7 @@ fn rotate(
     }
     if let Backend::Cpu = backend {
         let y = rotate_reference(
-            &x.to_f32_vec()?,
+            &x.f32_data()?,
             &positions.to_vec::<i32>()?,
             t,
             h,

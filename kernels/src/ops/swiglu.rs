@@ -52,7 +52,7 @@ pub fn swiglu(backend: &Backend, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         return host_tensor(
             backend,
             a.shape(),
-            &swiglu_reference(&a.to_f32_vec()?, &b.to_f32_vec()?)?,
+            &swiglu_reference(&a.f32_data()?, &b.f32_data()?)?,
         );
     }
     let n = a.numel();
@@ -85,8 +85,7 @@ pub fn swiglu_backward(
     expect_shape("b", b, a.shape(), "[T,f], the shape of `a`")?;
     expect_shape("dh", dh, a.shape(), "[T,f], the shape of `a`")?;
     if let Backend::Cpu = backend {
-        let (da, db) =
-            swiglu_backward_reference(&a.to_f32_vec()?, &b.to_f32_vec()?, &dh.to_f32_vec()?)?;
+        let (da, db) = swiglu_backward_reference(&a.f32_data()?, &b.f32_data()?, &dh.f32_data()?)?;
         return Ok((
             host_tensor(backend, a.shape(), &da)?,
             host_tensor(backend, a.shape(), &db)?,
