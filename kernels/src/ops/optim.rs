@@ -868,15 +868,16 @@ pub fn cast_bf16_into(backend: &Backend, src: &Tensor, dst: &mut Tensor) -> Resu
 const MUON_SCALE_DEFAULT: &str = "0.2*sqrt(max(r,c))";
 
 /// A 1-D F32 input of the runner, or an error naming it and `[N]`.
-fn flat_input<'a>(call: &'a OpCall, name: &str, len: Option<usize>) -> Result<&'a Tensor> {
+/// With `len = Some((n, of))` it must have the length `n` of the input `of`.
+fn flat_input<'a>(call: &'a OpCall, name: &str, len: Option<(usize, &str)>) -> Result<&'a Tensor> {
     let t = call.tensor(name)?;
     t.expect_dtype(name, DType::F32)?;
     match len {
         None => t.expect_rank(name, 1, "[N]")?,
-        Some(n) if t.shape() != [n] => {
+        Some((n, of)) if t.shape() != [n] => {
             return Err(Error::shape(
                 name,
-                format!("[N] = [{n}] (the length of `p`)"),
+                format!("[N] = [{n}] (the length of `{of}`)"),
                 t.shape(),
             ))
         }
@@ -917,10 +918,10 @@ fn runner_blocks(call: &OpCall, n: usize) -> Result<Vec<StridedBlock>> {
 fn run_adamw(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
     let p = flat_input(call, "p", None)?;
     let n = p.numel();
-    let g = flat_input(call, "g", Some(n))?;
+    let g = flat_input(call, "g", Some((n, "p")))?;
     let (m, v) = (
-        flat_input(call, "m", Some(n))?,
-        flat_input(call, "v", Some(n))?,
+        flat_input(call, "m", Some((n, "p")))?,
+        flat_input(call, "v", Some((n, "p")))?,
     );
     let step = call.param_usize("step")?;
     if step == 0 || step > i32::MAX as usize {
@@ -968,7 +969,7 @@ fn run_sq_norm(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
 fn run_muon_gather(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
     let g = flat_input(call, "g", None)?;
     let n = g.numel();
-    let mom = flat_input(call, "mom", Some(n))?;
+    let mom = flat_input(call, "mom", Some((n, "g")))?;
     let offsets = call.tensor("offsets")?;
     offsets.expect_rank("offsets", 1, "[n]")?;
     let blocks = runner_blocks(call, offsets.numel())?;
