@@ -477,3 +477,58 @@ fn muon_bad_input_is_named() {
         "{err}"
     );
 }
+
+/// bf16 of an f32 by round to nearest even on the bits (finite inputs).
+fn bf16_rne(x: f32) -> u16 {
+    let b = x.to_bits();
+    let lsb = (b >> 16) & 1;
+    ((b + 0x7fff + lsb) >> 16) as u16
+}
+
+#[test]
+fn cast_bf16_rounds_to_nearest_even_on_cpu_and_emu() {
+    let mut x = Rng::new(95).normal_vec(17 * 3, 100.0);
+    // Exact ties: round to the even neighbour, both ways.
+    x[0] = f32::from_bits(0x3f80_8000); // 1.00390625: tie, even below
+    x[1] = f32::from_bits(0x3f81_8000); // tie, even above
+    x[2] = 0.0;
+    let want: Vec<u16> = x.iter().map(|&v| bf16_rne(v)).collect();
+    assert_eq!(&want[..2], &[0x3f80, 0x3f82]);
+    for device in [Device::Cpu, Device::Emu] {
+        let dir = scratch_dir("optim-cast");
+        let input = write_input(&dir, &[("x", f32s(&[17, 3], &x))], &[]);
+        let out = dir.join("out.safetensors");
+        run_kernel("cast_bf16", &input, &out, device).unwrap();
+        let file = read_safetensors(&out, &Backend::Cpu).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        let y = &file.tensors["y"];
+        assert_eq!((y.shape(), y.dtype()), (&[17, 3][..], DType::BF16));
+        let got: Vec<u16> = y
+            .to_vec::<half::bf16>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        assert_eq!(got, want, "cast_bf16 on {device}");
+    }
+    // A BF16 input names x and the dtype expected; a misnamed one names itself.
+    let xb: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
+    let err = run(
+        "cast_bf16",
+        &[("x", Tensor::from_slice(&Backend::Cpu, &[51], &xb).unwrap())],
+        &[],
+        Device::Cpu,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::DType { tensor, .. } if tensor == "x"),
+        "{err}"
+    );
+    let err = run("cast_bf16", &[("src", f32s(&[51], &x))], &[], Device::Cpu).unwrap_err();
+    assert!(
+        err.is_bad_input()
+            && err.to_string().contains("`src`")
+            && err.to_string().contains("x[...]"),
+        "{err}"
+    );
+}

@@ -50,4 +50,5 @@ pub static RUNNER_OPS: &[&OpSpec] = &[
     &optim::SQ_NORM_SPEC,
     &optim::MUON_GATHER_SPEC,
     &optim::MUON_APPLY_SPEC,
+    &optim::CAST_BF16_SPEC,
 ];

@@ -1009,6 +1009,14 @@ fn run_muon_apply(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
     Ok(vec![("p", p)])
 }
 
+fn run_cast_bf16(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
+    let x = call.tensor("x")?;
+    x.expect_dtype("x", DType::F32)?;
+    let mut y = Tensor::poisoned(backend, x.shape(), DType::BF16)?;
+    cast_bf16_into(backend, x, &mut y)?;
+    Ok(vec![("y", y)])
+}
+
 const F32_FLAT: &str = "F32";
 
 /// `sluice kernel adamw`.
@@ -1089,4 +1097,14 @@ pub static MUON_APPLY_SPEC: OpSpec = OpSpec {
     ],
     outputs: &[TensorSpec { name: "p", shape: "[N]", dtypes: "F32" }],
     run: run_muon_apply,
+};
+
+/// `sluice kernel cast_bf16`.
+pub static CAST_BF16_SPEC: OpSpec = OpSpec {
+    name: "cast_bf16",
+    summary: "y = bf16(x) elementwise, round to nearest even (the optimizer's bf16 compute copy of the arena; y is BF16)",
+    inputs: &[TensorSpec { name: "x", shape: "[...]", dtypes: F32_FLAT }],
+    params: &[],
+    outputs: &[TensorSpec { name: "y", shape: "[...]", dtypes: "BF16" }],
+    run: run_cast_bf16,
 };
