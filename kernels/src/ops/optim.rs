@@ -22,6 +22,10 @@
 //! - squared norm: device: per-chunk ([`NORM_CHUNK`] elements) fixed-order block sums in f32,
 //!   then one block sums the partials in a fixed order; cpu: f64 per chunk, chunks summed in
 //!   order. Both orders depend only on the length: deterministic, no atomics.
+//!
+//! `sluice kernel` rows (end of this file): `adamw`, `sq_norm`, `muon_gather`, `muon_apply`,
+//! `cast_bf16`, over flat F32 vectors (AdamW: one segment covering the vector; Muon: the block
+//! table given as `offsets[n]` and `row_strides[n]` I32 tensors).
 
 use super::elementwise::{ew_blocks, EW_THREADS};
 use crate::device::Backend;
