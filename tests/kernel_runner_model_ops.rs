@@ -331,6 +331,72 @@ fn residual_add_and_softmax_rows() {
 }
 
 #[test]
+fn transpose_rows() {
+    // Ragged sizes, one of them past a 32-wide tile.
+    for (r, c) in [(1usize, 1usize), (T, D), (17, 33)] {
+        let x = data(15 + r as u64, r * c);
+        let want: Vec<f32> = (0..c * r).map(|i| x[(i % r) * c + i / r]).collect();
+        for device in [Device::Cpu, Device::Emu] {
+            let out = run("transpose", &[("x", Input::F32(&[r, c], &x))], &[], device).unwrap();
+            // A copy: bit for bit.
+            assert_eq!(out["y"], want, "transpose [{r},{c}] on {device}");
+        }
+    }
+    // BF16 stays BF16, bits unchanged.
+    let (r, c) = (3, 40);
+    let x: Vec<half::bf16> = data(16, r * c)
+        .iter()
+        .map(|&v| half::bf16::from_f32(v))
+        .collect();
+    let want: Vec<u16> = (0..c * r)
+        .map(|i| x[(i % r) * c + i / r].to_bits())
+        .collect();
+    for device in [Device::Cpu, Device::Emu] {
+        let dir = scratch_dir("model-ops-transpose-bf16");
+        let (inp, out) = (dir.join("in.safetensors"), dir.join("out.safetensors"));
+        let xt = Tensor::from_slice(&Backend::Cpu, &[r, c], &x).unwrap();
+        write_tensors(&inp, &[("x", xt)], &[]);
+        run_kernel("transpose", &inp, &out, device).unwrap();
+        let file = read_safetensors(&out, &Backend::Cpu).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        let y = &file.tensors["y"];
+        assert_eq!((y.shape(), y.dtype()), (&[c, r][..], DType::BF16));
+        let got: Vec<u16> = y
+            .to_vec::<half::bf16>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        assert_eq!(got, want, "bf16 transpose on {device}");
+    }
+    // Rank 3 names x and the form [R,C].
+    let x = data(17, 8);
+    let err = run(
+        "transpose",
+        &[("x", Input::F32(&[2, 2, 2], &x))],
+        &[],
+        Device::Cpu,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::Shape { tensor, .. } if tensor == "x")
+            && err.to_string().contains("[R,C]"),
+        "{err}"
+    );
+    let err = run(
+        "transpose",
+        &[("a", Input::F32(&[2, 4], &x))],
+        &[],
+        Device::Cpu,
+    )
+    .unwrap_err();
+    assert!(
+        err.is_bad_input() && err.to_string().contains("`a`") && err.to_string().contains("x[R,C]"),
+        "{err}"
+    );
+}
+
+#[test]
 fn misnamed_and_misshapen_tensors_are_named() {
     let x = data(12, T * D);
     // A misnamed input names itself and the op's inputs with their shapes.
@@ -454,6 +520,7 @@ fn list_shows_every_model_op() {
         "residual_add",
         "softmax ",
         "softmax_backward",
+        "transpose ",
     ] {
         assert!(list.contains(op), "--list lacks {op}:\n{list}");
     }

@@ -264,6 +264,62 @@ fn softmax_case(t: usize, n: usize, dtype: DType) -> BenchCase {
     }
 }
 
+/// The transpose y[C,R] = x[R,C]^T: read x once, write y once (same dtype), no FLOPs.
+fn transpose_case(r: usize, c: usize, dtype: DType) -> BenchCase {
+    BenchCase {
+        op: "transpose",
+        shape: format!("R={r} C={c} {}", dtype_name(dtype)),
+        bytes: (2 * r * c * dtype.size_bytes()) as f64,
+        flops: 0.0,
+        prepare: Box::new(move |b| {
+            let x = random(b, &[r, c], dtype, 7)?;
+            let run: BenchRun =
+                Box::new(move |b: &Backend| ops::elementwise::transpose(b, &x).map(|_| ()));
+            Ok(run)
+        }),
+    }
+}
+
+/// One AdamW step over a flat F32 vector of `n` parameters (one segment): read p, g, m, v and
+/// write p, m, v (28 bytes per parameter); 16 FLOPs per parameter (the scaled gradient 1, m 3,
+/// v 4, the bias-corrected step 5 incl. the sqrt, the decayed update 3).
+fn adamw_case(n: usize) -> BenchCase {
+    BenchCase {
+        op: "adamw",
+        shape: format!("N={n} f32"),
+        bytes: (28 * n) as f64,
+        flops: (16 * n) as f64,
+        prepare: Box::new(move |b| {
+            let mut p = random(b, &[n], DType::F32, 8)?;
+            let g = random(b, &[n], DType::F32, 9)?;
+            let mut m = Tensor::zeros(b, &[n], DType::F32)?;
+            let mut v = Tensor::zeros(b, &[n], DType::F32)?;
+            let table = ops::optim::SegmentTable::new(
+                b,
+                vec![ops::optim::Segment {
+                    start: 0,
+                    len: n,
+                    weight_decay: 0.1,
+                }],
+                n,
+            )?;
+            let hp = ops::optim::AdamWStep {
+                lr: 3e-3,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                bc1: 0.1,
+                bc2: 0.05,
+                grad_scale: 1.0,
+            };
+            let run: BenchRun = Box::new(move |b: &Backend| {
+                ops::optim::adamw(b, &mut p, &g, &mut m, &mut v, &table, &hp)
+            });
+            Ok(run)
+        }),
+    }
+}
+
 /// All cases; `quick` keeps to sizes that run in seconds on a CPU or the emulator.
 pub fn all_cases(quick: bool) -> Vec<BenchCase> {
     if quick {
@@ -279,6 +335,8 @@ pub fn all_cases(quick: bool) -> Vec<BenchCase> {
             paged_attention_case(8, 512, 8, 2, 64, DType::F32),
             rmsnorm_case(1024, 1024, DType::F32),
             softmax_case(256, 4096, DType::F32),
+            transpose_case(1024, 1000, DType::F32),
+            adamw_case(1 << 20),
         ]
     } else {
         vec![
@@ -296,6 +354,29 @@ pub fn all_cases(quick: bool) -> Vec<BenchCase> {
             topk_case(65536, 256, 8, DType::BF16),
             rmsnorm_case(16384, 2048, DType::BF16),
             softmax_case(8192, 8192, DType::BF16),
+            transpose_case(16384, 2048, DType::BF16),
+            transpose_case(8192, 8192, DType::F32),
+            adamw_case(1 << 28),
         ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::time_case;
+
+    /// The transpose and AdamW cases run on the CPU and count their bytes.
+    #[test]
+    fn transpose_and_adamw_cases_run() {
+        for case in [transpose_case(33, 17, DType::BF16), adamw_case(1000)] {
+            let r = time_case(&case, &Backend::Cpu, 0.0, 3).unwrap();
+            assert!(r.median_s > 0.0 && r.bytes > 0.0, "{}", case.op);
+        }
+        assert_eq!(
+            transpose_case(33, 17, DType::BF16).bytes,
+            (2 * 33 * 17 * 2) as f64
+        );
+        assert_eq!(adamw_case(1000).bytes, 28_000.0);
     }
 }

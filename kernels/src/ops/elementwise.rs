@@ -378,6 +378,10 @@ fn run_residual_add(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
     )])
 }
 
+fn run_transpose(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
+    Ok(vec![("y", transpose(backend, call.tensor("x")?)?)])
+}
+
 fn run_softmax(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
     Ok(vec![("y", softmax(backend, call.tensor("x")?)?)])
 }
@@ -455,4 +459,22 @@ pub static SOFTMAX_BACKWARD_SPEC: OpSpec = OpSpec {
         dtypes: "F32",
     }],
     run: run_softmax_backward,
+};
+
+/// `sluice kernel transpose`.
+pub static TRANSPOSE_SPEC: OpSpec = OpSpec {
+    name: "transpose",
+    summary: "y[C,R] = x[R,C]^T, an exact copy (y keeps x's dtype and bits)",
+    inputs: &[TensorSpec {
+        name: "x",
+        shape: "[R,C]",
+        dtypes: FLOAT,
+    }],
+    params: &[],
+    outputs: &[TensorSpec {
+        name: "y",
+        shape: "[C,R]",
+        dtypes: "F32|BF16 (the dtype of x)",
+    }],
+    run: run_transpose,
 };

@@ -43,4 +43,12 @@ pub static RUNNER_OPS: &[&OpSpec] = &[
     &elementwise::RESIDUAL_ADD_SPEC,
     &elementwise::SOFTMAX_SPEC,
     &elementwise::SOFTMAX_BACKWARD_SPEC,
+    &elementwise::TRANSPOSE_SPEC,
+    &paged_attention::KV_APPEND_SPEC,
+    &paged_attention::PREFILL_SPEC,
+    &optim::ADAMW_SPEC,
+    &optim::SQ_NORM_SPEC,
+    &optim::MUON_GATHER_SPEC,
+    &optim::MUON_APPLY_SPEC,
+    &optim::CAST_BF16_SPEC,
 ];
