@@ -206,7 +206,7 @@ fn newton_schulz_case(
     r: usize,
     c: usize,
     dtype: DType,
-    precision: ops::newton_schulz::NsPrecision,
+    precision: NsPrecision,
 ) -> BenchCase {
     let (r0, c0) = (r.min(c), r.max(c));
     let per_step = 2.0 * (r0 * r0) as f64 * (2 * c0 + r0) as f64;
