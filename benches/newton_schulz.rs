@@ -1,11 +1,12 @@
 //! newton_schulz: CPU at 48 x [128,512] (a scaled-down stand-in for the head-block target),
-//! 5 steps; CUDA at the targets (48 x [128,4096] and 64 x [1024,2048], BF16 and F32)
-//! when a GPU is present (skipped silently otherwise). Prints TFLOP/s for the FLOPs the
+//! 5 steps, the f32 and the bf16 path; CUDA at the targets (48 x [128,4096] and
+//! 64 x [1024,2048]; BF16 input on the bf16 path (the target), BF16 and F32 input on the f32
+//! path) when a GPU is present (skipped silently otherwise). Prints TFLOP/s for the FLOPs the
 //! iteration must do: per matrix and step (r <= c after the transpose)
 //! 2 r r c (A = X X^T) + 2 r r r (A^2) + 2 r r c (Bm X).
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use sluice_kernels::ops::newton_schulz::newton_schulz;
+use sluice_kernels::ops::newton_schulz::{newton_schulz_with_precision, NsPrecision};
 use sluice_kernels::testing::Rng;
 use sluice_kernels::{Backend, DType, Device, Tensor};
 use std::hint::black_box;
@@ -45,26 +46,42 @@ fn bench(c: &mut Criterion) {
     let (n, r, cc) = (48, 128, 512);
     let data = Rng::new(1).normal_vec(n * r * cc, 1.0);
     let g = Tensor::from_f32_as(&cpu, &[n, r, cc], DType::F32, &data).unwrap();
-    report("cpu F32", n, r, cc, || {
-        black_box(newton_schulz(&cpu, &g, STEPS).unwrap());
-    });
-    group.throughput(Throughput::Elements(flops(n, r, cc) as u64));
-    group.bench_function(format!("cpu_F32_{n}x{r}x{cc}"), |b| {
-        b.iter(|| black_box(newton_schulz(&cpu, &g, STEPS).unwrap()))
-    });
+    for prec in [NsPrecision::F32, NsPrecision::Bf16] {
+        let p = prec.name();
+        report(&format!("cpu F32 in, {p} products"), n, r, cc, || {
+            black_box(newton_schulz_with_precision(&cpu, &g, STEPS, prec).unwrap());
+        });
+        group.throughput(Throughput::Elements(flops(n, r, cc) as u64));
+        group.bench_function(format!("cpu_F32_{p}_{n}x{r}x{cc}"), |b| {
+            b.iter(|| black_box(newton_schulz_with_precision(&cpu, &g, STEPS, prec).unwrap()))
+        });
+    }
 
     if let Ok(gpu) = Backend::open(Device::Cuda(0)) {
         for &(n, r, cc) in &[(48, 128, 4096), (64, 1024, 2048)] {
             let data = Rng::new(2).normal_vec(n * r * cc, 1.0);
-            for dtype in [DType::BF16, DType::F32] {
+            for (dtype, prec) in [
+                (DType::BF16, NsPrecision::Bf16),
+                (DType::BF16, NsPrecision::F32),
+                (DType::F32, NsPrecision::F32),
+            ] {
+                let p = prec.name();
                 let g = Tensor::from_f32_as(&gpu, &[n, r, cc], dtype, &data).unwrap();
                 let mut run = || {
-                    black_box(newton_schulz(&gpu, &g, STEPS).unwrap());
+                    black_box(newton_schulz_with_precision(&gpu, &g, STEPS, prec).unwrap());
                     gpu.synchronize().unwrap();
                 };
-                report(&format!("cuda {dtype}"), n, r, cc, &mut run);
+                report(
+                    &format!("cuda {dtype} in, {p} products"),
+                    n,
+                    r,
+                    cc,
+                    &mut run,
+                );
                 group.throughput(Throughput::Elements(flops(n, r, cc) as u64));
-                group.bench_function(format!("cuda_{dtype}_{n}x{r}x{cc}"), |b| b.iter(&mut run));
+                group.bench_function(format!("cuda_{dtype}_{p}_{n}x{r}x{cc}"), |b| {
+                    b.iter(&mut run)
+                });
             }
         }
     }

@@ -1,5 +1,5 @@
-//! `sluice kernel newton_schulz` (DESIGN.md section 7): g[n,r,c] -> x[n,r,c] F32, parameter
-//! steps=5. Runs through `run_kernel` on safetensors files in a temp dir and checks the result
+//! `sluice kernel newton_schulz` (DESIGN.md section 7): g[n,r,c] -> x[n,r,c] F32, parameters
+//! steps=5 and precision=f32 (f32 | bf16). Runs through `run_kernel` on safetensors files in a temp dir and checks the result
 //! against the iteration computed here in f64.
 
 mod support;
@@ -55,13 +55,31 @@ fn expected_one(g: &[f64], r: usize, c: usize, steps: usize) -> Vec<f64> {
 }
 
 fn check_run(device: Device, dtype: DType, n: usize, r: usize, c: usize, steps: Option<usize>) {
-    let dir = scratch_dir(&format!("ns-{device}-{dtype}-{n}-{r}-{c}"));
+    check_run_with(device, dtype, (n, r, c), steps, None);
+}
+
+/// Runs the row with `precision` (None: the default, f32) and checks against the f64
+/// iteration: f32 within 1e-4 (the f32 path's tolerance in kernels/tests/newton_schulz.rs),
+/// bf16 within 6e-2 (the bf16 path's tolerance against f64 there: rounding B = c A^2 + b A to
+/// bf16 costs up to ~1% a step).
+fn check_run_with(
+    device: Device,
+    dtype: DType,
+    (n, r, c): (usize, usize, usize),
+    steps: Option<usize>,
+    precision: Option<&str>,
+) {
+    let tag = precision.unwrap_or("default");
+    let dir = scratch_dir(&format!("ns-{device}-{dtype}-{n}-{r}-{c}-{tag}"));
     let cpu = Backend::Cpu;
     let mut rng = Rng::new(7 + r as u64);
     let g = rng.normal_vec(n * r * c, 1.0);
     let gt = Tensor::from_f32_as(&cpu, &[n, r, c], dtype, &g).unwrap();
     let steps_text = steps.map(|s| s.to_string());
-    let params: Vec<(&str, &str)> = steps_text.iter().map(|s| ("steps", s.as_str())).collect();
+    let mut params: Vec<(&str, &str)> = steps_text.iter().map(|s| ("steps", s.as_str())).collect();
+    if let Some(p) = precision {
+        params.push(("precision", p));
+    }
     let input = write_input(&dir, &[("g", gt)], &params);
     let output = dir.join("out.safetensors");
     let summary = run_kernel("newton_schulz", &input, &output, device)
@@ -83,9 +101,14 @@ fn check_run(device: Device, dtype: DType, n: usize, r: usize, c: usize, steps: 
         .flat_map(|m| expected_one(m, r, c, steps.unwrap_or(5)))
         .collect();
     let err = rel_norm(&x.to_vec::<f32>().unwrap(), &want);
+    let tol = if precision == Some("bf16") {
+        6e-2
+    } else {
+        1e-4
+    };
     assert!(
-        err <= 1e-4,
-        "{device} {dtype} [{n},{r},{c}]: rel err {err:e}"
+        err <= tol,
+        "{device} {dtype} [{n},{r},{c}] precision {tag}: rel err {err:e}"
     );
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -101,6 +124,15 @@ fn cpu_f32_and_bf16() {
 fn emu_f32_and_bf16() {
     check_run(Device::Emu, DType::F32, 3, 8, 16, None);
     check_run(Device::Emu, DType::BF16, 2, 17, 5, Some(2));
+}
+
+#[test]
+fn precision_param_f32_and_bf16() {
+    check_run_with(Device::Cpu, DType::F32, (3, 8, 16), None, Some("f32"));
+    check_run_with(Device::Cpu, DType::F32, (2, 17, 40), None, Some("bf16"));
+    check_run_with(Device::Cpu, DType::BF16, (2, 33, 7), Some(3), Some("bf16"));
+    check_run_with(Device::Emu, DType::F32, (2, 8, 16), None, Some("bf16"));
+    check_run_with(Device::Emu, DType::BF16, (1, 17, 5), Some(2), Some("bf16"));
 }
 
 fn run_err(name: &str, tensors: Vec<(&str, Tensor)>, params: &[(&str, &str)]) -> String {
@@ -122,6 +154,8 @@ fn bad_input_names_tensor_and_shape() {
     assert!(m.contains("steps"), "{m}");
     let m = run_err("stepsx", vec![("g", g(&[1, 4, 8]))], &[("steps", "five")]);
     assert!(m.contains("steps"), "{m}");
+    let m = run_err("prec", vec![("g", g(&[1, 4, 8]))], &[("precision", "fp8")]);
+    assert!(m.contains("precision") && m.contains("bf16"), "{m}");
     let ints = Tensor::from_slice(&cpu, &[1, 2, 8], &[1i32; 16]).unwrap();
     let m = run_err("int", vec![("g", ints)], &[]);
     assert!(m.contains("`g`") && m.contains("F32"), "{m}");

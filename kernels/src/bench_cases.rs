@@ -9,6 +9,7 @@ use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::ops;
+use crate::ops::newton_schulz::NsPrecision;
 use crate::tensor::Tensor;
 use crate::testing::Rng;
 
@@ -198,19 +199,30 @@ fn moe_case(t: usize, d: usize, e: usize, k: usize, f: usize, dtype: DType) -> B
 }
 
 /// Newton-Schulz over `n` matrices of [r, c] (r <= c), 5 steps: per step A = X X^T (2 r r c),
-/// A^2 (2 r r r), B X (2 r r c).
-fn newton_schulz_case(n: usize, r: usize, c: usize, dtype: DType) -> BenchCase {
+/// A^2 (2 r r r), B X (2 r r c); `precision` is the products' (f32, or bf16 operands with f32
+/// accumulation on the tensor cores).
+fn newton_schulz_case(
+    n: usize,
+    r: usize,
+    c: usize,
+    dtype: DType,
+    precision: NsPrecision,
+) -> BenchCase {
     let (r0, c0) = (r.min(c), r.max(c));
     let per_step = 2.0 * (r0 * r0) as f64 * (2 * c0 + r0) as f64;
     BenchCase {
         op: "newton_schulz",
-        shape: format!("n={n} [{r},{c}] 5 steps {}", dtype_name(dtype)),
+        shape: format!(
+            "n={n} [{r},{c}] 5 steps {} in, {} products",
+            dtype_name(dtype),
+            precision.name()
+        ),
         bytes: (n * r * c * (dtype.size_bytes() + 4)) as f64,
         flops: 5.0 * n as f64 * per_step,
         prepare: Box::new(move |b| {
             let g = random(b, &[n, r, c], dtype, 20)?;
             let run: BenchRun = Box::new(move |b: &Backend| {
-                ops::newton_schulz::newton_schulz(b, &g, 5).map(|_| ())
+                ops::newton_schulz::newton_schulz_with_precision(b, &g, 5, precision).map(|_| ())
             });
             Ok(run)
         }),
@@ -329,7 +341,8 @@ pub fn all_cases(quick: bool) -> Vec<BenchCase> {
             topk_case(4096, 256, 8, DType::F32),
             is_gate_loss_case(256, 32768, DType::F32),
             sample_case(64, 32768, DType::F32),
-            newton_schulz_case(48, 128, 512, DType::F32),
+            newton_schulz_case(48, 128, 512, DType::F32, NsPrecision::F32),
+            newton_schulz_case(48, 128, 512, DType::F32, NsPrecision::Bf16),
             moe_case(1024, 256, 16, 2, 128, DType::F32),
             attention_case(2, 128, 4, 2, 64, DType::F32),
             paged_attention_case(8, 512, 8, 2, 64, DType::F32),
@@ -346,8 +359,10 @@ pub fn all_cases(quick: bool) -> Vec<BenchCase> {
             topk_case(65536, 256, 8, DType::F32),
             is_gate_loss_case(8192, 152064, DType::BF16),
             sample_case(256, 152064, DType::BF16),
-            newton_schulz_case(48, 128, 4096, DType::BF16),
-            newton_schulz_case(64, 1024, 2048, DType::BF16),
+            newton_schulz_case(48, 128, 4096, DType::BF16, NsPrecision::Bf16),
+            newton_schulz_case(64, 1024, 2048, DType::BF16, NsPrecision::Bf16),
+            newton_schulz_case(48, 128, 4096, DType::BF16, NsPrecision::F32),
+            newton_schulz_case(64, 1024, 2048, DType::BF16, NsPrecision::F32),
             moe_case(16384, 2048, 64, 8, 1024, DType::BF16),
             attention_case(8, 4096, 32, 32, 128, DType::BF16),
             paged_attention_case(256, 4096, 32, 32, 128, DType::BF16),

@@ -3,6 +3,10 @@
 //! inputs, the transpose path, zero matrices, determinism, bad input, and the kernels (emu
 //! always; cuda where a GPU exists) against the CPU reference.
 //!
+//! The bf16 path (bf16 GEMM operands, f32 accumulation and f32 X) is checked the same way: its
+//! CPU reference against the f64 oracle (`NS_BF16_ORACLE_TOL`), its singular-value band, and emu
+//! / cuda against the bf16 CPU reference at `BF16_TOL`.
+//!
 //! Tolerances (relative norm): the iteration multiplies small singular values by up to
 //! a = 3.4445 per step, so the f32 rounding of each step is amplified by up to a^5 ~ 480 over
 //! five steps; f32 results are held to `NS_F32_TOL` = 1e-4 against the f64 oracle and against
@@ -11,8 +15,11 @@
 //! ~8e-7).
 
 use half::bf16;
-use sluice_kernels::ops::newton_schulz::{newton_schulz, newton_schulz_reference};
-use sluice_kernels::testing::{rel_norm, Rng, F32_TOL};
+use sluice_kernels::ops::newton_schulz::{
+    newton_schulz, newton_schulz_bf16, newton_schulz_bf16_reference, newton_schulz_reference,
+    newton_schulz_with_precision, NsPrecision,
+};
+use sluice_kernels::testing::{rel_norm, Rng, BF16_TOL, F32_TOL};
 use sluice_kernels::{Backend, DType, Error, Tensor};
 
 const NS_F32_TOL: f64 = 1e-4;
@@ -444,5 +451,310 @@ fn cuda_matches_cpu() {
         let b1: Vec<u32> = x1.iter().map(|v| v.to_bits()).collect();
         let b2: Vec<u32> = x2.iter().map(|v| v.to_bits()).collect();
         assert_eq!(b1, b2, "cuda {dtype} [{r},{c}]: two runs differ");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The bf16 path
+// ---------------------------------------------------------------------------------------------
+
+fn to64(x: &[f32]) -> Vec<f64> {
+    x.iter().map(|&v| v as f64).collect()
+}
+
+/// bf16 result vs the f64 oracle. The dominant error is B = c A^2 + b A rounded to bf16: near
+/// convergence A ~ I, so B's diagonal is ~ -2.74 (half an ulp: 2^-7 ~ 7.8e-3) while B + a I ~
+/// 0.70, a relative error of up to ~1.1% in X' per step; over five steps measured up to 4.3e-2
+/// (ragged shapes, 1x1 included). Held to 6e-2.
+const NS_BF16_ORACLE_TOL: f64 = 6e-2;
+/// The band of the bf16 result's singular values: the f32 band [0.68, 1.21] widened by the
+/// ~5% the bf16 rounding moves a singular value over five steps (measured: within
+/// [0.679, 1.138] on the shapes below).
+const BF16_BAND_LO: f64 = 0.64;
+const BF16_BAND_HI: f64 = 1.25;
+
+#[test]
+fn bf16_reference_matches_f64_oracle_on_ragged_shapes() {
+    let mut rng = Rng::new(31);
+    for &(n, r, c) in &[
+        (1, 1, 1),
+        (2, 1, 17),
+        (3, 17, 5),
+        (2, 8, 16),
+        (1, 17, 127),
+        (2, 127, 17),
+        (1, 64, 64),
+        (2, 64, 256),
+    ] {
+        let g = rng.normal_vec(n * r * c, 1.0);
+        for steps in [1, 5] {
+            let got = newton_schulz_bf16_reference(&g, n, r, c, steps);
+            let want = oracle(&g, n, r, c, steps);
+            let err = rel_norm(&got, &want);
+            println!("n={n} [{r},{c}] steps={steps}: bf16 vs f64 rel err {err:e}");
+            assert!(
+                err <= NS_BF16_ORACLE_TOL,
+                "n={n} [{r},{c}] steps={steps}: rel err {err:e}"
+            );
+            assert!(got.iter().all(|v| v.is_finite()));
+        }
+    }
+}
+
+#[test]
+fn bf16_singular_values_land_in_the_widened_band() {
+    let mut rng = Rng::new(32);
+    let mut seen = (f64::MAX, 0.0f64);
+    for &(n, r, c) in &[(3, 16, 64), (2, 64, 16), (2, 17, 127), (1, 32, 96)] {
+        let g = rng.normal_vec(n * r * c, 1.0);
+        let x = newton_schulz_bf16_reference(&g, n, r, c, 5);
+        for i in 0..n {
+            let sv = singular_values(&x[i * r * c..(i + 1) * r * c], r, c);
+            let lo = sv.iter().cloned().fold(f64::MAX, f64::min);
+            let hi = sv.iter().cloned().fold(0.0, f64::max);
+            seen = (seen.0.min(lo), seen.1.max(hi));
+            assert!(
+                lo >= BF16_BAND_LO && hi <= BF16_BAND_HI,
+                "[{r},{c}] matrix {i}: singular values in [{lo}, {hi}], want \
+                 [{BF16_BAND_LO}, {BF16_BAND_HI}]"
+            );
+        }
+    }
+    println!("bf16 singular values seen: [{}, {}]", seen.0, seen.1);
+}
+
+/// Condition number 1e6: X0's small singular values are far below bf16's resolution of X, so
+/// the rounding injects O(2^-9 |X|) components the quintic then grows; they still land in the
+/// quintic's range (measured largest singular values 1.187-1.193), held to the same 1.25 as f32.
+#[test]
+fn bf16_ill_conditioned_input_never_exceeds_1_25() {
+    let mut rng = Rng::new(36);
+    for &(r, c) in &[(16, 32), (32, 16), (24, 24)] {
+        let d = r.min(c);
+        let u = random_orthonormal(&mut rng, r, d);
+        let v = random_orthonormal(&mut rng, c, d);
+        let s: Vec<f64> = (0..d)
+            .map(|i| 10f64.powf(-6.0 * i as f64 / (d - 1) as f64))
+            .collect();
+        let us: Vec<f64> = (0..r * d).map(|idx| u[idx] * s[idx % d]).collect();
+        let g: Vec<f32> = mm(&us, &tr(&v, c, d), r, c, d)
+            .iter()
+            .map(|&v| v as f32)
+            .collect();
+        let x = newton_schulz_bf16_reference(&g, 1, r, c, 5);
+        assert!(x.iter().all(|v| v.is_finite()), "[{r},{c}]: non-finite");
+        let hi = singular_values(&x, r, c).into_iter().fold(0.0, f64::max);
+        println!("bf16 [{r},{c}] cond 1e6: largest singular value {hi}");
+        assert!(
+            hi <= 1.25,
+            "bf16 [{r},{c}] cond 1e6: largest singular value {hi}"
+        );
+    }
+}
+
+#[test]
+fn bf16_transpose_path_is_the_wide_form_transposed() {
+    let mut rng = Rng::new(33);
+    let (n, r, c) = (2, 37, 9);
+    let g = rng.normal_vec(n * r * c, 1.0);
+    let got = newton_schulz_bf16_reference(&g, n, r, c, 5);
+    let gt: Vec<f32> = (0..n)
+        .flat_map(|i| {
+            let m = &g[i * r * c..(i + 1) * r * c];
+            (0..c).flat_map(move |j| (0..r).map(move |k| m[k * c + j]))
+        })
+        .collect();
+    let wide = newton_schulz_bf16_reference(&gt, n, c, r, 5);
+    for i in 0..n {
+        for k in 0..r {
+            for j in 0..c {
+                assert_eq!(
+                    got[i * r * c + k * c + j].to_bits(),
+                    wide[i * r * c + j * r + k].to_bits()
+                );
+            }
+        }
+    }
+    let err = rel_norm(&got, &oracle(&g, n, r, c, 5));
+    assert!(err <= NS_BF16_ORACLE_TOL, "tall bf16: rel err {err:e}");
+}
+
+#[test]
+fn bf16_cpu_entry_is_its_reference_and_deterministic() {
+    let mut rng = Rng::new(34);
+    let g = rng.normal_vec(3 * 17 * 40, 1.0);
+    let t = Tensor::from_slice(&Backend::Cpu, &[3, 17, 40], &g).unwrap();
+    let bits = |x: Vec<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+    let x1 = bits(
+        newton_schulz_bf16(&Backend::Cpu, &t, 5)
+            .unwrap()
+            .to_vec()
+            .unwrap(),
+    );
+    let x2 = bits(
+        newton_schulz_with_precision(&Backend::Cpu, &t, 5, NsPrecision::Bf16)
+            .unwrap()
+            .to_vec()
+            .unwrap(),
+    );
+    assert_eq!(x1, x2);
+    assert_eq!(x1, bits(newton_schulz_bf16_reference(&g, 3, 17, 40, 5)));
+    // The f32 precision is `newton_schulz`.
+    let f = bits(
+        newton_schulz_with_precision(&Backend::Cpu, &t, 5, NsPrecision::F32)
+            .unwrap()
+            .to_vec()
+            .unwrap(),
+    );
+    assert_eq!(f, bits(newton_schulz_reference(&g, 3, 17, 40, 5)));
+}
+
+#[test]
+fn bf16_zero_matrix_gives_zeros_on_cpu_and_emu() {
+    let mut rng = Rng::new(35);
+    let (r, c) = (5, 17);
+    let mut g = rng.normal_vec(2 * r * c, 1.0);
+    g[r * c..].fill(0.0);
+    for backend in [Backend::Cpu, Backend::emu_with_seed(1)] {
+        let t = Tensor::from_slice(&backend, &[2, r, c], &g).unwrap();
+        let x = newton_schulz_bf16(&backend, &t, 5)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        assert!(
+            x[r * c..].iter().all(|&v| v == 0.0),
+            "{}: zero matrix: not zeros",
+            backend.device()
+        );
+        assert!(x[..r * c].iter().all(|v| v.is_finite()));
+        assert!(x[..r * c].iter().any(|&v| v != 0.0));
+    }
+}
+
+/// The bf16 path on emu against the bf16 CPU reference, two seeds bit-identical. The outputs
+/// (and every scratch tensor) are allocated poisoned (NaN) inside the call, so an element a
+/// kernel misses shows up as a NaN and fails the comparison.
+fn emu_bf16_case(n: usize, r: usize, c: usize, dtype: DType, steps: usize, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let g = rng.normal_vec(n * r * c, 1.0);
+    let gw: Vec<f32> = match dtype {
+        DType::BF16 => g.iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
+        _ => g.clone(),
+    };
+    let want = to64(&newton_schulz_bf16_reference(&gw, n, r, c, steps));
+    let mut bits = Vec::new();
+    for s in [1, 2] {
+        let emu = Backend::emu_with_seed(s);
+        let t = Tensor::from_f32_as(&emu, &[n, r, c], dtype, &g).unwrap();
+        let x = newton_schulz_bf16(&emu, &t, steps).unwrap();
+        assert_eq!(x.shape(), &[n, r, c]);
+        assert_eq!(x.dtype(), DType::F32);
+        let got = x.to_vec::<f32>().unwrap();
+        assert!(got.iter().all(|v| v.is_finite()), "emu bf16: non-finite");
+        let err = rel_norm(&got, &want);
+        println!("emu bf16 seed {s} {dtype} n={n} [{r},{c}] steps={steps}: rel err {err:e}");
+        assert!(
+            err <= BF16_TOL,
+            "emu bf16 seed {s} {dtype} n={n} [{r},{c}] steps={steps}: rel err {err:e}"
+        );
+        bits.push(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+    }
+    assert_eq!(bits[0], bits[1], "emu bf16: seeds 1 and 2 differ");
+}
+
+#[test]
+fn emu_bf16_matches_bf16_reference_and_is_seed_invariant() {
+    emu_bf16_case(3, 8, 16, DType::F32, 5, 41); // batch of several
+    emu_bf16_case(2, 17, 5, DType::F32, 5, 42); // transpose path
+    emu_bf16_case(2, 1, 17, DType::BF16, 5, 43); // one row, bf16 input
+    emu_bf16_case(1, 17, 1, DType::F32, 3, 44); // one column (transposed to 1 x 17)
+    emu_bf16_case(1, 1, 1, DType::F32, 1, 45);
+    emu_bf16_case(1, 33, 40, DType::BF16, 2, 46); // two 32-tiles each way in the combine
+}
+
+#[test]
+fn bf16_bad_input_is_an_error() {
+    for backend in [Backend::Cpu, Backend::emu_with_seed(1)] {
+        let g2 = Tensor::from_slice(&backend, &[4, 4], &[1.0f32; 16]).unwrap();
+        let e = newton_schulz_bf16(&backend, &g2, 5).unwrap_err();
+        assert!(matches!(e, Error::Shape { .. }), "{e}");
+        assert!(e.to_string().contains('g'), "{e}");
+        let gi = Tensor::from_slice(&backend, &[1, 2, 2], &[1i32; 4]).unwrap();
+        let e = newton_schulz_bf16(&backend, &gi, 5).unwrap_err();
+        assert!(matches!(e, Error::DType { .. }), "{e}");
+        let g = Tensor::from_slice(&backend, &[1, 2, 2], &[1.0f32; 4]).unwrap();
+        for steps in [0, 101] {
+            let e = newton_schulz_bf16(&backend, &g, steps).unwrap_err();
+            assert!(
+                matches!(&e, Error::Param { name, .. } if name == "steps"),
+                "{e}"
+            );
+        }
+    }
+    let e = NsPrecision::parse("precision", "fp8").unwrap_err();
+    assert!(
+        matches!(&e, Error::Param { name, .. } if name == "precision"),
+        "{e}"
+    );
+    assert_eq!(NsPrecision::parse("p", "bf16").unwrap(), NsPrecision::Bf16);
+    assert_eq!(NsPrecision::parse("p", "f32").unwrap(), NsPrecision::F32);
+    assert_eq!(
+        NsPrecision::default_for(&Backend::Cpu),
+        NsPrecision::F32,
+        "cpu defaults to f32"
+    );
+    assert_eq!(
+        NsPrecision::default_for(&Backend::emu_with_seed(1)),
+        NsPrecision::F32,
+        "emu defaults to f32"
+    );
+}
+
+#[test]
+fn cuda_bf16_matches_bf16_reference() {
+    let Some(gpu) =
+        sluice_kernels::device::cuda_for_tests("newton_schulz::cuda_bf16_matches_bf16_reference")
+    else {
+        return;
+    };
+    assert_eq!(NsPrecision::default_for(&gpu), NsPrecision::Bf16);
+    let mut rng = Rng::new(51);
+    for &(n, r, c, dtype) in &[
+        (3, 8, 16, DType::F32),
+        (4, 17, 5, DType::F32),
+        (2, 1, 17, DType::BF16),
+        (2, 128, 512, DType::BF16),
+        (2, 300, 77, DType::BF16),
+        (1, 130, 260, DType::F32),
+    ] {
+        let g = rng.normal_vec(n * r * c, 1.0);
+        let gw: Vec<f32> = match dtype {
+            DType::BF16 => g.iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
+            _ => g.clone(),
+        };
+        let want = to64(&newton_schulz_bf16_reference(&gw, n, r, c, 5));
+        let t = Tensor::from_f32_as(&gpu, &[n, r, c], dtype, &g).unwrap();
+        let x1 = newton_schulz_bf16(&gpu, &t, 5)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        let x2 = newton_schulz_bf16(&gpu, &t, 5)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        let err = rel_norm(&x1, &want);
+        println!("cuda bf16 {dtype} n={n} [{r},{c}]: rel err {err:e}");
+        assert!(
+            err <= BF16_TOL,
+            "cuda bf16 {dtype} [{r},{c}]: rel err {err:e}"
+        );
+        let err64 = rel_norm(&x1, &oracle(&gw, n, r, c, 5));
+        assert!(
+            err64 <= NS_BF16_ORACLE_TOL,
+            "cuda bf16 {dtype} [{r},{c}]: vs f64 rel err {err64:e}"
+        );
+        let b1: Vec<u32> = x1.iter().map(|v| v.to_bits()).collect();
+        let b2: Vec<u32> = x2.iter().map(|v| v.to_bits()).collect();
+        assert_eq!(b1, b2, "cuda bf16 {dtype} [{r},{c}]: two runs differ");
     }
 }

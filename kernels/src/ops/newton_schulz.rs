@@ -15,16 +15,26 @@
 //!   matrices: one normalise launch (per-matrix fixed-order block reduction, no atomics), then
 //!   three batched strided matmul launches per step (A = X X^T; Bm = c A A + b A;
 //!   X' = Bm X + a X). All arithmetic after the load is f32 (true f32 FMA, no tensor cores), for
-//!   BF16 inputs too: they are widened exactly on load and X stays f32 between steps. A
-//!   bf16 tensor-core variant is future work (docs/perf/newton_schulz.md).
+//!   BF16 inputs too: they are widened exactly on load and X stays f32 between steps.
+//!
+//! The bf16 path ([`newton_schulz_bf16`], or [`newton_schulz_with_precision`] with
+//! [`NsPrecision::Bf16`]): X is kept in f32 between steps (the master copy) and every product
+//! takes bf16 operands (round-to-nearest-even of the f32 values) with f32 accumulation, through
+//! the gemm family's batched bf16 GEMM (`gemm_bf16_mma`, tensor cores, on emu/cuda):
+//! A = X X^T = gemm(Xb, Xb); A A = gemm(Ab, Ab) (A is symmetric); B = c AA + b A in f32, rounded
+//! to bf16; X' = B X + a X = gemm(Bb, XTb) + a X in f32, where XTb is the bf16 transpose of X.
+//! The elementwise pieces between the GEMMs are `newton_schulz_combine_bf16` launches. The
+//! normalisation is the f32 one. On `cpu` it is [`newton_schulz_bf16_reference`]: the same
+//! rounding points, bf16 values widened exactly into the f32 [`gemm_reference_into`].
 
 use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
-use crate::ops::gemm::gemm_reference_into;
+use crate::ops::gemm::{gemm_batched, gemm_reference_into};
 use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
 use crate::tensor::Tensor;
+use half::bf16;
 use rayon::prelude::*;
 
 /// The quintic's coefficients (a, b, c).
@@ -35,6 +45,46 @@ pub const NS_EPS: f32 = 1e-7;
 pub const DEFAULT_STEPS: usize = 5;
 /// The largest number of steps accepted.
 pub const MAX_STEPS: usize = 100;
+
+/// The arithmetic of the iteration's products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NsPrecision {
+    /// True f32 everywhere (the SIMT f32 matmul on emu/cuda).
+    F32,
+    /// bf16 operands (rounded from the f32 master copy of X) with f32 accumulation, on the
+    /// bf16 tensor-core GEMM on emu/cuda.
+    Bf16,
+}
+
+impl NsPrecision {
+    /// The default for a device: bf16 on `cuda` (tensor cores), f32 on `cpu` and `emu`.
+    pub fn default_for(backend: &Backend) -> NsPrecision {
+        match backend {
+            Backend::Cuda(_) => NsPrecision::Bf16,
+            _ => NsPrecision::F32,
+        }
+    }
+
+    /// `f32` or `bf16`; the error names `param`.
+    pub fn parse(param: &str, text: &str) -> Result<NsPrecision> {
+        match text.trim() {
+            "f32" => Ok(NsPrecision::F32),
+            "bf16" => Ok(NsPrecision::Bf16),
+            other => Err(Error::param(
+                param,
+                format!("`{other}` is not a Newton-Schulz precision; use `f32` or `bf16`"),
+            )),
+        }
+    }
+
+    /// `"f32"` or `"bf16"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            NsPrecision::F32 => "f32",
+            NsPrecision::Bf16 => "bf16",
+        }
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // CPU reference
@@ -61,6 +111,84 @@ pub fn newton_schulz_reference(g: &[f32], n: usize, r: usize, c: usize, steps: u
     out
 }
 
+/// The bf16 path over `g` [n,r,c] (f32), `steps` steps; returns x [n,r,c] f32. The rounding
+/// points are the device's: X is f32 between steps; each product's operands are rounded to bf16
+/// (nearest-even) and widened exactly into the f32 [`gemm_reference_into`];
+/// B = bf16(fma(b, A, c AA)) and X' = fma(a, X, BX), the device's combine formulas.
+///
+/// # Panics
+/// If `g.len() != n * r * c` (a caller bug: [`newton_schulz_bf16`] validates user input first).
+pub fn newton_schulz_bf16_reference(
+    g: &[f32],
+    n: usize,
+    r: usize,
+    c: usize,
+    steps: usize,
+) -> Vec<f32> {
+    assert_eq!(
+        g.len(),
+        n * r * c,
+        "newton_schulz_bf16_reference: g must hold n*r*c elements"
+    );
+    let size = r * c;
+    let mut out = vec![0.0f32; n * size];
+    if size == 0 {
+        return out;
+    }
+    out.par_chunks_mut(size)
+        .zip(g.par_chunks(size))
+        .for_each(|(o, gm)| one_matrix_bf16(gm, o, r, c, steps));
+    out
+}
+
+/// `v` rounded to bf16 (nearest-even) and widened back (exact).
+fn round_bf16(v: f32) -> f32 {
+    bf16::from_f32(v).to_f32()
+}
+
+/// X0 = G / (||G||_F + 1e-7) in the wide orientation; returns (x, rows, cols, transposed).
+fn normalized_wide(g: &[f32], r: usize, c: usize) -> (Vec<f32>, usize, usize, bool) {
+    let ss: f64 = g.iter().map(|&v| v as f64 * v as f64).sum();
+    let denom = (ss.sqrt() as f32) + NS_EPS;
+    let transposed = r > c;
+    let (rr, cw) = if transposed { (c, r) } else { (r, c) };
+    let mut x: Vec<f32> = g.iter().map(|&v| v / denom).collect();
+    if transposed {
+        x = transpose(&x, r, c);
+    }
+    (x, rr, cw, transposed)
+}
+
+fn one_matrix_bf16(g: &[f32], out: &mut [f32], r: usize, c: usize, steps: usize) {
+    let (a, b, cc) = NS_COEFFS;
+    let (mut x, rr, cw, transposed) = normalized_wide(g, r, c);
+    let mut am = vec![0.0f32; rr * rr];
+    let mut a2 = vec![0.0f32; rr * rr];
+    let mut bx = vec![0.0f32; rr * cw];
+    for _ in 0..steps {
+        let xb: Vec<f32> = x.iter().map(|&v| round_bf16(v)).collect();
+        // A = Xb Xb^T; AA = Ab Ab^T; Bb = bf16(b A + c AA); BX = Bb (XTb)^T.
+        gemm_reference_into(&xb, &xb, &mut am, rr, rr, cw);
+        let ab: Vec<f32> = am.iter().map(|&v| round_bf16(v)).collect();
+        gemm_reference_into(&ab, &ab, &mut a2, rr, rr, rr);
+        let bb: Vec<f32> = a2
+            .iter()
+            .zip(&am)
+            .map(|(&p, &q)| round_bf16(b.mul_add(q, cc * p)))
+            .collect();
+        let xtb = transpose(&xb, rr, cw);
+        gemm_reference_into(&bb, &xtb, &mut bx, rr, cw, rr);
+        for (xv, &bv) in x.iter_mut().zip(&bx) {
+            *xv = a.mul_add(*xv, bv);
+        }
+    }
+    if transposed {
+        out.copy_from_slice(&transpose(&x, rr, cw));
+    } else {
+        out.copy_from_slice(&x);
+    }
+}
+
 /// `x` [rows,cols] -> [cols,rows].
 fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut t = vec![0.0f32; rows * cols];
@@ -74,14 +202,7 @@ fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 
 fn one_matrix(g: &[f32], out: &mut [f32], r: usize, c: usize, steps: usize) {
     let (a, b, cc) = NS_COEFFS;
-    let ss: f64 = g.iter().map(|&v| v as f64 * v as f64).sum();
-    let denom = (ss.sqrt() as f32) + NS_EPS;
-    let transposed = r > c;
-    let (rr, cw) = if transposed { (c, r) } else { (r, c) };
-    let mut x: Vec<f32> = g.iter().map(|&v| v / denom).collect();
-    if transposed {
-        x = transpose(&x, r, c);
-    }
+    let (mut x, rr, cw, transposed) = normalized_wide(g, r, c);
     let mut am = vec![0.0f32; rr * rr];
     let mut a2 = vec![0.0f32; rr * rr];
     let mut bx = vec![0.0f32; rr * cw];
@@ -125,8 +246,24 @@ fn check_steps(steps: usize) -> Result<()> {
 }
 
 /// Newton-Schulz over `g` [n,r,c] (F32 or BF16), `steps` in 1..=100 (5 by default in the
-/// runner). Returns x [n,r,c] F32 on the same device.
+/// runner), in f32 on every device. Returns x [n,r,c] F32 on the same device.
 pub fn newton_schulz(backend: &Backend, g: &Tensor, steps: usize) -> Result<Tensor> {
+    newton_schulz_with_precision(backend, g, steps, NsPrecision::F32)
+}
+
+/// [`newton_schulz`] on the bf16 path: bf16 GEMM operands, f32 accumulation, X kept in f32
+/// between steps (see the module docs).
+pub fn newton_schulz_bf16(backend: &Backend, g: &Tensor, steps: usize) -> Result<Tensor> {
+    newton_schulz_with_precision(backend, g, steps, NsPrecision::Bf16)
+}
+
+/// [`newton_schulz`] with the precision of the products chosen explicitly.
+pub fn newton_schulz_with_precision(
+    backend: &Backend,
+    g: &Tensor,
+    steps: usize,
+    precision: NsPrecision,
+) -> Result<Tensor> {
     g.expect_rank("g", 3, "[n,r,c]")?;
     if !g.dtype().is_float() {
         return Err(Error::DType {
@@ -138,7 +275,11 @@ pub fn newton_schulz(backend: &Backend, g: &Tensor, steps: usize) -> Result<Tens
     check_steps(steps)?;
     let (n, r, c) = (g.shape()[0], g.shape()[1], g.shape()[2]);
     if let Backend::Cpu = backend {
-        let x = newton_schulz_reference(&g.to_f32_vec()?, n, r, c, steps);
+        let gf = g.to_f32_vec()?;
+        let x = match precision {
+            NsPrecision::F32 => newton_schulz_reference(&gf, n, r, c, steps),
+            NsPrecision::Bf16 => newton_schulz_bf16_reference(&gf, n, r, c, steps),
+        };
         return Tensor::from_slice(backend, &[n, r, c], &x);
     }
     let out = Tensor::poisoned(backend, &[n, r, c], DType::F32)?;
@@ -152,14 +293,9 @@ pub fn newton_schulz(backend: &Backend, g: &Tensor, steps: usize) -> Result<Tens
             g.shape(),
         ));
     }
-    let (a, b, cc) = NS_COEFFS;
     let transposed = r > c;
     let (rr, cw) = if transposed { (c, r) } else { (r, c) };
-    let mut x = Tensor::poisoned(backend, &[n, rr, cw], DType::F32)?;
-    let mut x_next = Tensor::poisoned(backend, &[n, rr, cw], DType::F32)?;
-    let am = Tensor::poisoned(backend, &[n, rr, rr], DType::F32)?;
-    let bm = Tensor::poisoned(backend, &[n, rr, rr], DType::F32)?;
-
+    let x = Tensor::poisoned(backend, &[n, rr, cw], DType::F32)?;
     let normalize = match g.dtype() {
         DType::BF16 => "newton_schulz_normalize_bf16",
         _ => "newton_schulz_normalize_f32",
@@ -172,6 +308,126 @@ pub fn newton_schulz(backend: &Backend, g: &Tensor, steps: usize) -> Result<Tens
             .arg_i32(c as i32)
             .arg_i32(transposed as i32),
     )?;
+    match precision {
+        NsPrecision::F32 => iterate_f32(backend, x, out, (n, rr, cw), transposed, steps),
+        NsPrecision::Bf16 => iterate_bf16(backend, x, out, (n, rr, cw), transposed, steps),
+    }
+}
+
+/// The bf16 path's steps on emu/cuda: `x` [n,rr,cw] is the normalised wide X0 (f32); the result
+/// goes to `out` (transposed back when `transposed`).
+fn iterate_bf16(
+    backend: &Backend,
+    mut x: Tensor,
+    out: Tensor,
+    (n, rr, cw): (usize, usize, usize),
+    transposed: bool,
+    steps: usize,
+) -> Result<Tensor> {
+    let (a, b, cc) = NS_COEFFS;
+    let mut x_next = Tensor::poisoned(backend, &[n, rr, cw], DType::F32)?;
+    let xb = Tensor::poisoned(backend, &[n, rr, cw], DType::BF16)?;
+    let xtb = Tensor::poisoned(backend, &[n, cw, rr], DType::BF16)?;
+    let ab = Tensor::poisoned(backend, &[n, rr, rr], DType::BF16)?;
+    let bb = Tensor::poisoned(backend, &[n, rr, rr], DType::BF16)?;
+    let dims = (n, rr, cw);
+    let sq = (n, rr, rr);
+    // Xb, XTb from X0.
+    combine(
+        backend,
+        (&x, None),
+        dims,
+        (1.0, 0.0),
+        [None, None, Some(&xb), Some(&xtb)],
+    )?;
+    for step in 0..steps {
+        let last = step + 1 == steps;
+        let am = gemm_batched(backend, &xb, &xb)?; // A = X X^T
+        combine(
+            backend,
+            (&am, None),
+            sq,
+            (1.0, 0.0),
+            [None, None, Some(&ab), None],
+        )?;
+        let aa = gemm_batched(backend, &ab, &ab)?; // A A (= A A^T)
+        combine(
+            backend,
+            (&aa, Some(&am)),
+            sq,
+            (cc, b),
+            [None, None, Some(&bb), None],
+        )?;
+        let bx = gemm_batched(backend, &bb, &xtb)?; // B X
+        if last {
+            let dst = if transposed {
+                [None, Some(&out), None, None]
+            } else {
+                [Some(&out), None, None, None]
+            };
+            combine(backend, (&bx, Some(&x)), dims, (1.0, a), dst)?;
+        } else {
+            combine(
+                backend,
+                (&bx, Some(&x)),
+                dims,
+                (1.0, a),
+                [Some(&x_next), None, Some(&xb), Some(&xtb)],
+            )?;
+            std::mem::swap(&mut x, &mut x_next);
+        }
+    }
+    Ok(out)
+}
+
+/// One `newton_schulz_combine_bf16` launch over `n` matrices [rows, cols]:
+/// v = alpha * p + beta * e (e optional), written to the outputs given, in the order
+/// [f32, f32 transposed, bf16, bf16 transposed].
+fn combine(
+    backend: &Backend,
+    (p, e): (&Tensor, Option<&Tensor>),
+    (n, rows, cols): (usize, usize, usize),
+    (alpha, beta): (f32, f32),
+    outs: [Option<&Tensor>; 4],
+) -> Result<()> {
+    let mut launch = Launch::new(
+        "newton_schulz_combine_bf16",
+        [blocks_for(cols, 32), blocks_for(rows, 32), n as u32],
+        [THREADS, 1, 1],
+    )
+    .arg_tensor(p);
+    launch = match e {
+        Some(e) => launch.arg_tensor(e),
+        None => launch.arg_u64(0),
+    };
+    for o in outs {
+        launch = match o {
+            Some(t) => launch.arg_tensor(t),
+            None => launch.arg_u64(0),
+        };
+    }
+    backend.launch(
+        &launch
+            .arg_i32(rows as i32)
+            .arg_i32(cols as i32)
+            .arg_f32(alpha)
+            .arg_f32(beta),
+    )
+}
+
+/// The f32 path's steps on emu/cuda (see [`iterate_bf16`] for the arguments).
+fn iterate_f32(
+    backend: &Backend,
+    mut x: Tensor,
+    out: Tensor,
+    (n, rr, cw): (usize, usize, usize),
+    transposed: bool,
+    steps: usize,
+) -> Result<Tensor> {
+    let (a, b, cc) = NS_COEFFS;
+    let mut x_next = Tensor::poisoned(backend, &[n, rr, cw], DType::F32)?;
+    let am = Tensor::poisoned(backend, &[n, rr, rr], DType::F32)?;
+    let bm = Tensor::poisoned(backend, &[n, rr, rr], DType::F32)?;
 
     let (xs, as_) = ((rr * cw) as i64, (rr * rr) as i64);
     // Strides (batch, row, col) of X [rr,cw], X^T (as the right operand of X X^T), A and Bm.
@@ -270,7 +526,8 @@ fn matmul(
 
 fn run_spec(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
     let steps = call.param_usize("steps")?;
-    let x = newton_schulz(backend, call.tensor("g")?, steps)?;
+    let precision = NsPrecision::parse("precision", call.param("precision")?)?;
+    let x = newton_schulz_with_precision(backend, call.tensor("g")?, steps, precision)?;
     Ok(vec![("x", x)])
 }
 
@@ -278,18 +535,26 @@ fn run_spec(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
 pub static SPEC: OpSpec = OpSpec {
     name: "newton_schulz",
     summary: "Muon's quintic Newton-Schulz orthogonalisation of each of n matrices \
-              (X0 = G/(||G||_F+1e-7), transposed when r > c); f32 arithmetic on every device \
-              (BF16 inputs widened on load)",
+              (X0 = G/(||G||_F+1e-7), transposed when r > c); precision=f32: f32 arithmetic on \
+              every device (BF16 inputs widened on load); precision=bf16: bf16 GEMM operands \
+              with f32 accumulation, X kept in f32",
     inputs: &[TensorSpec {
         name: "g",
         shape: "[n,r,c]",
         dtypes: "F32|BF16",
     }],
-    params: &[ParamSpec {
-        name: "steps",
-        default: Some("5"),
-        help: "iterations, 1..=100",
-    }],
+    params: &[
+        ParamSpec {
+            name: "steps",
+            default: Some("5"),
+            help: "iterations, 1..=100",
+        },
+        ParamSpec {
+            name: "precision",
+            default: Some("f32"),
+            help: "f32 (true f32 products) or bf16 (bf16 operands, f32 accumulation)",
+        },
+    ],
     outputs: &[TensorSpec {
         name: "x",
         shape: "[n,r,c]",

@@ -16,7 +16,8 @@
 //! launch over every AdamW element) -> for each Muon block shape: momentum + gather (one launch),
 //! Newton-Schulz (one batched call), scaled apply with decoupled weight decay (one launch) ->
 //! optionally the bf16 compute copy refreshed (one launch). Everything is f32 (master weights and
-//! state); only the compute copy is bf16.
+//! state); only the compute copy is bf16, and, on `cuda` by default
+//! ([`MuonConfig::ns_precision`]), Newton-Schulz's GEMM operands.
 
 pub mod adamw;
 pub mod clip;
@@ -27,6 +28,7 @@ pub use state::OptimState;
 
 use crate::arena::Arena;
 use crate::layout::Layout;
+pub use sluice_kernels::ops::newton_schulz::NsPrecision;
 use sluice_kernels::ops::newton_schulz::MAX_STEPS;
 use sluice_kernels::ops::optim::SegmentTable;
 use sluice_kernels::{Backend, DType, Device, Error, Result};
@@ -46,6 +48,20 @@ pub struct MuonConfig {
     pub weight_decay: f32,
     /// Newton-Schulz steps (5).
     pub ns_steps: usize,
+    /// The precision of Newton-Schulz's products. `None` (the default) picks per device:
+    /// [`NsPrecision::Bf16`] on `cuda` (bf16 operands on the tensor cores, f32 accumulation,
+    /// X kept in f32 between steps; about 4x the f32 path's error, which Muon's update
+    /// tolerates), [`NsPrecision::F32`] on `cpu` and `emu` (where bf16 buys no speed).
+    /// `Some(p)` forces `p` on every device.
+    pub ns_precision: Option<NsPrecision>,
+}
+
+impl MuonConfig {
+    /// The Newton-Schulz precision a step on `backend` uses (see [`MuonConfig::ns_precision`]).
+    pub fn ns_precision_on(&self, backend: &Backend) -> NsPrecision {
+        self.ns_precision
+            .unwrap_or_else(|| NsPrecision::default_for(backend))
+    }
 }
 
 /// AdamW's hyperparameters.
@@ -143,6 +159,7 @@ impl Default for OptimConfig {
                 nesterov: true,
                 weight_decay: 0.1,
                 ns_steps: 5,
+                ns_precision: None,
             },
             adamw: AdamWConfig {
                 lr: 3e-3,

@@ -8,15 +8,20 @@
 //!    g' + mu m copied into a dense `[n, rows, cols]` batch (g' = clip factor * g);
 //! 2. Newton-Schulz on the batch (one batched `newton_schulz` call; 5 steps by default): each
 //!    block orthogonalised on its own, so a head's update never sees another head's gradient;
+//!    in the precision of [`MuonConfig::ns_precision`] (default: bf16 GEMM operands with f32
+//!    accumulation on `cuda`, f32 on `cpu` and `emu`);
 //! 3. apply (one launch): p = p (1 - lr wd) - lr * 0.2 sqrt(max(rows, cols)) * x, scattered back
 //!    to each block's strided window (the scale makes the update's RMS match AdamW's).
 //!
 //! The batch is the only scratch memory (the largest group's size, freed after the group).
 
-use super::{MuonConfig, OptimState};
+use super::{MuonConfig, NsPrecision, OptimState};
 use crate::arena::Arena;
 use crate::layout::{Layout, ViewSpec};
-use sluice_kernels::ops::newton_schulz::{newton_schulz, newton_schulz_reference};
+use sluice_kernels::ops::newton_schulz::{
+    newton_schulz, newton_schulz_bf16_reference, newton_schulz_reference,
+    newton_schulz_with_precision,
+};
 use sluice_kernels::ops::optim::{
     gather_blocks, muon_apply, muon_apply_reference, muon_gather, muon_gather_reference,
     BlockTable, MuonApply, MuonMomentum, StridedBlock,
@@ -93,6 +98,7 @@ pub fn step(
         nesterov: config.nesterov,
     };
     let lr = config.lr * lr_factor;
+    let precision = config.ns_precision_on(backend);
     for g in groups {
         let apply = MuonApply {
             lr,
@@ -111,7 +117,11 @@ pub fn step(
                 g.cols,
                 &momentum,
             )?;
-            let x = newton_schulz_reference(&batch, blocks.len(), g.rows, g.cols, config.ns_steps);
+            let ns = match precision {
+                NsPrecision::F32 => newton_schulz_reference,
+                NsPrecision::Bf16 => newton_schulz_bf16_reference,
+            };
+            let x = ns(&batch, blocks.len(), g.rows, g.cols, config.ns_steps);
             muon_apply_reference(params.as_mut_slice()?, &x, blocks, g.rows, g.cols, &apply)?;
         } else {
             let batch = muon_gather(
@@ -121,7 +131,7 @@ pub fn step(
                 &g.table,
                 &momentum,
             )?;
-            let x = newton_schulz(backend, &batch, config.ns_steps)?;
+            let x = newton_schulz_with_precision(backend, &batch, config.ns_steps, precision)?;
             muon_apply(backend, params.tensor_mut(), &x, &g.table, &apply)?;
         }
     }
@@ -129,7 +139,7 @@ pub fn step(
 }
 
 /// The orthogonalised blocks of one Muon view of `src` (no momentum, no update): the gather of
-/// its blocks and one batched Newton-Schulz, `[n_blocks, rows, cols]` F32 on `backend`. What
+/// its blocks and one batched f32 Newton-Schulz, `[n_blocks, rows, cols]` F32 on `backend`. What
 /// the step does to a view's (momentum-mixed) gradient, exposed for tests and tools.
 pub fn orthogonalize_view(
     backend: &Backend,
