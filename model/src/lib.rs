@@ -27,6 +27,7 @@ pub mod init;
 pub mod layers;
 pub mod layout;
 pub mod optim;
+pub mod synthetic;
 
 pub use arena::Arena;
 pub use batch::PackedBatch;

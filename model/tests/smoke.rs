@@ -5,43 +5,18 @@
 //! optimizers existed) reached a mean loss of 0.66 over the last 20 of 500 steps; Muon + AdamW
 //! reach 0.02 in 300 steps.
 //!
-//! Token ids (vocab 64 of configs/model/small.toml): digits 0..=9 are ids 0..=9, BOS = 10,
-//! SEP = 11, EOS = 12. A sequence is `BOS d1 .. dn SEP dn .. d1 EOS`; the loss covers the
-//! predictions of the reversed digits and EOS (the positions from SEP on).
+//! The task: sluice_model::synthetic::reverse_digits (sequences `BOS d1 .. dn SEP dn .. d1 EOS`
+//! of 3 to 6 digits; the loss covers the reversed digits and EOS). `sluice sft` runs the same
+//! training from the command line.
 
 use sluice_model::config::ModelConfig;
 use sluice_model::forward::loss_and_grad;
 use sluice_model::kernels::testing::Rng;
 use sluice_model::kernels::Backend;
 use sluice_model::optim::{LrSchedule, OptimConfig, Optimizer};
-use sluice_model::{Model, PackedBatch};
+use sluice_model::synthetic::reverse_digits;
+use sluice_model::Model;
 use std::time::Instant;
-
-const BOS: i32 = 10;
-const SEP: i32 = 11;
-const EOS: i32 = 12;
-
-fn task_batch(rng: &mut Rng, n_seqs: usize, vocab: usize) -> (PackedBatch, Vec<i32>, Vec<f32>) {
-    let mut seqs = Vec::with_capacity(n_seqs);
-    let mut targets = Vec::new();
-    let mut mask = Vec::new();
-    for _ in 0..n_seqs {
-        let n = 3 + rng.below(4);
-        let digits: Vec<i32> = (0..n).map(|_| rng.below(10) as i32).collect();
-        let mut s = vec![BOS];
-        s.extend(&digits);
-        s.push(SEP);
-        s.extend(digits.iter().rev());
-        s.push(EOS);
-        // Predict s[i+1] at position i; the last position predicts nothing (masked out).
-        for i in 0..s.len() {
-            targets.push(if i + 1 < s.len() { s[i + 1] } else { 0 });
-            mask.push(if i > n && i + 1 < s.len() { 1.0 } else { 0.0 });
-        }
-        seqs.push(s);
-    }
-    (PackedBatch::pack(&seqs, vocab).unwrap(), targets, mask)
-}
 
 #[test]
 fn reversing_digits_loss_drops_with_muon_and_adamw() {
@@ -72,8 +47,8 @@ fn reversing_digits_loss_drops_with_muon_and_adamw() {
     let mut first = None;
     let mut recent = Vec::new();
     for step in 0..steps {
-        let (b, targets, mask) = task_batch(&mut rng, 16, cfg.vocab);
-        let loss = loss_and_grad(&mut m, &b, &targets, &mask).unwrap();
+        let t = reverse_digits(&mut rng, 16, 3, 6, cfg.vocab).unwrap();
+        let loss = loss_and_grad(&mut m, &t.batch, &t.targets, &t.mask).unwrap();
         assert!(loss.is_finite(), "step {step}: loss {loss}");
         first.get_or_insert(loss);
         recent.push(loss);

@@ -2,3 +2,4 @@
 
 pub mod bench_cmd;
 pub mod kernel_cmd;
+pub mod sft_cmd;

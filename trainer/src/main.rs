@@ -58,6 +58,40 @@ enum Command {
     },
     /// Show the devices this machine offers (and GPU telemetry where a driver exists).
     Devices,
+    /// Supervised training on the synthetic digit-reversal task with Muon + AdamW: progress,
+    /// metrics.jsonl, held-out accuracy and a checkpoint with the optimizer state.
+    Sft {
+        /// Model config (TOML).
+        #[arg(long, default_value = "configs/model/small.toml")]
+        model: PathBuf,
+        /// cpu, emu, cuda or cuda:N.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        #[arg(long, default_value_t = 300)]
+        steps: u64,
+        /// Sequences per step.
+        #[arg(long, default_value_t = 16)]
+        batch: usize,
+        #[arg(long, default_value_t = 3)]
+        min_digits: usize,
+        #[arg(long, default_value_t = 6)]
+        max_digits: usize,
+        /// Seed of the training data stream (the init seed is the model config's).
+        #[arg(long, default_value_t = 5)]
+        seed: u64,
+        #[arg(long, default_value_t = 0.02)]
+        muon_lr: f32,
+        #[arg(long, default_value_t = 0.01)]
+        adamw_lr: f32,
+        /// Linear warmup steps before the cosine decay (to a tenth).
+        #[arg(long, default_value_t = 20)]
+        warmup: u64,
+        #[arg(long, default_value_t = 25)]
+        log_every: u64,
+        /// Folder for metrics.jsonl and model.safetensors.
+        #[arg(long, default_value = "runs/sft")]
+        out: PathBuf,
+    },
 }
 
 fn fail(e: &Error) -> ExitCode {
@@ -134,6 +168,43 @@ fn main() -> ExitCode {
                     print!("{report}");
                     ExitCode::SUCCESS
                 }
+                Err(e) => fail(&e),
+            }
+        }
+        Command::Sft {
+            model,
+            device,
+            steps,
+            batch,
+            min_digits,
+            max_digits,
+            seed,
+            muon_lr,
+            adamw_lr,
+            warmup,
+            log_every,
+            out,
+        } => {
+            let device: Device = match device.parse() {
+                Ok(d) => d,
+                Err(e) => return fail(&e),
+            };
+            let opts = sluice_trainer::sft_cmd::SftOptions {
+                model_config: model,
+                device,
+                steps,
+                batch,
+                min_digits,
+                max_digits,
+                data_seed: seed,
+                muon_lr,
+                adamw_lr,
+                warmup,
+                log_every,
+                out_dir: out,
+            };
+            match sluice_trainer::sft_cmd::run_sft(&opts, &mut std::io::stdout()) {
+                Ok(_) => ExitCode::SUCCESS,
                 Err(e) => fail(&e),
             }
         }
