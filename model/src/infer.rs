@@ -414,21 +414,42 @@ pub fn prefill(
         cu_seqlens: &cu,
         context_lens: &ctx,
     };
-    let mut x = embedding(backend, &w.weights.embed, &tokens)?;
+    let x = layer_stack(
+        backend,
+        w,
+        &dims,
+        cache,
+        [&tokens, &positions, &slots],
+        &attn,
+    )?;
+    lm_head_rows(backend, &w.weights, &dims, &x, &batch.logits_rows)
+}
+
+/// Embedding and every layer over the cache: the hidden states [T, d] of `tokens` at
+/// `positions`, their K/V written at `slots` (the three index tensors, [T] I32 each).
+fn layer_stack(
+    backend: &Backend,
+    w: &InferWeights,
+    dims: &Dims,
+    cache: &mut KvCache,
+    [tokens, positions, slots]: [&Tensor; 3],
+    attn: &AttnInputs<'_>,
+) -> Result<Tensor> {
+    let mut x = embedding(backend, &w.weights.embed, tokens)?;
     for (l, lw) in w.weights.layers.iter().enumerate() {
         x = layer(
             backend,
-            &dims,
+            dims,
             lw,
             &x,
-            &positions,
-            &slots,
+            positions,
+            slots,
             &mut cache.k[l],
             &mut cache.v[l],
-            &attn,
+            attn,
         )?;
     }
-    lm_head_rows(backend, &w.weights, &dims, &x, &batch.logits_rows)
+    Ok(x)
 }
 
 /// Decode: one token per sequence; writes its K/V and returns the logits [B, vocab].
@@ -464,20 +485,14 @@ pub fn decode(
         block_table: &table,
         context_lens: &ctx,
     };
-    let mut x = embedding(backend, &w.weights.embed, &tokens)?;
-    for (l, lw) in w.weights.layers.iter().enumerate() {
-        x = layer(
-            backend,
-            &dims,
-            lw,
-            &x,
-            &positions,
-            &slots,
-            &mut cache.k[l],
-            &mut cache.v[l],
-            &attn,
-        )?;
-    }
+    let x = layer_stack(
+        backend,
+        w,
+        &dims,
+        cache,
+        [&tokens, &positions, &slots],
+        &attn,
+    )?;
     let rows: Vec<i32> = (0..b as i32).collect();
     lm_head_rows(backend, &w.weights, &dims, &x, &rows)
 }
