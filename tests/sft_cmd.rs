@@ -124,3 +124,27 @@ fn bad_options_are_errors_naming_the_option() {
     assert!(!dir.join("run").join("model.safetensors").exists());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The same command through the emulated CUDA kernels (the micro config of the README).
+#[test]
+fn a_micro_run_learns_on_emu() {
+    let dir = support::scratch_dir("sft-emu");
+    let mut o = options(
+        &dir,
+        std::path::PathBuf::from(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/configs/model/micro.toml"
+        )),
+    );
+    o.device = Device::Emu;
+    o.steps = 40;
+    o.batch = 8;
+    let s = run_sft(&o, &mut std::io::sink()).unwrap();
+    assert!(
+        s.final_loss < 0.8 * s.first_loss,
+        "loss {} -> {}",
+        s.first_loss,
+        s.final_loss
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
