@@ -56,12 +56,17 @@ impl InferWeights {
                 "InferWeights: the arena's layout is not the layout of the model config".into(),
             ));
         }
-        // One F32 copy of the arena on the engine's backend, then its views as tensors.
-        let f32_arena = arena.cast_copy(backend, DType::F32)?;
+        // The views are copied out as tensors; an arena that is not F32 on the engine's device
+        // is first cast / moved there whole (one copy, not one per view).
+        let weights = if arena.dtype() == DType::F32 && arena.tensor().is_on(backend.device()) {
+            ModelWeights::from_arena(backend, arena)?
+        } else {
+            ModelWeights::from_arena(backend, &arena.cast_copy(backend, DType::F32)?)?
+        };
         Ok(InferWeights {
             config: config.clone(),
             version,
-            weights: ModelWeights::from_arena(backend, &f32_arena)?,
+            weights,
         })
     }
 }

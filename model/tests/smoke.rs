@@ -34,14 +34,15 @@ fn reversing_digits_loss_drops_with_muon_and_adamw() {
     // 0.95, Nesterov, weight decay 0.1, clip at global norm 1), 20 warmup steps then a cosine
     // down to a tenth.
     let steps = 300;
-    let mut conf = OptimConfig::default();
-    conf.muon.lr = 0.02;
-    conf.adamw.lr = 0.01;
-    conf.schedule = LrSchedule::WarmupCosine {
-        warmup: 20,
-        total: steps as u64,
-        min_ratio: 0.1,
-    };
+    let conf = OptimConfig::with_lrs(
+        0.02,
+        0.01,
+        LrSchedule::WarmupCosine {
+            warmup: 20,
+            total: steps as u64,
+            min_ratio: 0.1,
+        },
+    );
     let opt = Optimizer::new(&Backend::Cpu, m.layout().clone(), conf).unwrap();
     let mut state = opt.new_state(&Backend::Cpu).unwrap();
     let mut first = None;

@@ -103,14 +103,15 @@ pub fn run_sft(o: &SftOptions, progress: &mut dyn std::io::Write) -> Result<SftS
     }
     let backend = Backend::open(o.device)?;
     let mut model = Model::new(cfg.clone(), &backend)?;
-    let mut conf = OptimConfig::default();
-    conf.muon.lr = o.muon_lr;
-    conf.adamw.lr = o.adamw_lr;
-    conf.schedule = LrSchedule::WarmupCosine {
-        warmup: o.warmup,
-        total: o.steps,
-        min_ratio: 0.1,
-    };
+    let conf = OptimConfig::with_lrs(
+        o.muon_lr,
+        o.adamw_lr,
+        LrSchedule::WarmupCosine {
+            warmup: o.warmup,
+            total: o.steps,
+            min_ratio: 0.1,
+        },
+    );
     let opt = Optimizer::new(&backend, model.layout().clone(), conf)?;
     let mut state = opt.new_state(&backend)?;
     std::fs::create_dir_all(&o.out_dir).map_err(|e| io_err(&o.out_dir, e))?;

@@ -95,20 +95,7 @@ impl NsPrecision {
 /// # Panics
 /// If `g.len() != n * r * c` (a caller bug: [`newton_schulz`] validates user input first).
 pub fn newton_schulz_reference(g: &[f32], n: usize, r: usize, c: usize, steps: usize) -> Vec<f32> {
-    assert_eq!(
-        g.len(),
-        n * r * c,
-        "newton_schulz_reference: g must hold n*r*c elements"
-    );
-    let size = r * c;
-    let mut out = vec![0.0f32; n * size];
-    if size == 0 {
-        return out;
-    }
-    out.par_chunks_mut(size)
-        .zip(g.par_chunks(size))
-        .for_each(|(o, gm)| one_matrix(gm, o, r, c, steps));
-    out
+    per_matrix(g, n, r, c, |gm, o| one_matrix(gm, o, r, c, steps))
 }
 
 /// The bf16 path over `g` [n,r,c] (f32), `steps` steps; returns x [n,r,c] f32. The rounding
@@ -125,10 +112,24 @@ pub fn newton_schulz_bf16_reference(
     c: usize,
     steps: usize,
 ) -> Vec<f32> {
+    per_matrix(g, n, r, c, |gm, o| one_matrix_bf16(gm, o, r, c, steps))
+}
+
+/// Runs `one(g_i, out_i)` for each of the n matrices of `g` [n,r,c] in parallel.
+///
+/// # Panics
+/// If `g.len() != n * r * c` (a caller bug: the device entry points validate user input first).
+fn per_matrix(
+    g: &[f32],
+    n: usize,
+    r: usize,
+    c: usize,
+    one: impl Fn(&[f32], &mut [f32]) + Sync,
+) -> Vec<f32> {
     assert_eq!(
         g.len(),
         n * r * c,
-        "newton_schulz_bf16_reference: g must hold n*r*c elements"
+        "newton_schulz reference: g must hold n*r*c elements"
     );
     let size = r * c;
     let mut out = vec![0.0f32; n * size];
@@ -137,8 +138,17 @@ pub fn newton_schulz_bf16_reference(
     }
     out.par_chunks_mut(size)
         .zip(g.par_chunks(size))
-        .for_each(|(o, gm)| one_matrix_bf16(gm, o, r, c, steps));
+        .for_each(|(o, gm)| one(gm, o));
     out
+}
+
+/// Writes the wide-orientation result `x` [rr,cw] to `out` in the input's orientation.
+fn write_back(out: &mut [f32], x: &[f32], rr: usize, cw: usize, transposed: bool) {
+    if transposed {
+        out.copy_from_slice(&transpose(x, rr, cw));
+    } else {
+        out.copy_from_slice(x);
+    }
 }
 
 /// `v` rounded to bf16 (nearest-even) and widened back (exact).
@@ -182,11 +192,7 @@ fn one_matrix_bf16(g: &[f32], out: &mut [f32], r: usize, c: usize, steps: usize)
             *xv = a.mul_add(*xv, bv);
         }
     }
-    if transposed {
-        out.copy_from_slice(&transpose(&x, rr, cw));
-    } else {
-        out.copy_from_slice(&x);
-    }
+    write_back(out, &x, rr, cw, transposed);
 }
 
 /// `x` [rows,cols] -> [cols,rows].
@@ -219,11 +225,7 @@ fn one_matrix(g: &[f32], out: &mut [f32], r: usize, c: usize, steps: usize) {
             *xv = bv + a * *xv;
         }
     }
-    if transposed {
-        out.copy_from_slice(&transpose(&x, rr, cw));
-    } else {
-        out.copy_from_slice(&x);
-    }
+    write_back(out, &x, rr, cw, transposed);
 }
 
 // ---------------------------------------------------------------------------------------------

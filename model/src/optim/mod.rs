@@ -175,6 +175,17 @@ impl Default for OptimConfig {
     }
 }
 
+impl OptimConfig {
+    /// The defaults with these learning rates and schedule (what a training run usually sets).
+    pub fn with_lrs(muon_lr: f32, adamw_lr: f32, schedule: LrSchedule) -> OptimConfig {
+        let mut c = OptimConfig::default();
+        c.muon.lr = muon_lr;
+        c.adamw.lr = adamw_lr;
+        c.schedule = schedule;
+        c
+    }
+}
+
 fn check_nonneg(name: &str, v: f32) -> Result<()> {
     if !v.is_finite() || v < 0.0 {
         return Err(Error::param(
