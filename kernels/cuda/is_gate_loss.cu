@@ -85,24 +85,27 @@ __device__ __forceinline__ void loss_row(const T* logits, T* dlogits, const int*
                                          int has_weight, float* __restrict__ logp_out,
                                          float* __restrict__ ratio_out, unsigned char* __restrict__ accepted_out,
                                          float* __restrict__ scratch, int n, int V, int mode, float el, float eh,
-                                         float beta) {
+                                         float beta, float scale) {
     __shared__ LseState sh_lse[ROW_THREADS];
     const int row = blockIdx.x;
     const T* x = logits + (long long)row * V;
     T* g = dlogits + (long long)row * V;
     const int tok = tokens[row];
-    const float x_tok = load_logit(x, tok);  // before any barrier: see the in-place note
+    // z = logits * scale (scale = 1 / the sampling temperature, the sampler's exact multiply;
+    // scale 1 leaves the bits alone). Read before any barrier: see the in-place note.
+    const float z_tok = rr_mul(load_logit(x, tok), scale);
 
-    // Read 1: THE shared row log-sum-exp (scale 1).
-    const LseState st = block_tree(row_lse_pass(x, V, 1.0f, [](int, float) {}), sh_lse, LseCombine{});
+    // Read 1: THE shared row log-sum-exp of z.
+    const LseState st = block_tree(row_lse_pass(x, V, scale, [](int, float) {}), sh_lse, LseCombine{});
     const float lse = lse_value(st);
-    const float logp = row_logprob(x_tok, lse);
+    const float logp = row_logprob(z_tok, lse);
     const float c = has_weight ? weight[row] : 1.0f;
     const TokenTerm tt = token_term(mode, el, eh, beta, logp, behavior[row], adv[row], mask[row], c);
     const float d = scratch[n];
     const bool live = lse != SLUICE_NEG_INF;
     // A row with no mass (all -inf) has no softmax to move: zero gradient in every mode.
-    const float coef = (d > 0.0f && live) ? tt.dterm / d : 0.0f;
+    // d z / d logits = scale, folded into the coefficient (exact at scale 1).
+    const float coef = (d > 0.0f && live) ? rr_mul(tt.dterm / d, scale) : 0.0f;
 
     // Read 2 + write: dlogits = coef * (onehot - softmax). Elementwise, so any assignment of
     // entries to threads gives the same bits: 8 consecutive entries per thread (16-byte loads
@@ -115,7 +118,7 @@ __device__ __forceinline__ void loss_row(const T* logits, T* dlogits, const int*
             load_vec8(x + base, v);
 #pragma unroll
             for (int k = 0; k < ROW_VEC; ++k) {
-                const float p = live ? expf(v[k] - lse) : 0.0f;
+                const float p = live ? expf(rr_mul(v[k], scale) - lse) : 0.0f;
                 const float onehot = base + k == tok ? 1.0f : 0.0f;
                 v[k] = rr_mul(coef, onehot - p);
             }
@@ -124,7 +127,7 @@ __device__ __forceinline__ void loss_row(const T* logits, T* dlogits, const int*
     }
 #pragma unroll 4
     for (int j = done + threadIdx.x; j < V; j += ROW_THREADS) {
-        const float p = live ? expf(load_logit(x, j) - lse) : 0.0f;
+        const float p = live ? expf(rr_mul(load_logit(x, j), scale) - lse) : 0.0f;
         const float onehot = j == tok ? 1.0f : 0.0f;
         store_logit(g, j, rr_mul(coef, onehot - p));
     }
@@ -180,9 +183,9 @@ extern "C" __global__ void __launch_bounds__(256) is_gate_loss_f32(
     const float* logits, float* dlogits, const int* __restrict__ tokens, const float* __restrict__ behavior,
     const float* __restrict__ adv, const float* __restrict__ mask, const float* __restrict__ weight,
     int has_weight, float* __restrict__ logp, float* __restrict__ ratio, unsigned char* __restrict__ accepted,
-    float* __restrict__ scratch, int n, int V, int mode, float eps_low, float eps_high, float beta) {
+    float* __restrict__ scratch, int n, int V, int mode, float eps_low, float eps_high, float beta, float scale) {
     loss_row<float>(logits, dlogits, tokens, behavior, adv, mask, weight, has_weight, logp, ratio, accepted,
-                    scratch, n, V, mode, eps_low, eps_high, beta);
+                    scratch, n, V, mode, eps_low, eps_high, beta, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(256) is_gate_loss_bf16(
@@ -190,9 +193,9 @@ extern "C" __global__ void __launch_bounds__(256) is_gate_loss_bf16(
     const float* __restrict__ behavior, const float* __restrict__ adv, const float* __restrict__ mask,
     const float* __restrict__ weight, int has_weight, float* __restrict__ logp, float* __restrict__ ratio,
     unsigned char* __restrict__ accepted, float* __restrict__ scratch, int n, int V, int mode, float eps_low,
-    float eps_high, float beta) {
+    float eps_high, float beta, float scale) {
     loss_row<__nv_bfloat16>(logits, dlogits, tokens, behavior, adv, mask, weight, has_weight, logp, ratio,
-                            accepted, scratch, n, V, mode, eps_low, eps_high, beta);
+                            accepted, scratch, n, V, mode, eps_low, eps_high, beta, scale);
 }
 
 // Loss and counters from the per-row values, in the fixed lane order. One block.

@@ -99,6 +99,12 @@ pub struct GateParams {
     pub eps_low: f32,
     pub eps_high: f32,
     pub beta: f32,
+    /// The sampling temperature the tokens were drawn at: logp is taken under
+    /// log_softmax(logits * (1 / temperature)), the sampler's exact scaling (one f32 multiply
+    /// by the same `1 / temperature`), so behavior_logp and logp agree bit for bit at any
+    /// temperature. 1 (the default) leaves the logits untouched; greedy rollouts record the
+    /// temperature-1 log-prob, so their learner uses 1.
+    pub temperature: f32,
 }
 
 impl Default for GateParams {
@@ -108,6 +114,7 @@ impl Default for GateParams {
             eps_low: 0.2,
             eps_high: 0.28,
             beta: 2.0,
+            temperature: 1.0,
         }
     }
 }
@@ -123,7 +130,23 @@ impl GateParams {
         if !(self.beta.is_finite() && self.beta >= 1.0) {
             return Err(Error::param("beta", "must be finite and >= 1"));
         }
+        if !(self.temperature.is_finite() && self.temperature > 0.0) {
+            return Err(Error::param(
+                "temperature",
+                format!(
+                    "{} must be finite and > 0 (greedy rollouts record the temperature-1 \
+                     log-prob: use 1)",
+                    self.temperature
+                ),
+            ));
+        }
         Ok(())
+    }
+
+    /// The multiplier applied to the logits: `1 / temperature`, computed exactly as the
+    /// sampler's `SampleParams::scale` (exactly 1 at temperature 1).
+    pub fn scale(&self) -> f32 {
+        1.0 / self.temperature
     }
 }
 
@@ -373,14 +396,16 @@ fn reference_impl<T: Logit>(
     check_tokens(inputs.tokens, v)?;
 
     let d = denominator(inputs.mask, inputs.weight);
+    let scale = params.scale();
     // One row per task: lse pass, token math, gradient pass (two reads of the row, one write).
     let work = |t: usize, row: Option<&[T]>, grad: &mut [T]| -> (f32, TokenTerm) {
         let tok = inputs.tokens[t] as usize;
-        let (lse, x_tok) = {
+        // z = logits * scale, the sampler's scaled logits (scale 1: z = logits, same bits).
+        let (lse, z_tok) = {
             let r = row.unwrap_or(grad);
-            (row_lse(r, 1.0), r[tok].to_f32())
+            (row_lse(r, scale), r[tok].to_f32() * scale)
         };
-        let logp = row_logprob(x_tok, lse);
+        let logp = row_logprob(z_tok, lse);
         let c = inputs.weight.map_or(1.0, |w| w[t]);
         let tt = token_term(
             params,
@@ -392,10 +417,15 @@ fn reference_impl<T: Logit>(
         );
         let live = lse != f32::NEG_INFINITY;
         // A row with no mass (all -inf) has no softmax to move: zero gradient in every mode.
-        let coef = if d > 0.0 && live { tt.dterm / d } else { 0.0 };
+        // d z / d logits = scale, folded into the coefficient (exact at scale 1).
+        let coef = if d > 0.0 && live {
+            (tt.dterm / d) * scale
+        } else {
+            0.0
+        };
         if live {
-            softmax_grad_row(row, grad, coef, lse);
-            grad[tok] = T::from_f32(coef * (1.0 - exp_fast(x_tok - lse)));
+            softmax_grad_row(row, grad, coef, lse, scale);
+            grad[tok] = T::from_f32(coef * (1.0 - exp_fast(z_tok - lse)));
         } else {
             // No mass: softmax is taken as 0.
             for g in grad.iter_mut() {
@@ -754,7 +784,8 @@ fn device_run(
             .arg_i32(params.mode.code())
             .arg_f32(params.eps_low)
             .arg_f32(params.eps_high)
-            .arg_f32(params.beta),
+            .arg_f32(params.beta)
+            .arg_f32(params.scale()),
     )?;
     backend.launch(
         &Launch::new("is_gate_loss_finish", [1, 1, 1], [THREADS, 1, 1])
@@ -787,6 +818,7 @@ fn run_spec(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
         eps_low: call.param_f32("eps_low")?,
         eps_high: call.param_f32("eps_high")?,
         beta: call.param_f32("beta")?,
+        temperature: call.param_f32("temperature")?,
     };
     let batch = TokenBatch {
         tokens: call.tensor("tokens")?,
@@ -825,6 +857,11 @@ pub static SPEC: OpSpec = OpSpec {
         ParamSpec { name: "eps_low", default: Some("0.2"), help: "lower clip/gate epsilon" },
         ParamSpec { name: "eps_high", default: Some("0.28"), help: "upper clip/gate epsilon" },
         ParamSpec { name: "beta", default: Some("2"), help: "icepop gate [1/beta, beta]" },
+        ParamSpec {
+            name: "temperature",
+            default: Some("1"),
+            help: "the rollout's sampling temperature: logp under log_softmax(logits / temperature)",
+        },
     ],
     outputs: &[
         TensorSpec { name: "loss", shape: "[1]", dtypes: "F32" },

@@ -223,29 +223,41 @@ unsafe fn row_lse_state_avx2<T: Logit>(row: &[T], scale: f32) -> LseState {
     row_lse_state_portable(row, scale)
 }
 
-/// The gradient row of the policy loss: `out[j] = coef * (0 - exp(x[j] - lse))` for x read
-/// from `src` (or from `out` itself when `src` is None: in place). The caller fixes the token's
-/// entry afterwards. Dispatches to an AVX2 build where the CPU has it (same bits).
-pub fn softmax_grad_row<T: Logit>(src: Option<&[T]>, out: &mut [T], coef: f32, lse: f32) {
+/// The gradient row of the policy loss: `out[j] = coef * (0 - exp(x[j] * scale - lse))` for x
+/// read from `src` (or from `out` itself when `src` is None: in place). The caller fixes the
+/// token's entry afterwards. Dispatches to an AVX2 build where the CPU has it (same bits).
+pub fn softmax_grad_row<T: Logit>(
+    src: Option<&[T]>,
+    out: &mut [T],
+    coef: f32,
+    lse: f32,
+    scale: f32,
+) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2 (checked just above).
-        return unsafe { softmax_grad_row_avx2(src, out, coef, lse) };
+        return unsafe { softmax_grad_row_avx2(src, out, coef, lse, scale) };
     }
-    softmax_grad_row_portable(src, out, coef, lse)
+    softmax_grad_row_portable(src, out, coef, lse, scale)
 }
 
 #[inline(always)]
-fn softmax_grad_row_portable<T: Logit>(src: Option<&[T]>, out: &mut [T], coef: f32, lse: f32) {
+fn softmax_grad_row_portable<T: Logit>(
+    src: Option<&[T]>,
+    out: &mut [T],
+    coef: f32,
+    lse: f32,
+    scale: f32,
+) {
     match src {
         Some(r) => {
             for (g, &x) in out.iter_mut().zip(r) {
-                *g = T::from_f32(coef * (0.0 - exp_fast(x.to_f32() - lse)));
+                *g = T::from_f32(coef * (0.0 - exp_fast(x.to_f32() * scale - lse)));
             }
         }
         None => {
             for g in out.iter_mut() {
-                *g = T::from_f32(coef * (0.0 - exp_fast(g.to_f32() - lse)));
+                *g = T::from_f32(coef * (0.0 - exp_fast(g.to_f32() * scale - lse)));
             }
         }
     }
@@ -253,8 +265,14 @@ fn softmax_grad_row_portable<T: Logit>(src: Option<&[T]>, out: &mut [T], coef: f
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn softmax_grad_row_avx2<T: Logit>(src: Option<&[T]>, out: &mut [T], coef: f32, lse: f32) {
-    softmax_grad_row_portable(src, out, coef, lse)
+unsafe fn softmax_grad_row_avx2<T: Logit>(
+    src: Option<&[T]>,
+    out: &mut [T],
+    coef: f32,
+    lse: f32,
+    scale: f32,
+) {
+    softmax_grad_row_portable(src, out, coef, lse, scale)
 }
 
 /// log-sum-exp of `row * scale` in the shared fixed order (-inf for an all -inf row).
