@@ -6,10 +6,17 @@
 //! learner and weight sync arrive with their issues. The crate's place in the dependency chain is kernels <- model <- runtime <- trainer
 //! (DESIGN.md section 1).
 
+pub mod buffer;
+pub mod clock;
 pub mod engine;
+pub mod env;
 pub mod hash;
 pub mod kv_blocks;
+pub mod learner;
+pub mod metrics;
+pub mod orchestrator;
 pub mod router;
+pub mod system;
 pub mod trajectory;
 
 pub use sluice_model as model;

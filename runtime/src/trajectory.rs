@@ -138,7 +138,11 @@ pub struct Sample {
     pub loss_mask: Vec<bool>,
     /// The sampler's log-prob of each generated token; exactly 0.0 where masked.
     pub behavior_logp: Vec<f32>,
-    /// The weight version that produced each token (ignored where masked).
+    /// The weight version behind each token: for a generated token, the weights that sampled
+    /// it; for a prompt or observation token (masked), the weights that last computed its K/V
+    /// in the engine. A generated token whose every earlier token carries its own version was
+    /// produced from one set of weights end to end (the learner's zero-lag tokens). The
+    /// validator checks monotonicity over generated tokens only.
     pub weight_version: Vec<WeightVersion>,
     pub reward: f32,
     pub terminal_reason: TerminalReason,

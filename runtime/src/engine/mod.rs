@@ -173,6 +173,8 @@ pub enum Event {
         session_id: String,
         group_index: u32,
         reason: StopReason,
+        /// The tokens generated in this turn (what the environment reads).
+        generated: Vec<TokenId>,
     },
     /// A single-turn trajectory finished (reward 0; terminal reason from the stop reason).
     Finished {
@@ -586,6 +588,23 @@ impl Engine {
         Ok(())
     }
 
+    /// Drops every trajectory (generating, waiting or paused) and frees its blocks, e.g. at
+    /// the end of a stage; returns how many there were.
+    pub fn abort_all(&mut self) -> Result<usize> {
+        let handles: Vec<SeqHandle> = self.seqs.keys().copied().collect();
+        for &h in &handles {
+            self.release(h)?;
+        }
+        self.seqs.clear();
+        Ok(handles.len())
+    }
+
+    /// Forgets every cached prefix block, so the next requests compute from scratch (a run's
+    /// barrier does this, so a run resumed from it computes exactly what the original did).
+    pub fn reset_prefix_cache(&mut self) {
+        self.bm.invalidate_prefix_cache();
+    }
+
     /// Steps until no sequence has work; returns every event.
     pub fn run_until_idle(&mut self) -> Result<Vec<Event>> {
         let mut events = Vec::new();
@@ -683,10 +702,10 @@ impl Engine {
             let l = infer::prefill(&self.backend, &self.weights, &mut self.cache, &batch)?;
             self.stats.prefill_tokens += batch.tokens.len() as u64;
             for &(h, n) in &prefill {
-                self.seqs
-                    .get_mut(&h)
-                    .ok_or(EngineError::UnknownHandle(h))?
-                    .kv_len += n;
+                let s = self.seq_mut(h)?;
+                let start = s.kv_len;
+                s.kv_len += n;
+                self.note_kv_computed(h, start..start + n)?;
             }
             for (h, r) in rows {
                 to_sample.push((h, logits.len(), r));
@@ -698,10 +717,10 @@ impl Engine {
             let l = infer::decode(&self.backend, &self.weights, &mut self.cache, &batch)?;
             self.stats.decode_tokens += decode.len() as u64;
             for (r, &h) in decode.iter().enumerate() {
-                self.seqs
-                    .get_mut(&h)
-                    .ok_or(EngineError::UnknownHandle(h))?
-                    .kv_len += 1;
+                let s = self.seq_mut(h)?;
+                let p = s.kv_len;
+                s.kv_len += 1;
+                self.note_kv_computed(h, p..p + 1)?;
                 to_sample.push((h, logits.len(), r));
             }
             logits.push(l);
@@ -737,6 +756,22 @@ impl Engine {
 
     fn seq_mut(&mut self, h: SeqHandle) -> Result<&mut Seq> {
         self.seqs.get_mut(&h).ok_or(EngineError::UnknownHandle(h))
+    }
+
+    /// Records that the K/V of positions `range` of `h` was just computed with the current
+    /// weights: a prompt or observation token (not trained on) takes the current version, so
+    /// a trajectory's versions say which weights produced every entry of its context. A
+    /// generated token keeps the version that sampled it. The learner uses this to find the
+    /// tokens whose whole context came from one version (zero-lag tokens, DESIGN 6.6).
+    fn note_kv_computed(&mut self, h: SeqHandle, range: std::ops::Range<usize>) -> Result<()> {
+        let version = self.version();
+        let s = self.seq_mut(h)?;
+        for p in range {
+            if !s.loss_mask[p] {
+                s.versions[p] = version;
+            }
+        }
+        Ok(())
     }
 
     fn is_paused(&self, h: SeqHandle) -> bool {
@@ -785,6 +820,9 @@ impl Engine {
                         s.bm_len = tokens.len();
                         s.kv = Kv::Device;
                         s.kv_epoch = epoch;
+                        // Prefix-cache hits were computed at the current weights (the cache
+                        // is invalidated on every swap).
+                        self.note_kv_computed(h, 0..plan.cached_tokens)?;
                         Ok(Ok(()))
                     }
                     Err(e) => Ok(Err(e)),
@@ -1127,6 +1165,7 @@ impl Engine {
                 session_id: s.meta.session_id.clone(),
                 group_index: s.group_index,
                 reason,
+                generated: s.tokens[s.turn_start..].to_vec(),
             }]);
         }
         self.release(h)?;

@@ -1,0 +1,105 @@
+//! Tasks and environments (DESIGN 6.4).
+//!
+//! A [`Task`] is a family of problems with a verifier. Its environment is a pure function: given
+//! a [`Problem`], the turn index and the token ids the model generated in that turn, it returns
+//! a [`Reply`]: observation token ids (the next turn's input, loss-masked) or the end of the
+//! episode with a reward and a terminal reason. Text, if a task has any, lives only at this
+//! boundary (the task may decode the ids it gets and encode what it returns); the rollout and
+//! the learner see token ids only (the action contract of DESIGN 6.1).
+//!
+//! What a real environment adds on top of the pure function -- latency drawn from a heavy-tailed
+//! distribution ([`latency`]) and injected crashes, timeouts and garbage output ([`faults`]) --
+//! is planned per call by [`faults::plan_call`] from a key (seed, session, turn, attempt), so a
+//! call's latency and fate do not depend on the order in which calls happen: a run on the
+//! virtual clock replays bit for bit.
+//!
+//! Built-in synthetic tasks on token ids ([`synthetic`]): `recall` (single turn, binary reward)
+//! and `lookup` (two turns: the answer is in the environment's observation).
+
+pub mod faults;
+pub mod latency;
+pub mod synthetic;
+
+use crate::engine::StopConfig;
+use crate::trajectory::{ArtifactVersions, TerminalReason, TokenId};
+use sluice_kernels::testing::Rng;
+use std::fmt;
+
+/// Which stream a problem comes from: training problems and held-out ones never overlap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Split {
+    Train,
+    HeldOut,
+}
+
+/// One problem: an id (the data buffer's instance key), the prompt, and the task's own
+/// description of it (text the task reads back in [`Task::respond`]; kept as a string so run
+/// state can be saved and reloaded).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    pub id: String,
+    pub prompt: Vec<TokenId>,
+    pub spec: String,
+}
+
+/// The environment's answer to one turn.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Reply {
+    /// Observation tokens: appended to the trajectory (loss-masked), then the model continues.
+    Observe(Vec<TokenId>),
+    /// The episode is over.
+    End { reward: f32, reason: TerminalReason },
+}
+
+/// A supervised demonstration of a problem: the full token sequence (prompt, model turns,
+/// observations) and which tokens are the model's (trained on).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Demonstration {
+    pub tokens: Vec<TokenId>,
+    pub loss_mask: Vec<bool>,
+}
+
+/// A task's environment failed in a way the task itself reports (a malformed problem spec).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TaskError(pub String);
+
+impl fmt::Display for TaskError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for TaskError {}
+
+/// A family of verifiable problems and its environment (see the module docs).
+pub trait Task: Send + Sync {
+    /// The name configs, trajectories and metrics use.
+    fn name(&self) -> &str;
+
+    /// Whether an episode may take several turns (the engine pauses between them).
+    fn multi_turn(&self) -> bool;
+
+    /// A problem drawn from `rng`; `split` keeps held-out problems apart from training ones.
+    fn problem(&self, rng: &mut Rng, split: Split) -> Problem;
+
+    /// The environment's reply to the tokens the model generated in turn `turn` (0-based) of an
+    /// episode on `problem`. Pure: the same arguments give the same reply. A bad `problem.spec`
+    /// (not one this task made) is an error, which the orchestrator ends as `environment`.
+    fn respond(
+        &self,
+        problem: &Problem,
+        turn: u32,
+        generated: &[TokenId],
+    ) -> Result<Reply, TaskError>;
+
+    /// When a turn's generation stops (EOS, stop sequences).
+    fn stop(&self) -> StopConfig;
+
+    /// The template, tokenizer and environment versions recorded on every trajectory.
+    fn versions(&self) -> ArtifactVersions;
+
+    /// A correct demonstration of `problem` for supervised warm-up, where the task has one.
+    fn demonstration(&self, _problem: &Problem, _rng: &mut Rng) -> Option<Demonstration> {
+        None
+    }
+}

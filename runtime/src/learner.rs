@@ -1,0 +1,469 @@
+//! The learner (DESIGN 6.6): GRPO advantages per group, token-budget micro-batches, the
+//! is_gate_loss objective at the rollout's temperature, the backward, Muon + AdamW, and weight
+//! publications with a version.
+//!
+//! Versions count optimizer steps: the learner's parameters after `s` steps are version `s`,
+//! and a publication after step `s` carries version `s`. A token's lag is the learner's version
+//! minus the token's version when the learner trains on it.
+//!
+//! Zero-lag audit: a generated token is *zero-lag* when its version equals the learner's and
+//! every earlier token of its trajectory carries that version too (the engine records on
+//! prompt and observation tokens the version that computed their K/V), i.e. its whole context
+//! came from the learner's current weights. For those tokens the design promises that the
+//! learner's logp equals the rollout's behavior_logp bit for bit (same kernels, batch-invariant,
+//! the sampler and the loss sharing one row reduction); the learner counts them and every one
+//! whose bits differ (`zero_lag_mismatch_tokens`, expected 0).
+
+use crate::buffer::ReadyGroup;
+use crate::trajectory::{Sample, WeightVersion};
+use sluice_kernels::ops::elementwise::residual_add;
+use sluice_kernels::ops::is_gate_loss::{GateParams, TokenInputs};
+use sluice_kernels::{Backend, DType, Error, Result};
+use sluice_model::forward::policy_loss_and_grad_on;
+use sluice_model::optim::{OptimConfig, OptimState, Optimizer, StepStats};
+use sluice_model::{Arena, Model, PackedBatch};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How the learner turns groups into a gradient step.
+#[derive(Clone, Copy, Debug)]
+pub struct LearnerConfig {
+    /// Mode, eps_low, eps_high, beta of is_gate_loss (its temperature is taken per
+    /// trajectory from the rollout's sampling parameters).
+    pub loss: GateParams,
+    /// GRPO advantage without the std: r - mean.
+    pub std_free: bool,
+    /// eps of (r - mean) / (std + eps).
+    pub adv_eps: f32,
+    /// Token budget of one micro-batch (a longer sequence gets one of its own).
+    pub micro_batch_tokens: usize,
+}
+
+impl Default for LearnerConfig {
+    fn default() -> Self {
+        LearnerConfig {
+            loss: GateParams::default(),
+            std_free: false,
+            adv_eps: 1e-6,
+            micro_batch_tokens: 4096,
+        }
+    }
+}
+
+/// Weights published to the rollout side.
+#[derive(Clone, Debug)]
+pub struct Publication {
+    pub version: WeightVersion,
+    /// The parameter arena at `version` (a copy; the learner keeps training its own).
+    pub params: Arc<Arena>,
+}
+
+/// Per-task figures of one step.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TaskStep {
+    pub groups: u64,
+    /// Trajectories, repeats included.
+    pub samples: u64,
+    /// Sum of rewards over the unique (not repeated) trajectories.
+    pub reward_sum: f64,
+    pub unique_samples: u64,
+}
+
+/// What one learner step did.
+#[derive(Clone, Debug, Default)]
+pub struct StepReport {
+    /// The learner's version after the step.
+    pub version: WeightVersion,
+    /// The loss (sum over micro-batches of their share of the global token mean).
+    pub loss: f64,
+    pub optim: Option<StepStats>,
+    pub micro_batches: u64,
+    /// Tokens in the packed batches (prompts and observations included).
+    pub tokens: u64,
+    /// Masked (trained-on) tokens, repeats included.
+    pub masked_tokens: u64,
+    /// Masked tokens the hard gate kept, over unique trajectories only (the numerator of
+    /// effective throughput).
+    pub accepted_unique_tokens: u64,
+    /// Masked tokens of unique trajectories.
+    pub masked_unique_tokens: u64,
+    pub ratio_sum: f64,
+    pub ratio_min: f32,
+    pub ratio_max: f32,
+    pub gated_low: u64,
+    pub gated_high: u64,
+    pub zero_lag_tokens: u64,
+    pub zero_lag_mismatch_tokens: u64,
+    /// Masked tokens (repeats included) by lag = learner version - token version.
+    pub lag_hist: Vec<u64>,
+    pub per_task: BTreeMap<String, TaskStep>,
+    /// Wall time of the step's compute.
+    pub compute: Duration,
+}
+
+/// The learner: the model, its optimizer and state, on one backend.
+pub struct Learner {
+    backend: Backend,
+    model: Model,
+    optimizer: Optimizer,
+    state: OptimState,
+    cfg: LearnerConfig,
+    steps: u64,
+}
+
+impl std::fmt::Debug for Learner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Learner(v{}, {:?})", self.steps, self.cfg)
+    }
+}
+
+/// One packed row set: the sequences of a micro-batch and their per-token inputs.
+struct MicroBatch {
+    /// Indices into the flattened trajectory list.
+    seqs: Vec<usize>,
+    temperature: f32,
+    tokens: usize,
+}
+
+impl Learner {
+    /// A learner training `model` (on `backend`) with `optim`, at version `steps`.
+    pub fn new(
+        backend: Backend,
+        model: Model,
+        optim: OptimConfig,
+        cfg: LearnerConfig,
+        steps: u64,
+    ) -> Result<Learner> {
+        cfg.loss.validate()?;
+        if cfg.micro_batch_tokens == 0 {
+            return Err(Error::param(
+                "micro_batch_tokens",
+                "must be at least 1 token",
+            ));
+        }
+        if !(cfg.adv_eps.is_finite() && cfg.adv_eps > 0.0) {
+            return Err(Error::param(
+                "adv_eps",
+                format!("{} must be a number > 0", cfg.adv_eps),
+            ));
+        }
+        let optimizer = Optimizer::new(&backend, model.layout().clone(), optim)?;
+        let state = optimizer.new_state(&backend)?;
+        Ok(Learner {
+            backend,
+            model,
+            optimizer,
+            state,
+            cfg,
+            steps,
+        })
+    }
+
+    pub fn version(&self) -> WeightVersion {
+        WeightVersion(self.steps)
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    pub fn optimizer_state(&self) -> &OptimState {
+        &self.state
+    }
+
+    /// The current weights as a publication (a copy of the parameter arena).
+    pub fn publish(&self) -> Result<Publication> {
+        Ok(Publication {
+            version: self.version(),
+            params: Arc::new(self.model.params.cast_copy(&self.backend, DType::F32)?),
+        })
+    }
+
+    /// Clears the optimizer's moments (the optional reset on refresh, DESIGN 6.6).
+    pub fn reset_optimizer(&mut self) -> Result<()> {
+        self.state.reset(&self.backend)
+    }
+
+    /// Saves weights and optimizer state (checkpoint::save_with_meta through OptimState) with
+    /// the learner's version.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        self.state
+            .save(path, &self.model.config, &self.model.params)
+    }
+
+    /// Loads weights and optimizer state saved by [`Learner::save`] and takes `steps` as its
+    /// version; all or nothing.
+    pub fn load(&mut self, path: &Path, steps: u64) -> Result<()> {
+        let cfg = self.model.config.clone();
+        self.state
+            .load(path, &self.backend, &cfg, &mut self.model.params)?;
+        self.steps = steps;
+        Ok(())
+    }
+
+    /// One optimizer step on `groups` (each of G trajectories). Errors leave the weights as
+    /// they were (the optimizer checks everything before it writes).
+    pub fn train(&mut self, groups: &[ReadyGroup]) -> Result<StepReport> {
+        let start = Instant::now();
+        let version = self.version();
+        let mut report = StepReport {
+            ratio_min: f32::INFINITY,
+            ratio_max: f32::NEG_INFINITY,
+            ..StepReport::default()
+        };
+        // Flatten: (sample, advantage, is a repeat).
+        let mut flat: Vec<(&Sample, f32, bool)> = Vec::new();
+        for g in groups {
+            let adv = advantages(&g.samples, self.cfg.std_free, self.cfg.adv_eps);
+            let unique = g.samples.len() - g.duplicated;
+            let t = report.per_task.entry(g.task.clone()).or_default();
+            t.groups += 1;
+            t.samples += g.samples.len() as u64;
+            for (i, (s, a)) in g.samples.iter().zip(adv).enumerate() {
+                if s.tokens.len() < 2 {
+                    return Err(Error::Invalid(format!(
+                        "trajectory {}/{} has {} token(s); a trained sequence needs at least 2",
+                        s.instance_id,
+                        s.group_index,
+                        s.tokens.len()
+                    )));
+                }
+                if i < unique {
+                    t.reward_sum += s.reward as f64;
+                    t.unique_samples += 1;
+                }
+                flat.push((s, a, i >= unique));
+            }
+        }
+        if flat.is_empty() {
+            return Err(Error::Invalid(
+                "a learner step needs at least one group".into(),
+            ));
+        }
+        let total_masked: usize = flat
+            .iter()
+            .map(|(s, _, _)| s.loss_mask[1..].iter().filter(|&&m| m).count())
+            .sum();
+        let batches = self.micro_batches(&flat);
+        let mut acc: Option<Arena> = None;
+        for mb in &batches {
+            let seqs: Vec<Vec<i32>> = mb
+                .seqs
+                .iter()
+                .map(|&i| flat[i].0.tokens.iter().map(|&t| t as i32).collect())
+                .collect();
+            let batch = PackedBatch::pack(&seqs, self.model.config.vocab)?;
+            let n = batch.len();
+            let mut targets = vec![0i32; n];
+            let mut mask = vec![0.0f32; n];
+            let mut behavior = vec![0.0f32; n];
+            let mut adv = vec![0.0f32; n];
+            let mut masked_here = 0usize;
+            for (b, &i) in mb.seqs.iter().enumerate() {
+                let (s, a, _) = flat[i];
+                let r = batch.seq_range(b);
+                for j in 0..s.tokens.len() - 1 {
+                    targets[r.start + j] = s.tokens[j + 1] as i32;
+                    if s.loss_mask[j + 1] {
+                        mask[r.start + j] = 1.0;
+                        behavior[r.start + j] = s.behavior_logp[j + 1];
+                        adv[r.start + j] = a;
+                        masked_here += 1;
+                    }
+                }
+            }
+            // Each micro-batch's loss is its own token mean; scaling its advantages by
+            // D_mb / D_total makes the sum over micro-batches the global token mean (every
+            // mode is linear in positive scalings of A).
+            let share = if total_masked > 0 {
+                masked_here as f32 / total_masked as f32
+            } else {
+                0.0
+            };
+            for a in adv.iter_mut() {
+                *a *= share;
+            }
+            let inputs = TokenInputs {
+                tokens: &targets,
+                behavior_logp: &behavior,
+                advantages: &adv,
+                mask: &mask,
+                weight: None,
+            };
+            let params = GateParams {
+                temperature: mb.temperature,
+                ..self.cfg.loss
+            };
+            let out =
+                policy_loss_and_grad_on(&self.backend, &mut self.model, &batch, &inputs, &params)?;
+            report.loss += out.loss as f64;
+            report.micro_batches += 1;
+            report.tokens += n as u64;
+            self.audit(&mut report, &flat, mb, &batch, &out, version);
+            // Several micro-batches: sum their gradients (the backward overwrites the
+            // gradient arena), in micro-batch order.
+            if batches.len() > 1 {
+                acc = Some(match acc {
+                    None => self.model.grads.cast_copy(&self.backend, DType::F32)?,
+                    Some(mut a) => {
+                        let sum =
+                            residual_add(&self.backend, a.tensor(), self.model.grads.tensor())?;
+                        a.replace_tensor(sum)?;
+                        a
+                    }
+                });
+            }
+        }
+        if let Some(a) = acc {
+            self.model.grads = a;
+        }
+        let stats = self.optimizer.step(
+            &self.backend,
+            &mut self.model.params,
+            &self.model.grads,
+            &mut self.state,
+            None,
+        )?;
+        self.steps += 1;
+        report.version = self.version();
+        report.optim = Some(stats);
+        report.compute = start.elapsed();
+        Ok(report)
+    }
+
+    /// Groups trajectories by sampling temperature, then packs them in order into micro-batches
+    /// of at most `micro_batch_tokens` tokens.
+    fn micro_batches(&self, flat: &[(&Sample, f32, bool)]) -> Vec<MicroBatch> {
+        let mut by_temp: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+        for (i, (s, _, _)) in flat.iter().enumerate() {
+            by_temp
+                .entry(loss_temperature(s).to_bits())
+                .or_default()
+                .push(i);
+        }
+        let mut out = Vec::new();
+        for (bits, idx) in by_temp {
+            let temperature = f32::from_bits(bits);
+            let mut cur = MicroBatch {
+                seqs: Vec::new(),
+                temperature,
+                tokens: 0,
+            };
+            for i in idx {
+                let len = flat[i].0.tokens.len();
+                if !cur.seqs.is_empty() && cur.tokens + len > self.cfg.micro_batch_tokens {
+                    out.push(std::mem::replace(
+                        &mut cur,
+                        MicroBatch {
+                            seqs: Vec::new(),
+                            temperature,
+                            tokens: 0,
+                        },
+                    ));
+                }
+                cur.seqs.push(i);
+                cur.tokens += len;
+            }
+            if !cur.seqs.is_empty() {
+                out.push(cur);
+            }
+        }
+        out
+    }
+
+    /// Counts acceptance, ratios, lags and the zero-lag audit of one micro-batch.
+    fn audit(
+        &self,
+        report: &mut StepReport,
+        flat: &[(&Sample, f32, bool)],
+        mb: &MicroBatch,
+        batch: &PackedBatch,
+        out: &sluice_kernels::ops::is_gate_loss::GateReference,
+        learner: WeightVersion,
+    ) {
+        for (b, &i) in mb.seqs.iter().enumerate() {
+            let (s, _, repeat) = flat[i];
+            let r0 = batch.seq_range(b).start;
+            // Tokens [0, same) all carry the learner's version.
+            let same = s
+                .weight_version
+                .iter()
+                .position(|&v| v != learner)
+                .unwrap_or(s.tokens.len());
+            for j in 1..s.tokens.len() {
+                if !s.loss_mask[j] {
+                    continue;
+                }
+                let row = r0 + j - 1;
+                let lag = learner.0.saturating_sub(s.weight_version[j].0) as usize;
+                if report.lag_hist.len() <= lag {
+                    report.lag_hist.resize(lag + 1, 0);
+                }
+                report.lag_hist[lag] += 1;
+                report.masked_tokens += 1;
+                let rho = out.ratio[row];
+                report.ratio_sum += rho as f64;
+                report.ratio_min = report.ratio_min.min(rho);
+                report.ratio_max = report.ratio_max.max(rho);
+                let accepted = out.accepted[row] != 0;
+                if !repeat {
+                    report.masked_unique_tokens += 1;
+                    report.accepted_unique_tokens += u64::from(accepted);
+                }
+                if !accepted {
+                    // Which side of the gate (the kernel's counters hold the batch totals).
+                    if rho < 1.0 {
+                        report.gated_low += 1;
+                    } else {
+                        report.gated_high += 1;
+                    }
+                }
+                if j < same && !repeat {
+                    report.zero_lag_tokens += 1;
+                    if out.logp[row].to_bits() != s.behavior_logp[j].to_bits() {
+                        report.zero_lag_mismatch_tokens += 1;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The temperature the learner computes a trajectory's log-probs at: its sampling temperature,
+/// or 1 for greedy rollouts (which record the temperature-1 log-prob).
+pub fn loss_temperature(s: &Sample) -> f32 {
+    if s.sampling.temperature > 0.0 {
+        s.sampling.temperature
+    } else {
+        1.0
+    }
+}
+
+/// GRPO advantages of one group: (r - mean) / (std + eps), or r - mean when `std_free`. The
+/// std is the population std of the group's rewards (repeats included, as trained).
+pub fn advantages(samples: &[Sample], std_free: bool, eps: f32) -> Vec<f32> {
+    let n = samples.len().max(1) as f64;
+    let mean = samples.iter().map(|s| s.reward as f64).sum::<f64>() / n;
+    let var = samples
+        .iter()
+        .map(|s| (s.reward as f64 - mean).powi(2))
+        .sum::<f64>()
+        / n;
+    samples
+        .iter()
+        .map(|s| {
+            let d = s.reward as f64 - mean;
+            if std_free {
+                d as f32
+            } else {
+                (d / (var.sqrt() + eps as f64)) as f32
+            }
+        })
+        .collect()
+}

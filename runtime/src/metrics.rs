@@ -1,0 +1,386 @@
+//! What a run measures (DESIGN 9): counters, one metrics line per learner step, and the spans
+//! of the trace (rollout per trajectory, environment calls, learner steps, weight
+//! publications), all on the run clock.
+//!
+//! Definitions (cumulative over the stage unless a key ends in `_window`, which covers the
+//! last learner step only):
+//! - effective_tokens_per_s: accepted, trainable action tokens (generated tokens of unique,
+//!   non-repeated trajectories that the hard gate kept) per second of the run clock; tokens
+//!   dropped by any gate or masked do not count;
+//! - raw_tokens_per_s: every token the rollout engines sampled, per second;
+//! - token_accept_rate: accepted tokens / generated tokens of every trajectory that finished;
+//! - stale_drop_rate, env_drop_rate: trajectories removed by the version / environment gate
+//!   over trajectories that entered the buffer; group_dup_rate: repeats added by group repair
+//!   over trajectories released to the learner;
+//! - policy_lag_hist: trained tokens (repeats included) by lag 0, 1, ...;
+//! - ratio_mean/min/max: the importance ratio over trained tokens;
+//! - zero_lag_tokens / zero_lag_mismatch_tokens: see [`crate::learner`];
+//! - reward_mean.NAME: mean reward of the unique trajectories of task NAME trained on;
+//!   learner_share.NAME: that task's share of the groups the learner consumed.
+
+use crate::buffer::BufferCounters;
+use crate::clock::Micros;
+use crate::learner::StepReport;
+use serde_json::{json, Map, Value};
+use std::collections::BTreeMap;
+
+/// Counters kept by the orchestrator and the scheduler (cumulative over a stage).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RolloutCounters {
+    /// Tokens sampled by the engines.
+    pub sampled_tokens: u64,
+    /// Generated tokens of trajectories that finished (whatever their fate afterwards).
+    pub finished_generated_tokens: u64,
+    pub trajectories_started: u64,
+    pub trajectories_finished: u64,
+    /// Finished trajectories by terminal reason (success, failure, budget, environment).
+    pub by_terminal: BTreeMap<String, u64>,
+    pub env_calls: u64,
+    /// Failed environment calls by kind (crash, timeout, garbage, error).
+    pub env_faults: BTreeMap<String, u64>,
+    pub env_retries: u64,
+    /// Trajectories still running when the stage ended (never trained).
+    pub abandoned: u64,
+    pub engine_steps: u64,
+    /// Run-clock time the engine lanes and the learner lane spent computing.
+    pub engine_busy: Micros,
+    pub learner_busy: Micros,
+    pub publications: u64,
+    pub sync_bytes: u64,
+}
+
+/// Per task, what reached the learner.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TaskTotals {
+    pub groups: u64,
+    pub unique_samples: u64,
+    pub reward_sum: f64,
+}
+
+/// The learner-side totals of a stage.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LearnerTotals {
+    pub steps: u64,
+    pub samples: u64,
+    pub accepted_tokens: u64,
+    pub masked_tokens: u64,
+    pub ratio_sum: f64,
+    pub ratio_min: f32,
+    pub ratio_max: f32,
+    pub zero_lag_tokens: u64,
+    pub zero_lag_mismatch_tokens: u64,
+    pub lag_hist: Vec<u64>,
+    pub per_task: BTreeMap<String, TaskTotals>,
+}
+
+impl LearnerTotals {
+    pub fn new() -> LearnerTotals {
+        LearnerTotals {
+            ratio_min: f32::INFINITY,
+            ratio_max: f32::NEG_INFINITY,
+            ..LearnerTotals::default()
+        }
+    }
+
+    /// Adds one step's report.
+    pub fn add(&mut self, r: &StepReport) {
+        self.steps += 1;
+        self.accepted_tokens += r.accepted_unique_tokens;
+        self.masked_tokens += r.masked_tokens;
+        self.ratio_sum += r.ratio_sum;
+        self.ratio_min = self.ratio_min.min(r.ratio_min);
+        self.ratio_max = self.ratio_max.max(r.ratio_max);
+        self.zero_lag_tokens += r.zero_lag_tokens;
+        self.zero_lag_mismatch_tokens += r.zero_lag_mismatch_tokens;
+        if self.lag_hist.len() < r.lag_hist.len() {
+            self.lag_hist.resize(r.lag_hist.len(), 0);
+        }
+        for (a, b) in self.lag_hist.iter_mut().zip(&r.lag_hist) {
+            *a += b;
+        }
+        for (name, t) in &r.per_task {
+            let e = self.per_task.entry(name.clone()).or_default();
+            e.groups += t.groups;
+            e.unique_samples += t.unique_samples;
+            e.reward_sum += t.reward_sum;
+            self.samples += t.samples;
+        }
+    }
+
+    /// Each task's share of the groups consumed (0 when none yet).
+    pub fn share(&self, task: &str) -> f64 {
+        let total: u64 = self.per_task.values().map(|t| t.groups).sum();
+        match self.per_task.get(task) {
+            Some(t) if total > 0 => t.groups as f64 / total as f64,
+            _ => 0.0,
+        }
+    }
+}
+
+fn ratio(num: u64, den: u64) -> f64 {
+    if den == 0 {
+        0.0
+    } else {
+        num as f64 / den as f64
+    }
+}
+
+fn finite_or_zero(x: f64) -> f64 {
+    if x.is_finite() {
+        x
+    } else {
+        0.0
+    }
+}
+
+/// What one metrics line is built from.
+pub struct LineInputs<'a> {
+    pub stage: &'a str,
+    /// Run-clock seconds since the stage started (virtual in replay mode).
+    pub time_s: f64,
+    /// Real seconds since the stage started (differs between replays).
+    pub wall_s: f64,
+    pub step: &'a StepReport,
+    pub learner: &'a LearnerTotals,
+    pub rollout: &'a RolloutCounters,
+    pub buffer: &'a BufferCounters,
+    /// Task names, in config order (every task gets its keys, also at 0).
+    pub tasks: &'a [String],
+    /// On publication steps: bytes sent to the rollout side and how they were encoded.
+    pub sync: Option<(u64, &'a str)>,
+}
+
+/// One metrics.jsonl object (DESIGN 9 keys). Keys are written in a fixed order, so two runs
+/// that agree agree byte for byte (apart from `wall_s`).
+pub fn metrics_line(x: &LineInputs<'_>) -> Value {
+    let t = x.time_s.max(1e-9);
+    let l = x.learner;
+    let b = x.buffer;
+    let r = x.step;
+    let mut m = Map::new();
+    m.insert("stage".into(), json!(x.stage));
+    m.insert("step".into(), json!(l.steps));
+    m.insert("version".into(), json!(r.version.0));
+    m.insert("time_s".into(), json!(round6(x.time_s)));
+    m.insert("wall_s".into(), json!(round6(x.wall_s)));
+    m.insert("loss".into(), json!(finite_or_zero(r.loss)));
+    m.insert(
+        "grad_norm".into(),
+        json!(finite_or_zero(r.optim.map_or(0.0, |s| s.grad_norm))),
+    );
+    m.insert(
+        "effective_tokens_per_s".into(),
+        json!(round6(l.accepted_tokens as f64 / t)),
+    );
+    m.insert(
+        "raw_tokens_per_s".into(),
+        json!(round6(x.rollout.sampled_tokens as f64 / t)),
+    );
+    m.insert(
+        "token_accept_rate".into(),
+        json!(ratio(
+            l.accepted_tokens,
+            x.rollout.finished_generated_tokens
+        )),
+    );
+    m.insert(
+        "stale_drop_rate".into(),
+        json!(ratio(b.stale_dropped, b.trajectories_in)),
+    );
+    m.insert(
+        "env_drop_rate".into(),
+        json!(ratio(b.env_dropped, b.trajectories_in)),
+    );
+    m.insert(
+        "group_dup_rate".into(),
+        json!(ratio(b.duplicated, b.trajectories_released)),
+    );
+    m.insert("policy_lag_hist".into(), json!(l.lag_hist));
+    let any = l.masked_tokens > 0;
+    m.insert(
+        "ratio_mean".into(),
+        json!(if any {
+            l.ratio_sum / l.masked_tokens as f64
+        } else {
+            0.0
+        }),
+    );
+    m.insert(
+        "ratio_min".into(),
+        json!(if any { l.ratio_min as f64 } else { 0.0 }),
+    );
+    m.insert(
+        "ratio_max".into(),
+        json!(if any { l.ratio_max as f64 } else { 0.0 }),
+    );
+    m.insert(
+        "ratio_mean_window".into(),
+        json!(if r.masked_tokens > 0 {
+            r.ratio_sum / r.masked_tokens as f64
+        } else {
+            0.0
+        }),
+    );
+    m.insert("zero_lag_tokens".into(), json!(l.zero_lag_tokens));
+    m.insert(
+        "zero_lag_mismatch_tokens".into(),
+        json!(l.zero_lag_mismatch_tokens),
+    );
+    m.insert("samples_trained".into(), json!(l.samples));
+    m.insert("accepted_tokens".into(), json!(l.accepted_tokens));
+    m.insert("sampled_tokens".into(), json!(x.rollout.sampled_tokens));
+    for name in x.tasks {
+        let tt = l.per_task.get(name).cloned().unwrap_or_default();
+        let w = r.per_task.get(name).cloned().unwrap_or_default();
+        m.insert(
+            format!("reward_mean.{name}"),
+            json!(if tt.unique_samples > 0 {
+                tt.reward_sum / tt.unique_samples as f64
+            } else {
+                0.0
+            }),
+        );
+        m.insert(
+            format!("reward_mean_window.{name}"),
+            json!(if w.unique_samples > 0 {
+                w.reward_sum / w.unique_samples as f64
+            } else {
+                0.0
+            }),
+        );
+        m.insert(format!("learner_share.{name}"), json!(l.share(name)));
+    }
+    if let Some((bytes, encoding)) = x.sync {
+        m.insert("sync_bytes".into(), json!(bytes));
+        m.insert("sync_encoding".into(), json!(encoding));
+    }
+    Value::Object(m)
+}
+
+/// Rounds to 6 decimals so a line's text does not depend on float formatting noise.
+fn round6(x: f64) -> f64 {
+    (x * 1e6).round() / 1e6
+}
+
+/// Where a span is drawn in the trace.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Track {
+    /// A trajectory's life on a rollout replica (submit to finish, environment waits included).
+    Rollout { replica: usize },
+    /// One environment call of a task.
+    Env { task: String },
+    /// A learner step.
+    Learner,
+    /// A weight publication (learner to every replica).
+    Sync,
+}
+
+/// One span on the run clock.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Span {
+    pub track: Track,
+    pub name: String,
+    pub start: Micros,
+    pub end: Micros,
+    pub args: Vec<(String, String)>,
+}
+
+/// The spans of a run, in the order they ended.
+#[derive(Clone, Debug, Default)]
+pub struct Trace {
+    pub spans: Vec<Span>,
+}
+
+impl Trace {
+    pub fn push(
+        &mut self,
+        track: Track,
+        name: impl Into<String>,
+        start: Micros,
+        end: Micros,
+        args: Vec<(String, String)>,
+    ) {
+        self.spans.push(Span {
+            track,
+            name: name.into(),
+            start,
+            end: end.max(start),
+            args,
+        });
+    }
+
+    /// The spans as a Chrome trace event file (opens in Perfetto and chrome://tracing):
+    /// one process per kind of track, and within it one thread row per replica, task or
+    /// learner; overlapping spans of one row (concurrent trajectories, environment calls) are
+    /// spread over numbered sub-rows so each row's spans nest properly.
+    pub fn to_chrome_json(&self) -> Value {
+        // Process ids per kind; thread ids per lane.
+        let mut events = Vec::new();
+        let mut lanes: BTreeMap<Track, Vec<u64>> = BTreeMap::new(); // end time per sub-row
+        let mut order: Vec<&Span> = self.spans.iter().collect();
+        order.sort_by_key(|s| (s.start, s.end));
+        let mut names: BTreeMap<(u32, u32), String> = BTreeMap::new();
+        let mut track_ids: BTreeMap<Track, u32> = BTreeMap::new();
+        for s in order {
+            let (pid, pname) = match &s.track {
+                Track::Rollout { .. } => (1, "rollout"),
+                Track::Env { .. } => (2, "environment"),
+                Track::Learner => (3, "learner"),
+                Track::Sync => (4, "weight sync"),
+            };
+            let next_id = track_ids.len() as u32;
+            let base = *track_ids.entry(s.track.clone()).or_insert(next_id);
+            let rows = lanes.entry(s.track.clone()).or_default();
+            let row = match rows.iter().position(|&end| end <= s.start.0) {
+                Some(i) => {
+                    rows[i] = s.end.0;
+                    i
+                }
+                None => {
+                    rows.push(s.end.0);
+                    rows.len() - 1
+                }
+            };
+            let tid = base * 10_000 + row as u32;
+            let label = match &s.track {
+                Track::Rollout { replica } => format!("replica {replica} / {row}"),
+                Track::Env { task } => format!("env {task} / {row}"),
+                Track::Learner => "learner steps".to_string(),
+                Track::Sync => "publications".to_string(),
+            };
+            names.entry((pid, tid)).or_insert(label);
+            names.entry((pid, 0)).or_insert_with(|| pname.to_string());
+            let args: Map<String, Value> = s
+                .args
+                .iter()
+                .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+                .collect();
+            events.push(json!({
+                "name": s.name,
+                "cat": pname,
+                "ph": "X",
+                "ts": s.start.0,
+                "dur": s.end.0 - s.start.0,
+                "pid": pid,
+                "tid": tid,
+                "args": args,
+            }));
+        }
+        let mut meta = Vec::new();
+        for ((pid, tid), name) in names {
+            if tid == 0 {
+                meta.push(
+                    json!({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                                  "args": {"name": name}}),
+                );
+            } else {
+                meta.push(
+                    json!({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                                  "args": {"name": name}}),
+                );
+            }
+        }
+        meta.extend(events);
+        json!({ "traceEvents": meta, "displayTimeUnit": "ms" })
+    }
+}

@@ -1,0 +1,877 @@
+//! The multi-task orchestrator (DESIGN 6.4): the task registry, admission (concurrency
+//! budgets, backpressure room, share correction), and every session's life: its engine
+//! requests, its environment calls with latency, faults, timeouts and retries, and its end.
+//!
+//! It talks only in messages: it returns [`Action`]s (engine commands, environment timers,
+//! finished trajectories, trace spans) and reacts to engine events, command results and
+//! environment timers. It keeps no thread and no clock of its own; a thousand sessions are a
+//! thousand small records, and a session waiting on its environment is one timer.
+//!
+//! Every random choice is keyed, never drawn from a shared stream: the problem of group k of a
+//! task from (seed, task, k), an environment call's latency and fate from (seed, session, turn,
+//! attempt), the sampler's noise from (seed, request id, position). So the order in which
+//! things happen never changes what they are.
+//!
+//! Share correction. A task's flow into the learner is bounded by min(lambda, c/T) * q (arrival
+//! rate, concurrency over completion time, acceptance rate): left alone, fast tasks crowd out
+//! slow ones. With `share_correction` the orchestrator (1) starts groups of the task whose
+//! started share is furthest below its target (among tasks with concurrency room), and (2)
+//! chooses which ready groups the learner takes so that each task's consumed share follows its
+//! target ([`Orchestrator::pick`]). Without it, it fills the task with the most free
+//! concurrency first and the learner takes groups in completion order; the report shows the
+//! resulting skew.
+
+use crate::clock::Micros;
+use crate::engine::{Event, Request, SeqHandle, StopReason};
+use crate::env::faults::{garbage_tokens, plan_call, CallFault, CallKey, FaultRates};
+use crate::env::latency::LatencyModel;
+use crate::env::{Problem, Reply, Split, Task};
+use crate::hash::{hash_str, mix64};
+use crate::learner::Publication;
+use crate::metrics::{RolloutCounters, Span, Track};
+use crate::trajectory::{Sample, SamplingParams, TerminalReason, TokenId};
+use sluice_kernels::testing::Rng;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+/// One registered task type.
+#[derive(Clone)]
+pub struct TaskSpec {
+    pub task: Arc<dyn Task>,
+    /// Trajectories of this task in flight at most (a group of G counts G).
+    pub concurrency: u64,
+    /// One environment call's timeout.
+    pub timeout: Micros,
+    /// Retries of a failed environment call (crash, timeout, garbage) before the trajectory
+    /// ends as `environment`.
+    pub retries: u32,
+    /// Target share of the groups the learner consumes.
+    pub target_share: f64,
+    pub latency: LatencyModel,
+    pub faults: FaultRates,
+}
+
+impl fmt::Debug for TaskSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TaskSpec")
+            .field("task", &self.task.name())
+            .field("concurrency", &self.concurrency)
+            .field("timeout", &self.timeout)
+            .field("retries", &self.retries)
+            .field("target_share", &self.target_share)
+            .field("latency", &self.latency)
+            .field("faults", &self.faults)
+            .finish()
+    }
+}
+
+/// How sessions are run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RolloutPolicy {
+    /// G trajectories per group (one prompt, prefilled once).
+    pub group_size: u32,
+    /// Temperature, top-k, top-p, max new tokens per turn, sampler seed.
+    pub sampling: SamplingParams,
+    /// Model turns per episode at most; an environment that wants more ends it as `budget`.
+    pub max_turns: u32,
+    pub share_correction: bool,
+    /// The run seed (problems and environment calls are keyed by it).
+    pub seed: u64,
+    /// The model's vocabulary (observations outside it are garbage).
+    pub vocab: usize,
+    /// The longest observation accepted (longer is malformed).
+    pub max_observation_tokens: usize,
+}
+
+/// Per task: what the orchestrator saw.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TaskStats {
+    pub groups_started: u64,
+    pub trajectories_started: u64,
+    pub in_flight: u64,
+    pub trajectories_finished: u64,
+    /// Trajectories that ended as `environment`.
+    pub env_failures: u64,
+    /// Sum over finished trajectories of their completion time (group start to end).
+    pub completion_sum: Micros,
+    /// Groups the learner consumed.
+    pub groups_consumed: u64,
+}
+
+impl TaskStats {
+    pub fn mean_completion_s(&self) -> f64 {
+        if self.trajectories_finished == 0 {
+            0.0
+        } else {
+            self.completion_sum.secs() / self.trajectories_finished as f64
+        }
+    }
+}
+
+/// A member of a group: (group id, group index).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct MemberRef {
+    pub group: u64,
+    pub index: u32,
+}
+
+/// A command for an engine replica.
+#[derive(Debug)]
+pub enum EngineCmd {
+    Submit {
+        group: u64,
+        request: Request,
+    },
+    Observe {
+        member: MemberRef,
+        handle: SeqHandle,
+        tokens: Vec<TokenId>,
+        max_new_tokens: u32,
+    },
+    Finish {
+        member: MemberRef,
+        handle: SeqHandle,
+        reward: f32,
+        reason: TerminalReason,
+    },
+    /// Install published weights (between steps).
+    Swap(Arc<Publication>),
+}
+
+/// The result of an [`EngineCmd`], in command order.
+#[derive(Debug)]
+pub enum EngineResult {
+    Submitted {
+        group: u64,
+        handles: Result<Vec<SeqHandle>, String>,
+    },
+    Observed {
+        member: MemberRef,
+        result: Result<(), String>,
+    },
+    Finished {
+        member: MemberRef,
+        result: Result<Box<Sample>, String>,
+    },
+    Swapped(Result<(), String>),
+}
+
+/// An environment call that comes due.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EnvCall {
+    pub member: MemberRef,
+    pub turn: u32,
+    pub attempt: u32,
+}
+
+/// What the orchestrator asks of the rest of the system.
+#[derive(Debug)]
+pub enum Action {
+    Engine {
+        replica: usize,
+        cmd: EngineCmd,
+    },
+    /// Call `on_env(call)` at `at`.
+    EnvTimer {
+        at: Micros,
+        call: EnvCall,
+    },
+    /// A finished trajectory for the data buffer.
+    Finished(Box<Sample>),
+    Span(Span),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct OrchestratorError(pub String);
+
+impl fmt::Display for OrchestratorError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "orchestrator: {}", self.0)
+    }
+}
+
+impl std::error::Error for OrchestratorError {}
+
+type OrchResult<T> = std::result::Result<T, OrchestratorError>;
+
+fn internal(msg: impl Into<String>) -> OrchestratorError {
+    OrchestratorError(msg.into())
+}
+
+#[derive(Debug)]
+enum MemberState {
+    /// In the engine, generating (or waiting for its submit/observe to be applied).
+    Generating,
+    /// Waiting on an environment call that started at `since`.
+    InEnv {
+        since: Micros,
+    },
+    /// A finish command is on its way to the engine.
+    Finishing,
+    Done,
+}
+
+#[derive(Debug)]
+struct Member {
+    handle: Option<SeqHandle>,
+    turn: u32,
+    attempt: u32,
+    /// The tokens of the turn the environment is answering.
+    generated: Vec<TokenId>,
+    /// A single-turn trajectory the engine already finished, waiting for its reward.
+    sample: Option<Sample>,
+    state: MemberState,
+}
+
+#[derive(Debug)]
+struct Group {
+    task: usize,
+    replica: usize,
+    problem: Problem,
+    session: String,
+    started: Micros,
+    members: Vec<Member>,
+}
+
+/// The orchestrator. See the module docs.
+pub struct Orchestrator {
+    tasks: Vec<TaskSpec>,
+    policy: RolloutPolicy,
+    stats: Vec<TaskStats>,
+    groups: BTreeMap<u64, Group>,
+    by_handle: BTreeMap<(usize, SeqHandle), MemberRef>,
+    next_group: u64,
+    counters: RolloutCounters,
+}
+
+impl fmt::Debug for Orchestrator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Orchestrator({} tasks, {} groups in flight)",
+            self.tasks.len(),
+            self.groups.len()
+        )
+    }
+}
+
+impl Orchestrator {
+    /// Registers `tasks`; group numbering continues from `next_group` (a resumed stage).
+    pub fn new(tasks: Vec<TaskSpec>, policy: RolloutPolicy, next_group: u64) -> OrchResult<Self> {
+        if tasks.is_empty() {
+            return Err(internal("no task registered"));
+        }
+        if policy.group_size == 0 {
+            return Err(internal("group_size must be >= 1"));
+        }
+        for t in &tasks {
+            let name = t.task.name();
+            if t.concurrency < policy.group_size as u64 {
+                return Err(internal(format!(
+                    "task {name}: concurrency {} cannot hold one group of {}",
+                    t.concurrency, policy.group_size
+                )));
+            }
+            if !(t.target_share.is_finite() && t.target_share >= 0.0) {
+                return Err(internal(format!(
+                    "task {name}: target_share {} must be >= 0",
+                    t.target_share
+                )));
+            }
+            t.latency
+                .validate()
+                .map_err(|e| internal(format!("task {name}: latency: {e}")))?;
+            t.faults
+                .validate()
+                .map_err(|e| internal(format!("task {name}: {e}")))?;
+        }
+        let n = tasks.len();
+        Ok(Orchestrator {
+            tasks,
+            policy,
+            stats: vec![TaskStats::default(); n],
+            groups: BTreeMap::new(),
+            by_handle: BTreeMap::new(),
+            next_group,
+            counters: RolloutCounters::default(),
+        })
+    }
+
+    pub fn tasks(&self) -> &[TaskSpec] {
+        &self.tasks
+    }
+
+    pub fn task_names(&self) -> Vec<String> {
+        self.tasks
+            .iter()
+            .map(|t| t.task.name().to_string())
+            .collect()
+    }
+
+    pub fn stats(&self) -> &[TaskStats] {
+        &self.stats
+    }
+
+    pub fn counters(&self) -> &RolloutCounters {
+        &self.counters
+    }
+
+    pub fn counters_mut(&mut self) -> &mut RolloutCounters {
+        &mut self.counters
+    }
+
+    pub fn next_group(&self) -> u64 {
+        self.next_group
+    }
+
+    /// Trajectories in flight (started, not yet handed to the buffer).
+    pub fn in_flight(&self) -> u64 {
+        self.stats.iter().map(|s| s.in_flight).sum()
+    }
+
+    /// Groups in flight.
+    pub fn groups_in_flight(&self) -> usize {
+        self.groups.len()
+    }
+
+    /// Starts groups while `room` trajectories may start: a group needs G. `route` names the
+    /// replica of a session. Returns the submit commands.
+    pub fn admit(
+        &mut self,
+        now: Micros,
+        mut room: u64,
+        route: &mut dyn FnMut(&str) -> usize,
+    ) -> Vec<Action> {
+        let g = self.policy.group_size as u64;
+        let mut out = Vec::new();
+        while room >= g {
+            let Some(t) = self.choose_task() else { break };
+            out.push(self.start_group(t, now, route));
+            room -= g;
+        }
+        out
+    }
+
+    /// The task to start a group of next, or None when no task has concurrency room.
+    fn choose_task(&self) -> Option<usize> {
+        let g = self.policy.group_size as u64;
+        let open = |i: usize| self.stats[i].in_flight + g <= self.tasks[i].concurrency;
+        let candidates = (0..self.tasks.len()).filter(|&i| open(i));
+        if self.policy.share_correction {
+            // The largest shortfall of started groups against the target share.
+            let total: u64 = self.stats.iter().map(|s| s.groups_started).sum();
+            candidates.max_by(|&a, &b| {
+                let d = |i: usize| {
+                    self.tasks[i].target_share * (total + 1) as f64
+                        - self.stats[i].groups_started as f64
+                };
+                // Ties: the earlier task (max_by keeps the last maximum, so compare reversed
+                // indices too).
+                d(a).total_cmp(&d(b)).then(b.cmp(&a))
+            })
+        } else {
+            // Uncorrected: the task with the most free concurrency (ties: the earlier task).
+            candidates.max_by(|&a, &b| {
+                let free = |i: usize| self.tasks[i].concurrency - self.stats[i].in_flight;
+                free(a).cmp(&free(b)).then(b.cmp(&a))
+            })
+        }
+    }
+
+    fn start_group(
+        &mut self,
+        t: usize,
+        now: Micros,
+        route: &mut dyn FnMut(&str) -> usize,
+    ) -> Action {
+        let id = self.next_group;
+        self.next_group += 1;
+        let spec = &self.tasks[t];
+        let name = spec.task.name().to_string();
+        // Keyed draw: group k of a task gets the same problem whatever happened before.
+        let mut rng = Rng::new(mix64(hash_str(self.policy.seed, &name) ^ mix64(id)));
+        let problem = spec.task.problem(&mut rng, Split::Train);
+        let session = format!("{name}/{id}");
+        let replica = route(&session);
+        let g = self.policy.group_size;
+        let request = Request {
+            session_id: session.clone(),
+            instance_id: format!("{}#{id}", problem.id),
+            task: name,
+            group_size: g,
+            prompt: problem.prompt.clone(),
+            sampling: self.policy.sampling,
+            stop: spec.task.stop(),
+            multi_turn: spec.task.multi_turn(),
+        };
+        let members = (0..g)
+            .map(|_| Member {
+                handle: None,
+                turn: 0,
+                attempt: 0,
+                generated: Vec::new(),
+                sample: None,
+                state: MemberState::Generating,
+            })
+            .collect();
+        self.groups.insert(
+            id,
+            Group {
+                task: t,
+                replica,
+                problem,
+                session,
+                started: now,
+                members,
+            },
+        );
+        let s = &mut self.stats[t];
+        s.groups_started += 1;
+        s.trajectories_started += g as u64;
+        s.in_flight += g as u64;
+        self.counters.trajectories_started += g as u64;
+        Action::Engine {
+            replica,
+            cmd: EngineCmd::Submit { group: id, request },
+        }
+    }
+
+    fn group(&self, id: u64) -> OrchResult<&Group> {
+        self.groups
+            .get(&id)
+            .ok_or_else(|| internal(format!("no group {id}")))
+    }
+
+    fn member_mut(&mut self, m: MemberRef) -> OrchResult<&mut Member> {
+        self.groups
+            .get_mut(&m.group)
+            .and_then(|g| g.members.get_mut(m.index as usize))
+            .ok_or_else(|| internal(format!("no member {}/{}", m.group, m.index)))
+    }
+
+    /// The result of one engine command.
+    pub fn on_result(
+        &mut self,
+        replica: usize,
+        r: EngineResult,
+        now: Micros,
+    ) -> OrchResult<Vec<Action>> {
+        match r {
+            EngineResult::Submitted { group, handles } => {
+                let handles = handles.map_err(|e| internal(format!("submit failed: {e}")))?;
+                let g = self.group(group)?;
+                if handles.len() != g.members.len() {
+                    return Err(internal(format!(
+                        "group {group}: {} handles for {} members",
+                        handles.len(),
+                        g.members.len()
+                    )));
+                }
+                for (i, h) in handles.into_iter().enumerate() {
+                    let m = MemberRef {
+                        group,
+                        index: i as u32,
+                    };
+                    self.member_mut(m)?.handle = Some(h);
+                    self.by_handle.insert((replica, h), m);
+                }
+                Ok(Vec::new())
+            }
+            EngineResult::Observed { member, result } => match result {
+                Ok(()) => Ok(Vec::new()),
+                // The observation would outgrow the engine's KV pool: a length limit.
+                Err(_) => self.finish_in_engine(member, 0.0, TerminalReason::Budget),
+            },
+            EngineResult::Finished { member, result } => {
+                let sample = result.map_err(|e| internal(format!("finish failed: {e}")))?;
+                self.complete(member, *sample, now)
+            }
+            EngineResult::Swapped(r) => {
+                r.map_err(|e| internal(format!("weight swap failed: {e}")))?;
+                Ok(Vec::new())
+            }
+        }
+    }
+
+    /// An engine event (a turn ended, or a single-turn trajectory finished).
+    pub fn on_event(&mut self, replica: usize, ev: Event, now: Micros) -> OrchResult<Vec<Action>> {
+        let (handle, reason, generated, sample) = match ev {
+            Event::TurnEnded {
+                handle,
+                reason,
+                generated,
+                ..
+            } => (handle, reason, generated, None),
+            Event::Finished {
+                handle,
+                reason,
+                sample,
+            } => {
+                let start = sample.turns.last().map_or(sample.prompt_len, |b| b.start);
+                let generated = sample.tokens[start..].to_vec();
+                (handle, reason, generated, Some(*sample))
+            }
+        };
+        let m = *self.by_handle.get(&(replica, handle)).ok_or_else(|| {
+            internal(format!(
+                "event for unknown handle {} on replica {replica}",
+                handle.0
+            ))
+        })?;
+        let single = sample.is_some();
+        {
+            let mem = self.member_mut(m)?;
+            mem.generated = generated;
+            mem.sample = sample;
+        }
+        if matches!(reason, StopReason::MaxNewTokens | StopReason::Capacity) {
+            // The turn hit a length limit before it ended: `budget`, reward 0, no env call.
+            return if single {
+                self.end_single(m, 0.0, TerminalReason::Budget, now)
+            } else {
+                self.finish_in_engine(m, 0.0, TerminalReason::Budget)
+            };
+        }
+        Ok(vec![self.call_env(m, now)?])
+    }
+
+    /// Plans the next attempt of the member's environment call.
+    fn call_env(&mut self, m: MemberRef, now: Micros) -> OrchResult<Action> {
+        let g = self.group(m.group)?;
+        let spec = &self.tasks[g.task];
+        let mem = &g.members[m.index as usize];
+        let key = format!("{}#{}", g.session, m.index);
+        let plan = plan_call(
+            self.policy.seed,
+            CallKey {
+                session: &key,
+                turn: mem.turn,
+                attempt: mem.attempt,
+            },
+            &spec.latency,
+            &spec.faults,
+            spec.timeout.0 as f64 / 1000.0,
+        );
+        let call = EnvCall {
+            member: m,
+            turn: mem.turn,
+            attempt: mem.attempt,
+        };
+        self.member_mut(m)?.state = MemberState::InEnv { since: now };
+        self.counters.env_calls += 1;
+        Ok(Action::EnvTimer {
+            at: now.plus(Micros::from_ms(plan.delay_ms)),
+            call,
+        })
+    }
+
+    /// An environment call came due: its reply, a retry, or the end of the trajectory.
+    pub fn on_env(&mut self, call: EnvCall, now: Micros) -> OrchResult<Vec<Action>> {
+        let g = self.group(call.member.group)?;
+        let mem = &g.members[call.member.index as usize];
+        let MemberState::InEnv { since } = mem.state else {
+            return Err(internal(format!(
+                "environment reply for {:?}, which is not waiting on one",
+                call.member
+            )));
+        };
+        if mem.turn != call.turn || mem.attempt != call.attempt {
+            return Err(internal(format!("stale environment call {call:?}")));
+        }
+        let spec = &self.tasks[g.task];
+        let key = format!("{}#{}", g.session, call.member.index);
+        let ckey = CallKey {
+            session: &key,
+            turn: call.turn,
+            attempt: call.attempt,
+        };
+        let plan = plan_call(
+            self.policy.seed,
+            ckey,
+            &spec.latency,
+            &spec.faults,
+            spec.timeout.0 as f64 / 1000.0,
+        );
+        let task_name = spec.task.name().to_string();
+        let mut actions = vec![Action::Span(Span {
+            track: Track::Env {
+                task: task_name.clone(),
+            },
+            name: format!("{task_name} turn {}", call.turn),
+            start: since,
+            end: now,
+            args: vec![
+                ("session".into(), key.clone()),
+                ("attempt".into(), call.attempt.to_string()),
+                (
+                    "outcome".into(),
+                    plan.fault.map_or("ok", CallFault::as_str).to_string(),
+                ),
+            ],
+        })];
+        let reply = match plan.fault {
+            Some(CallFault::Garbage) => Ok(Reply::Observe(garbage_tokens(
+                self.policy.seed,
+                ckey,
+                self.policy.vocab,
+            ))),
+            Some(fault) => Err(fault.as_str()),
+            None => spec
+                .task
+                .respond(&g.problem, call.turn, &mem.generated)
+                .map_err(|_| "error"),
+        };
+        let multi = spec.task.multi_turn();
+        // A reply the run cannot use is a failed call.
+        let unusable = match &reply {
+            Ok(Reply::Observe(obs)) => {
+                !multi
+                    || obs.is_empty()
+                    || obs.len() > self.policy.max_observation_tokens
+                    || obs.iter().any(|&t| t as usize >= self.policy.vocab)
+            }
+            Ok(Reply::End { reward, .. }) => !reward.is_finite(),
+            Err(_) => false,
+        };
+        let reply = if unusable {
+            Err(if plan.fault == Some(CallFault::Garbage) {
+                "garbage"
+            } else {
+                "malformed"
+            })
+        } else {
+            reply
+        };
+        let retries = spec.retries;
+        match reply {
+            Err(kind) => {
+                *self
+                    .counters
+                    .env_faults
+                    .entry(kind.to_string())
+                    .or_default() += 1;
+                // Faults of the environment process are retried; a task's own error or a
+                // malformed reply would repeat, so it is not.
+                let transient = matches!(kind, "crash" | "timeout" | "garbage");
+                if transient && call.attempt < retries {
+                    self.counters.env_retries += 1;
+                    self.member_mut(call.member)?.attempt += 1;
+                    actions.push(self.call_env(call.member, now)?);
+                } else {
+                    actions.extend(self.end(call.member, 0.0, TerminalReason::Environment, now)?);
+                }
+            }
+            Ok(Reply::End { reward, reason }) => {
+                actions.extend(self.end(call.member, reward, reason, now)?);
+            }
+            Ok(Reply::Observe(tokens)) => {
+                let max_turns = self.policy.max_turns;
+                let max_new = self.policy.sampling.max_new_tokens;
+                let mem = self.member_mut(call.member)?;
+                if mem.turn + 1 >= max_turns {
+                    actions.extend(self.end(call.member, 0.0, TerminalReason::Budget, now)?);
+                } else {
+                    mem.turn += 1;
+                    mem.attempt = 0;
+                    mem.state = MemberState::Generating;
+                    let handle = mem
+                        .handle
+                        .ok_or_else(|| internal("observe before the submit was applied"))?;
+                    let replica = self.group(call.member.group)?.replica;
+                    actions.push(Action::Engine {
+                        replica,
+                        cmd: EngineCmd::Observe {
+                            member: call.member,
+                            handle,
+                            tokens,
+                            max_new_tokens: max_new,
+                        },
+                    });
+                }
+            }
+        }
+        Ok(actions)
+    }
+
+    /// Ends a member's episode with `reward` and `reason`.
+    fn end(
+        &mut self,
+        m: MemberRef,
+        reward: f32,
+        reason: TerminalReason,
+        now: Micros,
+    ) -> OrchResult<Vec<Action>> {
+        let single = self.member_mut(m)?.sample.is_some();
+        if single {
+            self.end_single(m, reward, reason, now)
+        } else {
+            self.finish_in_engine(m, reward, reason)
+        }
+    }
+
+    fn end_single(
+        &mut self,
+        m: MemberRef,
+        reward: f32,
+        reason: TerminalReason,
+        now: Micros,
+    ) -> OrchResult<Vec<Action>> {
+        let mem = self.member_mut(m)?;
+        let mut sample = mem
+            .sample
+            .take()
+            .ok_or_else(|| internal("single-turn member without its sample"))?;
+        sample.reward = reward;
+        sample.terminal_reason = reason;
+        self.complete(m, sample, now)
+    }
+
+    fn finish_in_engine(
+        &mut self,
+        m: MemberRef,
+        reward: f32,
+        reason: TerminalReason,
+    ) -> OrchResult<Vec<Action>> {
+        let replica = self.group(m.group)?.replica;
+        let mem = self.member_mut(m)?;
+        mem.state = MemberState::Finishing;
+        let handle = mem
+            .handle
+            .ok_or_else(|| internal("finish before the submit was applied"))?;
+        Ok(vec![Action::Engine {
+            replica,
+            cmd: EngineCmd::Finish {
+                member: m,
+                handle,
+                reward,
+                reason,
+            },
+        }])
+    }
+
+    /// A trajectory is over: stamp it, count it, hand it to the buffer.
+    fn complete(
+        &mut self,
+        m: MemberRef,
+        mut sample: Sample,
+        now: Micros,
+    ) -> OrchResult<Vec<Action>> {
+        let g = self
+            .groups
+            .get_mut(&m.group)
+            .ok_or_else(|| internal(format!("no group {}", m.group)))?;
+        let t = g.task;
+        let replica = g.replica;
+        let started = g.started;
+        let mem = g
+            .members
+            .get_mut(m.index as usize)
+            .ok_or_else(|| internal("no such member"))?;
+        mem.state = MemberState::Done;
+        if let Some(h) = mem.handle {
+            self.by_handle.remove(&(replica, h));
+        }
+        let all_done = g
+            .members
+            .iter()
+            .all(|x| matches!(x.state, MemberState::Done));
+        let session = g.session.clone();
+        if all_done {
+            self.groups.remove(&m.group);
+        }
+        let spec = &self.tasks[t];
+        sample.versions = spec.task.versions();
+        sample.clocks.environment_step = self.counters.env_calls;
+        let st = &mut self.stats[t];
+        st.in_flight = st.in_flight.saturating_sub(1);
+        st.trajectories_finished += 1;
+        st.completion_sum = st.completion_sum.plus(now.since(started));
+        if sample.terminal_reason == TerminalReason::Environment {
+            st.env_failures += 1;
+        }
+        self.counters.trajectories_finished += 1;
+        self.counters.finished_generated_tokens += sample.generated_tokens() as u64;
+        *self
+            .counters
+            .by_terminal
+            .entry(sample.terminal_reason.as_str().to_string())
+            .or_default() += 1;
+        let span = Span {
+            track: Track::Rollout { replica },
+            name: format!("{session}#{}", m.index),
+            start: started,
+            end: now,
+            args: vec![
+                ("task".into(), spec.task.name().to_string()),
+                ("terminal".into(), sample.terminal_reason.to_string()),
+                ("reward".into(), sample.reward.to_string()),
+                ("tokens".into(), sample.tokens.len().to_string()),
+            ],
+        };
+        Ok(vec![Action::Span(span), Action::Finished(Box::new(sample))])
+    }
+
+    /// The learner consumed these groups (by task name).
+    pub fn on_consumed<'a>(&mut self, tasks: impl IntoIterator<Item = &'a str>) {
+        for name in tasks {
+            if let Some(i) = self.tasks.iter().position(|t| t.task.name() == name) {
+                self.stats[i].groups_consumed += 1;
+            }
+        }
+    }
+
+    /// Which of the ready groups (their task names, oldest first) the learner takes: with
+    /// share correction, `n` picks that follow the target shares given what was consumed so
+    /// far (each pick: the task furthest below target that has a ready group, its oldest);
+    /// without, the oldest `n`.
+    pub fn pick(&self, ready: &[&str], n: usize) -> Vec<usize> {
+        if !self.policy.share_correction {
+            return (0..n.min(ready.len())).collect();
+        }
+        let mut consumed: Vec<f64> = self
+            .stats
+            .iter()
+            .map(|s| s.groups_consumed as f64)
+            .collect();
+        let mut total: f64 = consumed.iter().sum();
+        let mut taken = vec![false; ready.len()];
+        let mut out = Vec::with_capacity(n);
+        let index_of = |name: &str| self.tasks.iter().position(|t| t.task.name() == name);
+        for _ in 0..n {
+            let mut best: Option<(f64, usize)> = None;
+            for (i, name) in ready.iter().enumerate() {
+                if taken[i] {
+                    continue;
+                }
+                let Some(t) = index_of(name) else { continue };
+                let deficit = self.tasks[t].target_share * (total + 1.0) - consumed[t];
+                // The oldest ready group of the neediest task.
+                if best.is_none_or(|(d, _)| deficit > d) {
+                    best = Some((deficit, i));
+                }
+            }
+            let Some((_, i)) = best else { break };
+            taken[i] = true;
+            if let Some(t) = index_of(ready[i]) {
+                consumed[t] += 1.0;
+                total += 1.0;
+            }
+            out.push(i);
+        }
+        out
+    }
+
+    /// Ends the stage: every trajectory still in flight is abandoned (never trained) and
+    /// counted. Returns how many.
+    pub fn abandon_all(&mut self) -> u64 {
+        let n = self.in_flight();
+        for s in &mut self.stats {
+            s.in_flight = 0;
+        }
+        self.groups.clear();
+        self.by_handle.clear();
+        self.counters.abandoned += n;
+        n
+    }
+}
