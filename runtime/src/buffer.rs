@@ -293,26 +293,26 @@ impl DataBuffer {
     }
 
     /// Like [`DataBuffer::take`], but chooses which candidates to release: `pick` gets the
-    /// candidates' task names in completion order and returns the indices to release (the
-    /// orchestrator's share correction). None when fewer than `n` candidates exist.
+    /// candidates' task names in completion order and returns `n` distinct indices to
+    /// release, or None to wait (the orchestrator's share correction). None when fewer than
+    /// `n` candidates exist or the picker waits.
     pub fn take_by(
         &mut self,
         learner: WeightVersion,
         n: usize,
-        pick: impl FnOnce(&[&str], usize) -> Vec<usize>,
+        pick: impl FnOnce(&[&str], usize) -> Option<Vec<usize>>,
     ) -> Option<Vec<ReadyGroup>> {
         self.gate_all(learner);
         if n == 0 || self.candidates.len() < n {
             return None;
         }
         let tasks: Vec<&str> = self.candidates.iter().map(|c| c.task.as_str()).collect();
-        let mut idx = pick(&tasks, n);
+        let mut idx = pick(&tasks, n)?;
         idx.sort_unstable();
         idx.dedup();
         idx.retain(|&i| i < self.candidates.len());
         if idx.len() != n {
-            // A picker that cannot choose n distinct groups falls back to completion order.
-            idx = (0..n).collect();
+            return None;
         }
         let mut chosen = Vec::with_capacity(n);
         for (k, i) in idx.into_iter().enumerate() {

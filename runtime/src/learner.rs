@@ -177,6 +177,11 @@ impl Learner {
         &self.state
     }
 
+    /// The model and optimizer state back (for the next stage or a final checkpoint).
+    pub fn into_parts(self) -> (Backend, Model, OptimState) {
+        (self.backend, self.model, self.state)
+    }
+
     /// The current weights as a publication (a copy of the parameter arena).
     pub fn publish(&self) -> Result<Publication> {
         Ok(Publication {

@@ -10,6 +10,7 @@ pub mod buffer;
 pub mod clock;
 pub mod engine;
 pub mod env;
+pub mod eval;
 pub mod hash;
 pub mod kv_blocks;
 pub mod learner;

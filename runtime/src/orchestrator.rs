@@ -221,6 +221,9 @@ struct Member {
     generated: Vec<TokenId>,
     /// A single-turn trajectory the engine already finished, waiting for its reward.
     sample: Option<Sample>,
+    /// The turn the environment is answering was cut by a length limit: the episode ends
+    /// after this call as `budget`.
+    cut: bool,
     state: MemberState,
 }
 
@@ -412,6 +415,7 @@ impl Orchestrator {
                 attempt: 0,
                 generated: Vec::new(),
                 sample: None,
+                cut: false,
                 state: MemberState::Generating,
             })
             .collect();
@@ -519,20 +523,15 @@ impl Orchestrator {
                 handle.0
             ))
         })?;
-        let single = sample.is_some();
         {
             let mem = self.member_mut(m)?;
             mem.generated = generated;
             mem.sample = sample;
         }
-        if matches!(reason, StopReason::MaxNewTokens | StopReason::Capacity) {
-            // The turn hit a length limit before it ended: `budget`, reward 0, no env call.
-            return if single {
-                self.end_single(m, 0.0, TerminalReason::Budget, now)
-            } else {
-                self.finish_in_engine(m, 0.0, TerminalReason::Budget)
-            };
-        }
+        // A turn cut by a length limit still goes to the environment (its verifier scores
+        // what was written, and a crash there is still an `environment` end), but the episode
+        // ends with it as `budget`.
+        self.member_mut(m)?.cut = matches!(reason, StopReason::MaxNewTokens | StopReason::Capacity);
         Ok(vec![self.call_env(m, now)?])
     }
 
@@ -663,13 +662,15 @@ impl Orchestrator {
                 }
             }
             Ok(Reply::End { reward, reason }) => {
+                let cut = self.member_mut(call.member)?.cut;
+                let reason = if cut { TerminalReason::Budget } else { reason };
                 actions.extend(self.end(call.member, reward, reason, now)?);
             }
             Ok(Reply::Observe(tokens)) => {
                 let max_turns = self.policy.max_turns;
                 let max_new = self.policy.sampling.max_new_tokens;
                 let mem = self.member_mut(call.member)?;
-                if mem.turn + 1 >= max_turns {
+                if mem.cut || mem.turn + 1 >= max_turns {
                     actions.extend(self.end(call.member, 0.0, TerminalReason::Budget, now)?);
                 } else {
                     mem.turn += 1;
@@ -821,14 +822,19 @@ impl Orchestrator {
         }
     }
 
-    /// Which of the ready groups (their task names, oldest first) the learner takes: with
-    /// share correction, `n` picks that follow the target shares given what was consumed so
-    /// far (each pick: the task furthest below target that has a ready group, its oldest);
-    /// without, the oldest `n`.
-    pub fn pick(&self, ready: &[&str], n: usize) -> Vec<usize> {
+    /// Which of the ready groups (their task names, oldest first) the learner takes, or None
+    /// to wait for more. Without share correction: the oldest `n`. With it, the batch follows
+    /// the target shares given what was consumed so far: each of the `n` picks goes to the
+    /// task furthest below its target (its oldest ready group); if that task has no ready
+    /// group left but has trajectories in flight, the learner waits for them (None) rather
+    /// than let a faster task take its place; a task with nothing in flight is passed over.
+    /// So a task's share reaches its target whenever its flow allows it, and when its flow
+    /// cannot (min(lambda, c/T) * q too small) the learner slows down instead of skewing.
+    pub fn pick(&self, ready: &[&str], n: usize) -> Option<Vec<usize>> {
         if !self.policy.share_correction {
-            return (0..n.min(ready.len())).collect();
+            return (ready.len() >= n).then(|| (0..n).collect());
         }
+        let index_of = |name: &str| self.tasks.iter().position(|t| t.task.name() == name);
         let mut consumed: Vec<f64> = self
             .stats
             .iter()
@@ -836,30 +842,34 @@ impl Orchestrator {
             .collect();
         let mut total: f64 = consumed.iter().sum();
         let mut taken = vec![false; ready.len()];
+        let mut passed_over = vec![false; self.tasks.len()];
         let mut out = Vec::with_capacity(n);
-        let index_of = |name: &str| self.tasks.iter().position(|t| t.task.name() == name);
-        for _ in 0..n {
-            let mut best: Option<(f64, usize)> = None;
-            for (i, name) in ready.iter().enumerate() {
-                if taken[i] {
-                    continue;
+        while out.len() < n {
+            // The neediest task not passed over.
+            let neediest =
+                (0..self.tasks.len())
+                    .filter(|&t| !passed_over[t])
+                    .max_by(|&a, &b| {
+                        let d = |t: usize| self.tasks[t].target_share * (total + 1.0) - consumed[t];
+                        d(a).total_cmp(&d(b)).then(b.cmp(&a))
+                    })?;
+            let oldest = ready
+                .iter()
+                .enumerate()
+                .find(|(i, name)| !taken[*i] && index_of(name) == Some(neediest))
+                .map(|(i, _)| i);
+            match oldest {
+                Some(i) => {
+                    taken[i] = true;
+                    consumed[neediest] += 1.0;
+                    total += 1.0;
+                    out.push(i);
                 }
-                let Some(t) = index_of(name) else { continue };
-                let deficit = self.tasks[t].target_share * (total + 1.0) - consumed[t];
-                // The oldest ready group of the neediest task.
-                if best.is_none_or(|(d, _)| deficit > d) {
-                    best = Some((deficit, i));
-                }
+                None if self.stats[neediest].in_flight > 0 => return None,
+                None => passed_over[neediest] = true,
             }
-            let Some((_, i)) = best else { break };
-            taken[i] = true;
-            if let Some(t) = index_of(ready[i]) {
-                consumed[t] += 1.0;
-                total += 1.0;
-            }
-            out.push(i);
         }
-        out
+        Some(out)
     }
 
     /// Ends the stage: every trajectory still in flight is abandoned (never trained) and

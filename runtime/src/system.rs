@@ -81,12 +81,34 @@ pub trait StageObserver {
     /// After every learner step: its metrics line (DESIGN 9) and report.
     fn on_step(&mut self, line: &Value, report: &StepReport) -> Result<(), String>;
 
+    /// The groups a learner step is about to train on (the loss's inputs), before it starts.
+    fn on_learner_batch(&mut self, _groups: &[ReadyGroup]) {}
+
+    /// After every event the scheduler handled: the admission figures at that moment.
+    fn on_tick(&mut self, _tick: &Tick) {}
+
     /// At a barrier (every `barrier_every` learner steps): no trajectory is in flight, the
     /// learner is idle, every replica has applied every command. A checkpoint taken here
     /// restarts the run exactly (the owner saves what it needs from `view`).
     fn on_barrier(&mut self, _view: &BarrierView<'_>) -> Result<(), String> {
         Ok(())
     }
+}
+
+/// The admission figures after one event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tick {
+    pub now: Micros,
+    /// Trajectories started so far in the stage.
+    pub started: u64,
+    /// Trajectories of groups the buffer dropped whole.
+    pub discarded: u64,
+    /// Learner steps completed (the learner's version).
+    pub learner_steps: u64,
+    /// Trajectories per learner step (groups per step x G) and eta.
+    pub per_step: u64,
+    pub eta: u64,
+    pub in_flight: u64,
 }
 
 /// The system's state at a barrier.
@@ -560,12 +582,21 @@ impl<'a> Scheduler<'a> {
                 continue;
             }
             self.admit()?;
-            self.start_learner()?;
+            self.start_learner(observer)?;
             self.dispatch_engines()?;
             if self.quiescent() && !self.at_barrier() {
                 return Err(RunError::Stalled(self.stall_report()));
             }
             self.wait_and_handle(observer)?;
+            observer.on_tick(&Tick {
+                now: self.clock.now(),
+                started: self.orch.counters().trajectories_started,
+                discarded: self.discarded(),
+                learner_steps: self.learner.steps,
+                per_step: self.admission.per_step,
+                eta: self.admission.eta,
+                in_flight: self.orch.in_flight(),
+            });
         }
     }
 
@@ -682,7 +713,7 @@ impl<'a> Scheduler<'a> {
         self.apply(actions)
     }
 
-    fn start_learner(&mut self) -> Result<(), RunError> {
+    fn start_learner(&mut self, observer: &mut dyn StageObserver) -> Result<(), RunError> {
         if self.learner.busy_since.is_some() || self.totals.steps >= self.target_steps() {
             return Ok(());
         }
@@ -725,6 +756,7 @@ impl<'a> Scheduler<'a> {
         };
         self.orch
             .on_consumed(groups.iter().map(|g| g.task.as_str()));
+        observer.on_learner_batch(&groups);
         let tokens: u64 = groups
             .iter()
             .flat_map(|g| g.samples.iter())

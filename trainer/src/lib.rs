@@ -1,5 +1,8 @@
 //! The `sluice` command's subcommands, as a library so tests can call them directly.
 
 pub mod bench_cmd;
+pub mod config;
 pub mod kernel_cmd;
+pub mod progress;
 pub mod sft_cmd;
+pub mod train_cmd;

@@ -58,6 +58,38 @@ enum Command {
     },
     /// Show the devices this machine offers (and GPU telemetry where a driver exists).
     Devices,
+    /// The main job: a pipeline of stages (supervised warm-up, then asynchronous RL on the
+    /// built-in tasks), leaving a run folder with metrics, summary, trace and checkpoints.
+    Train {
+        /// The config (TOML); every key not in it takes its default (`sluice config
+        /// --print-defaults`).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// cpu, emu, cuda or cuda:N (overrides run.device).
+        #[arg(long)]
+        device: Option<String>,
+        /// async or sync (overrides run.mode).
+        #[arg(long)]
+        mode: Option<String>,
+        /// Overrides run.seed.
+        #[arg(long)]
+        seed: Option<u64>,
+        /// The run folder (default runs/NAME, NAME = run.name).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Continue the run in this folder from its last checkpoint.
+        #[arg(long)]
+        resume: Option<PathBuf>,
+        /// Override one config key: --set section.key=value (repeatable).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
+    },
+    /// Config helpers.
+    Config {
+        /// Print every setting with its default and a comment (configs/default.toml).
+        #[arg(long)]
+        print_defaults: bool,
+    },
     /// Supervised training on the synthetic digit-reversal task with Muon + AdamW: progress,
     /// metrics.jsonl, held-out accuracy and a checkpoint with the optimizer state.
     Sft {
@@ -206,6 +238,41 @@ fn main() -> ExitCode {
             match sluice_trainer::sft_cmd::run_sft(&opts, &mut std::io::stdout()) {
                 Ok(_) => ExitCode::SUCCESS,
                 Err(e) => fail(&e),
+            }
+        }
+        Command::Train {
+            config,
+            device,
+            mode,
+            seed,
+            out,
+            resume,
+            sets,
+        } => {
+            let opts = sluice_trainer::train_cmd::TrainOptions {
+                config,
+                sets,
+                device,
+                mode,
+                seed,
+                out,
+                resume,
+            };
+            match sluice_trainer::train_cmd::run_train(&opts, &mut std::io::stdout()) {
+                Ok(_) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(if e.is_bad_input() { 2 } else { 1 })
+                }
+            }
+        }
+        Command::Config { print_defaults } => {
+            if print_defaults {
+                print!("{}", sluice_trainer::config::DEFAULTS);
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("error: nothing to do; usage: sluice config --print-defaults");
+                ExitCode::from(2)
             }
         }
         Command::Devices => {

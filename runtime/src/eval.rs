@@ -1,0 +1,149 @@
+//! Held-out pass rates: a task's held-out problems run through an engine and answered by the
+//! task's environment directly (no latency, no injected faults), greedy or sampled.
+
+use crate::engine::{Engine, EngineError, Event, Request, StopReason};
+use crate::env::{Reply, Split, Task};
+use crate::hash::{hash_str, mix64};
+use crate::trajectory::{SamplingParams, TerminalReason};
+use sluice_kernels::testing::Rng;
+use std::collections::BTreeMap;
+
+/// The outcome of an evaluation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PassRate {
+    pub task: String,
+    pub problems: usize,
+    pub passed: usize,
+}
+
+impl PassRate {
+    pub fn rate(&self) -> f64 {
+        if self.problems == 0 {
+            0.0
+        } else {
+            self.passed as f64 / self.problems as f64
+        }
+    }
+}
+
+/// Runs `problems` held-out problems of `task` on `engine` (which must hold no trajectory)
+/// with `sampling` (temperature 0: greedy); a problem passes when its episode ends with a
+/// reward > 0 within `max_turns` model turns. Problem i is drawn from a stream keyed by
+/// (seed, task, i), so every evaluation with the same seed sees the same problems.
+pub fn pass_rate(
+    engine: &mut Engine,
+    task: &dyn Task,
+    problems: usize,
+    seed: u64,
+    sampling: SamplingParams,
+    max_turns: u32,
+) -> Result<PassRate, EngineError> {
+    if !engine.is_empty() {
+        return Err(EngineError::Invalid(
+            "evaluation needs an engine that holds no trajectory".into(),
+        ));
+    }
+    let name = task.name().to_string();
+    // handle -> (problem index, turn)
+    let mut live = BTreeMap::new();
+    let mut probs = Vec::with_capacity(problems);
+    for i in 0..problems {
+        let mut rng = Rng::new(mix64(hash_str(seed ^ 0xe7a1, &name) ^ mix64(i as u64)));
+        let p = task.problem(&mut rng, Split::HeldOut);
+        let req = Request {
+            session_id: format!("eval/{name}/{i}"),
+            instance_id: format!("eval/{}#{i}", p.id),
+            task: name.clone(),
+            group_size: 1,
+            prompt: p.prompt.clone(),
+            sampling,
+            stop: task.stop(),
+            multi_turn: task.multi_turn(),
+        };
+        let h = engine.submit(req)?;
+        live.insert(h[0], (i, 0u32));
+        probs.push(p);
+    }
+    let mut passed = 0;
+    let mut steps = 0u64;
+    while !live.is_empty() {
+        if !engine.has_work() {
+            return Err(EngineError::Invalid(format!(
+                "evaluation of {name}: {} episodes wait but the engine has no work",
+                live.len()
+            )));
+        }
+        steps += 1;
+        if steps > 1_000_000 {
+            return Err(EngineError::Invalid(format!(
+                "evaluation of {name} made no progress"
+            )));
+        }
+        for ev in engine.step()? {
+            let (handle, reason, generated, single) = match ev {
+                Event::TurnEnded {
+                    handle,
+                    reason,
+                    generated,
+                    ..
+                } => (handle, reason, generated, false),
+                Event::Finished {
+                    handle,
+                    reason,
+                    sample,
+                } => {
+                    let start = sample.turns.last().map_or(sample.prompt_len, |b| b.start);
+                    (handle, reason, sample.tokens[start..].to_vec(), true)
+                }
+            };
+            let Some((i, turn)) = live.remove(&handle) else {
+                continue;
+            };
+            // As in training: a turn cut by a length limit is still scored by the task, and
+            // the episode ends with it.
+            let cut = matches!(reason, StopReason::MaxNewTokens | StopReason::Capacity);
+            let reply = task
+                .respond(&probs[i], turn, &generated)
+                .unwrap_or(Reply::End {
+                    reward: 0.0,
+                    reason: TerminalReason::Environment,
+                });
+            let reply = match reply {
+                Reply::Observe(_) if cut => Reply::End {
+                    reward: 0.0,
+                    reason: TerminalReason::Budget,
+                },
+                r => r,
+            };
+            match reply {
+                Reply::End { reward, reason } => {
+                    if reward > 0.0 {
+                        passed += 1;
+                    }
+                    if !single {
+                        engine.finish(handle, reward, reason)?;
+                    }
+                }
+                Reply::Observe(obs) => {
+                    if single || turn + 1 >= max_turns {
+                        if !single {
+                            engine.finish(handle, 0.0, TerminalReason::Budget)?;
+                        }
+                    } else if engine
+                        .observe(handle, &obs, sampling.max_new_tokens)
+                        .is_ok()
+                    {
+                        live.insert(handle, (i, turn + 1));
+                    } else {
+                        engine.finish(handle, 0.0, TerminalReason::Budget)?;
+                    }
+                }
+            }
+        }
+    }
+    Ok(PassRate {
+        task: name,
+        problems,
+        passed,
+    })
+}
