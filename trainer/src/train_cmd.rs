@@ -464,7 +464,7 @@ impl RunContext<'_> {
                 "loss": loss,
                 "grad_norm": stats.grad_norm,
                 "lr_factor": stats.lr_factor,
-                "tokens_per_s": tokens as f64 / secs.max(1e-9),
+                "wall_tokens_per_s": tokens as f64 / secs.max(1e-9),
                 "wall_s": secs,
             });
             self.line(&line)?;

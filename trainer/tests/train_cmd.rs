@@ -1,0 +1,276 @@
+//! `sluice train` from the outside: the run folder of DESIGN 7.1, replay determinism (cpu and
+//! emu), and bad configs (one clear error naming the key, exit code 2, no run folder).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_sluice");
+
+/// The repository root (configs/ lives there).
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn scratch(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("sluice-train-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn sluice(args: &[&str]) -> std::process::Output {
+    Command::new(BIN)
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("run sluice")
+}
+
+/// A short tiny-model pipeline: 10 SFT steps, 12 async RL steps with faulty, heavy-tailed
+/// environments.
+fn short_config(dir: &Path) -> PathBuf {
+    let text = std::fs::read_to_string(root().join("configs/tiny.toml"))
+        .unwrap()
+        .replace("steps = 40", "steps = 12")
+        .replace("eval_problems = 32", "eval_problems = 8");
+    let p = dir.join("short.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn run_ok(args: &[&str]) -> String {
+    let out = sluice(args);
+    let text = String::from_utf8_lossy(&out.stdout).to_string()
+        + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "sluice {args:?} failed:\n{text}");
+    text
+}
+
+/// metrics.jsonl without the wall-time fields (every key with "wall" in its name).
+fn metrics_without_wall(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v.as_object_mut()
+                .unwrap()
+                .retain(|k, _| !k.contains("wall"));
+            v
+        })
+        .collect()
+}
+
+fn summary(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn a_run_leaves_the_run_folder() {
+    let dir = scratch("folder");
+    let cfg = short_config(&dir);
+    let out = dir.join("run");
+    let text = run_ok(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(text.contains("held-out pass rate before RL"), "{text}");
+    for f in [
+        "config.toml",
+        "metrics.jsonl",
+        "summary.json",
+        "trace.json",
+        "final.safetensors",
+    ] {
+        assert!(out.join(f).is_file(), "{f} missing");
+    }
+    let s = summary(&out);
+    for key in [
+        "final_weights_sha256",
+        "learner_steps",
+        "samples_trained",
+        "wall_s",
+        "effective_tokens_per_s",
+        "raw_tokens_per_s",
+        "token_accept_rate",
+        "stale_drop_rate",
+        "env_drop_rate",
+        "group_dup_rate",
+        "zero_lag_tokens",
+        "zero_lag_mismatch_tokens",
+    ] {
+        assert!(s.get(key).is_some(), "summary.json lacks {key}");
+    }
+    assert_eq!(s["learner_steps"], 12);
+    assert_eq!(s["zero_lag_mismatch_tokens"], 0);
+    assert!(s["zero_lag_tokens"].as_u64().unwrap() > 0);
+    for task in ["recall", "lookup"] {
+        let t = &s["tasks"][task];
+        for key in [
+            "target_share",
+            "learner_share",
+            "pass_rate_before",
+            "pass_rate_after",
+        ] {
+            assert!(t[key].is_number(), "tasks.{task}.{key}: {t}");
+        }
+    }
+    // Every RL metrics line carries DESIGN 9's keys.
+    let lines = metrics_without_wall(&out);
+    let rl: Vec<_> = lines.iter().filter(|l| l["stage"] == "rl#1").collect();
+    assert_eq!(rl.len(), 12);
+    for l in &rl {
+        for key in [
+            "step",
+            "version",
+            "loss",
+            "grad_norm",
+            "effective_tokens_per_s",
+            "raw_tokens_per_s",
+            "token_accept_rate",
+            "stale_drop_rate",
+            "env_drop_rate",
+            "group_dup_rate",
+            "policy_lag_hist",
+            "ratio_mean",
+            "ratio_min",
+            "ratio_max",
+            "zero_lag_tokens",
+            "zero_lag_mismatch_tokens",
+            "reward_mean.recall",
+            "learner_share.lookup",
+            "sync_bytes",
+            "sync_encoding",
+        ] {
+            assert!(l.get(key).is_some(), "metrics line lacks {key}: {l}");
+        }
+    }
+    // The trace is Chrome trace JSON with the four kinds of span.
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("trace.json")).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    for cat in ["rollout", "environment", "learner", "weight sync"] {
+        let n = events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["cat"] == cat)
+            .count();
+        assert!(n > 0, "no {cat} span in trace.json");
+    }
+    // The resolved config loads back.
+    run_ok(&[
+        "train",
+        "--config",
+        out.join("config.toml").to_str().unwrap(),
+        "--out",
+        dir.join("again").to_str().unwrap(),
+        "--set",
+        "run.replay=true",
+    ]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn replay_pair(device: &str, cfg: &Path, dir: &Path) {
+    let run = |name: &str, seed: &str| {
+        let out = dir.join(name);
+        run_ok(&[
+            "train",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--device",
+            device,
+            "--seed",
+            seed,
+            "--set",
+            "run.replay=true",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        out
+    };
+    let a = run("a", "5");
+    let b = run("b", "5");
+    let c = run("c", "6");
+    let (ma, mb) = (metrics_without_wall(&a), metrics_without_wall(&b));
+    assert!(ma.len() > 10);
+    assert_eq!(ma, mb, "{device}: two replays of one seed wrote different metrics");
+    let (sa, sb, sc) = (summary(&a), summary(&b), summary(&c));
+    assert_eq!(sa["final_weights_sha256"], sb["final_weights_sha256"]);
+    assert_ne!(
+        sa["final_weights_sha256"], sc["final_weights_sha256"],
+        "{device}: another seed gave the same weights"
+    );
+}
+
+#[test]
+fn replay_runs_are_bit_reproducible_on_cpu() {
+    let dir = scratch("replay-cpu");
+    let cfg = short_config(&dir);
+    replay_pair("cpu", &cfg, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn replay_runs_are_bit_reproducible_on_emu() {
+    let dir = scratch("replay-emu");
+    // Fewer steps: every op runs through the emulated kernels.
+    let text = std::fs::read_to_string(short_config(&dir))
+        .unwrap()
+        .replace("steps = 12", "steps = 6");
+    let cfg = dir.join("emu.toml");
+    std::fs::write(&cfg, text).unwrap();
+    replay_pair("emu", &cfg, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_configs_name_the_key_exit_2_and_leave_no_folder() {
+    let dir = scratch("bad");
+    let cfg = short_config(&dir);
+    let missing_task = dir.join("missing.toml");
+    std::fs::write(
+        &missing_task,
+        "[[stage]]\nkind = \"rl\"\nsteps = 3\ntasks = [\"nosuch\"]\n",
+    )
+    .unwrap();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec!["--set".into(), "buffer.nosuch=1".into()], "buffer.nosuch"),
+        (vec!["--set".into(), "buffer.tau=\"three\"".into()], "buffer.tau"),
+        (vec!["--set".into(), "buffer.tau=-1".into()], "buffer.tau"),
+        (vec!["--set".into(), "buffer.group_size=0".into()], "buffer.group_size"),
+        (vec!["--set".into(), "buffer.eta=-1".into()], "buffer.eta"),
+        (
+            vec!["--config".into(), missing_task.to_str().unwrap().into()],
+            "stage[0].tasks",
+        ),
+        (vec!["--device".into(), "gpu".into()], "run.device"),
+    ];
+    for (i, (args, key)) in cases.into_iter().enumerate() {
+        let out = dir.join(format!("run{i}"));
+        let mut full = vec!["train".to_string()];
+        if !args.contains(&"--config".to_string()) {
+            full.push("--config".into());
+            full.push(cfg.to_str().unwrap().into());
+        }
+        full.extend(args.clone());
+        full.push("--out".into());
+        full.push(out.to_str().unwrap().into());
+        let refs: Vec<&str> = full.iter().map(String::as_str).collect();
+        let o = sluice(&refs);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(key), "{args:?}: the error does not name {key}: {err}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: one clear line: {err}");
+        assert!(!out.exists(), "{args:?}: a run folder was created");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn print_defaults_is_configs_default_toml() {
+    let out = run_ok(&["config", "--print-defaults"]);
+    let file = std::fs::read_to_string(root().join("configs/default.toml")).unwrap();
+    assert_eq!(out, file);
+}
