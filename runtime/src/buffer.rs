@@ -23,7 +23,7 @@ use crate::trajectory::{Sample, TerminalReason, TrajectoryError, WeightVersion};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct BufferConfig {
     /// G: trajectories per group (>= 1).
     pub group_size: u32,
@@ -32,7 +32,7 @@ pub struct BufferConfig {
 }
 
 /// A group released to the learner: G trajectories (repaired ones included).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ReadyGroup {
     pub instance_id: String,
     pub task: String,
@@ -42,7 +42,7 @@ pub struct ReadyGroup {
 }
 
 /// Everything the buffer counts (cumulative).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct BufferCounters {
     /// Trajectories accepted into the buffer.
     pub trajectories_in: u64,
@@ -113,7 +113,7 @@ impl std::error::Error for BufferError {}
 
 /// A complete group that passed the gates at some version, waiting for the learner: only its
 /// valid trajectories (not yet repaired).
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 struct Candidate {
     instance_id: String,
     task: String,
@@ -121,7 +121,7 @@ struct Candidate {
 }
 
 /// The data buffer. See the module docs.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct DataBuffer {
     cfg: BufferConfig,
     /// Instances with fewer than G finished trajectories, by instance id.

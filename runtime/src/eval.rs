@@ -9,7 +9,7 @@ use sluice_kernels::testing::Rng;
 use std::collections::BTreeMap;
 
 /// The outcome of an evaluation.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PassRate {
     pub task: String,
     pub problems: usize,

@@ -25,7 +25,7 @@ use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 
 /// Counters kept by the orchestrator and the scheduler (cumulative over a stage).
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RolloutCounters {
     /// Tokens sampled by the engines.
     pub sampled_tokens: u64,
@@ -50,7 +50,7 @@ pub struct RolloutCounters {
 }
 
 /// Per task, what reached the learner.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TaskTotals {
     pub groups: u64,
     pub unique_samples: u64,
@@ -58,14 +58,16 @@ pub struct TaskTotals {
 }
 
 /// The learner-side totals of a stage.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LearnerTotals {
     pub steps: u64,
     pub samples: u64,
     pub accepted_tokens: u64,
     pub masked_tokens: u64,
     pub ratio_sum: f64,
+    #[serde(with = "crate::trajectory::f32_bit")]
     pub ratio_min: f32,
+    #[serde(with = "crate::trajectory::f32_bit")]
     pub ratio_max: f32,
     pub zero_lag_tokens: u64,
     pub zero_lag_mismatch_tokens: u64,
@@ -263,7 +265,7 @@ fn round6(x: f64) -> f64 {
 }
 
 /// Where a span is drawn in the trace.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub enum Track {
     /// A trajectory's life on a rollout replica (submit to finish, environment waits included).
     Rollout { replica: usize },
@@ -276,7 +278,7 @@ pub enum Track {
 }
 
 /// One span on the run clock.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Span {
     pub track: Track,
     pub name: String,
@@ -286,7 +288,7 @@ pub struct Span {
 }
 
 /// The spans of a run, in the order they ended.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct Trace {
     pub spans: Vec<Span>,
 }

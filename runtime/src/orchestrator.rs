@@ -85,7 +85,7 @@ pub struct RolloutPolicy {
 }
 
 /// Per task: what the orchestrator saw.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TaskStats {
     pub groups_started: u64,
     pub trajectories_started: u64,
@@ -107,6 +107,14 @@ impl TaskStats {
             self.completion_sum.secs() / self.trajectories_finished as f64
         }
     }
+}
+
+/// What a checkpoint keeps of the orchestrator (see [`Orchestrator::state`]).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct OrchestratorState {
+    pub next_group: u64,
+    pub stats: Vec<TaskStats>,
+    pub counters: RolloutCounters,
 }
 
 /// A member of a group: (group id, group index).
@@ -870,6 +878,39 @@ impl Orchestrator {
             }
         }
         Some(out)
+    }
+
+    /// What a checkpoint keeps of the orchestrator; only at a barrier (nothing in flight).
+    pub fn state(&self) -> OrchResult<OrchestratorState> {
+        if !self.groups.is_empty() {
+            return Err(internal(format!(
+                "{} groups are in flight: the orchestrator's state is saved at barriers only",
+                self.groups.len()
+            )));
+        }
+        Ok(OrchestratorState {
+            next_group: self.next_group,
+            stats: self.stats.clone(),
+            counters: self.counters.clone(),
+        })
+    }
+
+    /// Restores a saved state into an orchestrator with the same tasks and nothing in flight.
+    pub fn restore(&mut self, st: OrchestratorState) -> OrchResult<()> {
+        if st.stats.len() != self.tasks.len() {
+            return Err(internal(format!(
+                "the saved state has {} tasks, the stage {}",
+                st.stats.len(),
+                self.tasks.len()
+            )));
+        }
+        if !self.groups.is_empty() {
+            return Err(internal("restore into an orchestrator with groups in flight"));
+        }
+        self.next_group = st.next_group;
+        self.stats = st.stats;
+        self.counters = st.counters;
+        Ok(())
     }
 
     /// Ends the stage: every trajectory still in flight is abandoned (never trained) and

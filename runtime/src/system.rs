@@ -120,6 +120,10 @@ pub struct BarrierView<'a> {
     pub buffer: &'a DataBuffer,
     pub orchestrator: &'a Orchestrator,
     pub totals: &'a LearnerTotals,
+    /// The weights every replica holds (the last publication, or the stage's start weights).
+    pub engine_weights: &'a Publication,
+    /// The stage's trace so far.
+    pub trace: &'a Trace,
 }
 
 /// Why a stage stopped early.
@@ -410,6 +414,14 @@ pub struct Parts {
     pub engines: Vec<Engine>,
 }
 
+/// Where a stage starts: the run clock, the totals so far (a resumed stage continues them),
+/// and the weights the engines hold.
+pub struct StageStart {
+    pub clock: Micros,
+    pub totals: LearnerTotals,
+    pub engine_weights: Arc<Publication>,
+}
+
 /// Runs one RL stage until the learner has taken `cfg.steps` steps; returns the parts (for
 /// the next stage or a final checkpoint) and the stage's report.
 pub fn run_stage(
@@ -417,7 +429,7 @@ pub fn run_stage(
     parts: Parts,
     orchestrator: Orchestrator,
     buffer: DataBuffer,
-    start: Micros,
+    start: StageStart,
     observer: &mut dyn StageObserver,
 ) -> Result<(Parts, Orchestrator, DataBuffer, StageReport), RunError> {
     let mut s = Scheduler::new(cfg, parts, orchestrator, buffer, start)?;
@@ -442,6 +454,8 @@ struct Scheduler<'a> {
     orch: Orchestrator,
     buffer: DataBuffer,
     totals: LearnerTotals,
+    /// The weights every replica holds once its queued swaps are applied.
+    engine_weights: Arc<Publication>,
     trace: Trace,
     phase: SyncPhase,
     admission: Admission,
@@ -460,7 +474,7 @@ impl<'a> Scheduler<'a> {
         parts: Parts,
         orch: Orchestrator,
         buffer: DataBuffer,
-        start: Micros,
+        start: StageStart,
     ) -> Result<Scheduler<'a>, RunError> {
         if parts.engines.is_empty() {
             return Err(RunError::Stalled("no engine replica".into()));
@@ -500,8 +514,8 @@ impl<'a> Scheduler<'a> {
             .map(|b| (steps / b + 1) * b);
         let mut sched = Scheduler {
             cfg,
-            clock: Clock::new(cfg.clock, start),
-            stage_start: start,
+            clock: Clock::new(cfg.clock, start.clock),
+            stage_start: start.clock,
             wall_start: Instant::now(),
             timers: Timers::default(),
             replicas,
@@ -511,7 +525,8 @@ impl<'a> Scheduler<'a> {
             lane_tx: tx,
             orch,
             buffer,
-            totals: LearnerTotals::new(),
+            totals: start.totals,
+            engine_weights: start.engine_weights,
             trace: Trace::default(),
             phase: SyncPhase::Start,
             admission: Admission {
@@ -661,6 +676,8 @@ impl<'a> Scheduler<'a> {
                     buffer: &self.buffer,
                     orchestrator: &self.orch,
                     totals: &self.totals,
+                    engine_weights: &self.engine_weights,
+                    trace: &self.trace,
                 })
                 .map_err(RunError::Observer)?;
         }
@@ -988,6 +1005,7 @@ impl<'a> Scheduler<'a> {
             for r in &mut self.replicas {
                 r.pending.push(EngineCmd::Swap(p.clone()));
             }
+            self.engine_weights = p;
         }
         if self.cfg.mode == Mode::Sync {
             self.phase = SyncPhase::Start;

@@ -14,7 +14,7 @@ pub type TokenId = u32;
 
 /// The version of the policy weights that produced a token. The learner bumps it on every weight
 /// refresh; the data buffer's version gate compares it with the learner's own.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default, serde::Serialize, serde::Deserialize)]
 pub struct WeightVersion(pub u64);
 
 impl fmt::Display for WeightVersion {
@@ -25,7 +25,7 @@ impl fmt::Display for WeightVersion {
 
 /// How a trajectory ended (DESIGN 6.1, the environment contract). `Environment` ends (the
 /// environment crashed, timed out or failed) are never trained on as policy failures.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum TerminalReason {
     Success,
     Failure,
@@ -68,13 +68,13 @@ impl FromStr for TerminalReason {
 
 /// The first token of one turn: turn k's tokens are `tokens[start_k .. start_{k+1}]` (the last
 /// turn runs to the end). The prompt precedes the first boundary.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub struct TurnBoundary {
     pub start: usize,
 }
 
 /// Timestamps on the four clocks of DESIGN 6.7, taken when the trajectory finished.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct ClockStamps {
     /// Environment steps taken so far by the orchestrator (all sessions together).
     pub environment_step: u64,
@@ -88,7 +88,7 @@ pub struct ClockStamps {
 
 /// Versions of everything outside the weights that shaped the tokens; a learner can refuse data
 /// produced under a template or tokenizer it does not use.
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct ArtifactVersions {
     pub template: String,
     pub tokenizer: String,
@@ -96,7 +96,7 @@ pub struct ArtifactVersions {
 }
 
 /// The sampling parameters the trajectory was generated with.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
     pub temperature: f32,
     /// 0 = no top-k cut.
@@ -122,7 +122,7 @@ impl Default for SamplingParams {
 
 /// One trajectory (DESIGN 6.2). Per-token vectors (`tokens`, `loss_mask`, `behavior_logp`,
 /// `weight_version`) have one entry per token of the prompt and all turns.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Sample {
     /// The prompt this trajectory answers; the data buffer groups by it.
     pub instance_id: String,
@@ -136,7 +136,9 @@ pub struct Sample {
     pub tokens: Vec<TokenId>,
     /// true on model-generated tokens (trained on), false on prompt and observation tokens.
     pub loss_mask: Vec<bool>,
-    /// The sampler's log-prob of each generated token; exactly 0.0 where masked.
+    /// The sampler's log-prob of each generated token; exactly 0.0 where masked. (Saved as
+    /// bit patterns: a resumed run must see the very same bits.)
+    #[serde(with = "crate::trajectory::f32_bits")]
     pub behavior_logp: Vec<f32>,
     /// The weight version behind each token: for a generated token, the weights that sampled
     /// it; for a prompt or observation token (masked), the weights that last computed its K/V
@@ -351,5 +353,35 @@ impl Sample {
     /// Number of model-generated (trained-on) tokens.
     pub fn generated_tokens(&self) -> usize {
         self.loss_mask.iter().filter(|&&m| m).count()
+    }
+}
+
+/// Serde for f32 vectors as their bit patterns, so a saved and reloaded trajectory has the same
+/// bits (decimal text round trips are not guaranteed to be exact through every parser).
+pub mod f32_bits {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &[f32], s: S) -> Result<S::Ok, S::Error> {
+        v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>().serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<f32>, D::Error> {
+        Ok(Vec::<u32>::deserialize(d)?
+            .into_iter()
+            .map(f32::from_bits)
+            .collect())
+    }
+}
+
+/// Serde for one f32 as its bit pattern (infinities and NaN included, which JSON cannot hold).
+pub mod f32_bit {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &f32, s: S) -> Result<S::Ok, S::Error> {
+        v.to_bits().serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
+        Ok(f32::from_bits(u32::deserialize(d)?))
     }
 }

@@ -136,6 +136,11 @@ impl Setup {
             cost: CostModel::default(),
             barrier_every: None,
         };
+        let start = StageStart {
+            clock: Micros(0),
+            totals: LearnerTotals::new(),
+            engine_weights: Arc::new(learner.publish().unwrap()),
+        };
         let (_parts, _orch, _buffer, report) = run_stage(
             &stage,
             Parts {
@@ -144,7 +149,7 @@ impl Setup {
             },
             orch,
             buffer,
-            Micros(0),
+            start,
             observer,
         )
         .unwrap();

@@ -33,7 +33,9 @@ use sluice_runtime::hash::{hash_str, mix64};
 use sluice_runtime::learner::{Learner, LearnerConfig, StepReport};
 use sluice_runtime::metrics::Trace;
 use sluice_runtime::orchestrator::{Orchestrator, RolloutPolicy, TaskSpec};
-use sluice_runtime::system::{run_stage, BarrierView, Parts, StageConfig, StageObserver};
+use sluice_runtime::system::{
+    run_stage, BarrierView, Parts, StageConfig, StageObserver, StageStart,
+};
 use sluice_runtime::trajectory::{SamplingParams, WeightVersion};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -666,12 +668,17 @@ impl RunContext<'_> {
             checkpoints: self.out_dir.join("checkpoints"),
             error: None,
         };
+        let start = StageStart {
+            clock: self.clock,
+            totals: sluice_runtime::metrics::LearnerTotals::new(),
+            engine_weights: Arc::new(learner.publish().map_err(run_err)?),
+        };
         let (parts, _orch, _buffer, report) = run_stage(
             &sc,
             Parts { learner, engines },
             orch,
             buffer,
-            self.clock,
+            start,
             &mut obs,
         )
         .map_err(run_err)?;
