@@ -14,8 +14,9 @@ use sluice_runtime::env::synthetic::{Lookup, Recall};
 use sluice_runtime::env::Task;
 use sluice_runtime::learner::{Learner, LearnerConfig, StepReport};
 use sluice_runtime::orchestrator::{Orchestrator, RolloutPolicy, TaskSpec};
+use sluice_runtime::metrics::LearnerTotals;
 use sluice_runtime::system::{
-    run_stage, Mode, Parts, StageConfig, StageObserver, StageReport, Tick,
+    run_stage, Mode, Parts, StageConfig, StageObserver, StageReport, StageStart, Tick,
 };
 use sluice_runtime::trajectory::{SamplingParams, TerminalReason, WeightVersion};
 use std::sync::Arc;
