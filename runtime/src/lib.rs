@@ -10,6 +10,7 @@ pub mod engine;
 pub mod hash;
 pub mod kv_blocks;
 pub mod router;
+pub mod sync;
 pub mod trajectory;
 
 pub use sluice_model as model;
