@@ -58,6 +58,11 @@ enum Command {
     },
     /// Show the devices this machine offers (and GPU telemetry where a driver exists).
     Devices,
+    /// Weight-sync deltas between two safetensors files with identical tensor tables.
+    Delta {
+        #[command(subcommand)]
+        command: sluice_trainer::delta_cmd::DeltaCommand,
+    },
     /// Supervised training on the synthetic digit-reversal task with Muon + AdamW: progress,
     /// metrics.jsonl, held-out accuracy and a checkpoint with the optimizer state.
     Sft {
@@ -205,6 +210,12 @@ fn main() -> ExitCode {
             };
             match sluice_trainer::sft_cmd::run_sft(&opts, &mut std::io::stdout()) {
                 Ok(_) => ExitCode::SUCCESS,
+                Err(e) => fail(&e),
+            }
+        }
+        Command::Delta { command } => {
+            match sluice_trainer::delta_cmd::run(&command, &mut std::io::stdout()) {
+                Ok(()) => ExitCode::SUCCESS,
                 Err(e) => fail(&e),
             }
         }
