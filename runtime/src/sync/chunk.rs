@@ -152,35 +152,51 @@ impl ChunkScan {
     }
 }
 
+/// The high bit of every nonzero byte of `x` set, every other bit clear. Per byte b:
+/// (b & 0x7f) + 0x7f reaches 0x80 exactly when the low seven bits are not all zero, and never
+/// carries into the next byte (at most 0xfe); or-ing b adds its own high bit.
+fn nonzero_bytes(x: u64) -> u64 {
+    const LOW7: u64 = 0x7f7f_7f7f_7f7f_7f7f;
+    ((x & LOW7).wrapping_add(LOW7) | x) & !LOW7
+}
+
 /// Writes `base ^ new` into `xor` and counts the changed bytes and the gap escapes.
 pub fn scan_xor(base: &[u8], new: &[u8], xor: &mut [u8]) -> ChunkScan {
     debug_assert!(base.len() == new.len() && new.len() == xor.len());
     let mut scan = ChunkScan::default();
     // Position just past the previous changed byte: a changed byte at p has gap p - cursor.
     let mut cursor = 0usize;
-    let mut note = |p: usize, scan: &mut ChunkScan| {
-        scan.changed += 1;
-        scan.gap_escapes += (p - cursor) / GAP_ESCAPE as usize;
-        cursor = p + 1;
-    };
-    // Eight bytes at a time: most words of a sparse update are zero and are skipped whole.
+    let escape = GAP_ESCAPE as usize;
+    // Eight bytes at a time. Gaps inside one word are under 8 bytes, so only the gap before a
+    // word's first changed byte can need escapes.
     let words = new.len() / 8;
-    for w in 0..words {
-        let at = w * 8;
-        let a = u64::from_le_bytes(base[at..at + 8].try_into().unwrap_or_default());
-        let b = u64::from_le_bytes(new[at..at + 8].try_into().unwrap_or_default());
-        let mut x = a ^ b;
-        xor[at..at + 8].copy_from_slice(&x.to_le_bytes());
-        while x != 0 {
-            let byte = x.trailing_zeros() as usize / 8;
-            note(at + byte, &mut scan);
-            x &= !(0xffu64 << (byte * 8));
+    let (b8, n8, x8) = (&base[..words * 8], &new[..words * 8], &mut xor[..words * 8]);
+    for (w, ((b, n), x)) in b8
+        .chunks_exact(8)
+        .zip(n8.chunks_exact(8))
+        .zip(x8.chunks_exact_mut(8))
+        .enumerate()
+    {
+        let a = u64::from_le_bytes(b.try_into().unwrap_or_default());
+        let c = u64::from_le_bytes(n.try_into().unwrap_or_default());
+        let d = a ^ c;
+        x.copy_from_slice(&d.to_le_bytes());
+        if d != 0 {
+            let m = nonzero_bytes(d);
+            let at = w * 8;
+            scan.changed += m.count_ones() as usize;
+            let first = at + (m.trailing_zeros() / 8) as usize;
+            let last = at + 7 - (m.leading_zeros() / 8) as usize;
+            scan.gap_escapes += (first - cursor) / escape;
+            cursor = last + 1;
         }
     }
     for p in words * 8..new.len() {
         xor[p] = base[p] ^ new[p];
         if xor[p] != 0 {
-            note(p, &mut scan);
+            scan.changed += 1;
+            scan.gap_escapes += (p - cursor) / escape;
+            cursor = p + 1;
         }
     }
     scan
@@ -191,25 +207,71 @@ pub fn scan_xor(base: &[u8], new: &[u8], xor: &mut [u8]) -> ChunkScan {
 pub fn shuffle(src: &[u8], width: usize, dst: &mut [u8]) {
     debug_assert_eq!(src.len(), dst.len());
     let n = src.len() / width;
-    for (e, element) in src.chunks_exact(width).enumerate() {
-        for (k, &b) in element.iter().enumerate() {
-            dst[k * n + e] = b;
+    let (planes, tail) = dst.split_at_mut(n * width);
+    match width {
+        1 => planes.copy_from_slice(&src[..n]),
+        2 => {
+            let (p0, p1) = planes.split_at_mut(n);
+            for ((s, a), b) in src.chunks_exact(2).zip(p0).zip(p1) {
+                (*a, *b) = (s[0], s[1]);
+            }
+        }
+        4 => {
+            let (p01, p23) = planes.split_at_mut(2 * n);
+            let ((p0, p1), (p2, p3)) = (p01.split_at_mut(n), p23.split_at_mut(n));
+            for ((((s, a), b), c), d) in src.chunks_exact(4).zip(p0).zip(p1).zip(p2).zip(p3) {
+                (*a, *b, *c, *d) = (s[0], s[1], s[2], s[3]);
+            }
+        }
+        _ => {
+            for (e, element) in src.chunks_exact(width).enumerate() {
+                for (k, &b) in element.iter().enumerate() {
+                    planes[k * n + e] = b;
+                }
+            }
         }
     }
-    dst[n * width..].copy_from_slice(&src[n * width..]);
+    tail.copy_from_slice(&src[n * width..]);
 }
 
 /// XORs the shuffled planes `planes` (as written by [`shuffle`]) back into `out`.
 fn unshuffle_xor(planes: &[u8], width: usize, out: &mut [u8]) {
     let n = out.len() / width;
-    for (e, element) in out.chunks_exact_mut(width).enumerate() {
-        for (k, b) in element.iter_mut().enumerate() {
-            *b ^= planes[k * n + e];
+    let (planes, tail) = planes.split_at(n * width);
+    let (body, out_tail) = out.split_at_mut(n * width);
+    match width {
+        1 => {
+            for (o, p) in body.iter_mut().zip(planes) {
+                *o ^= p;
+            }
+        }
+        2 => {
+            let (p0, p1) = planes.split_at(n);
+            for ((o, a), b) in body.chunks_exact_mut(2).zip(p0).zip(p1) {
+                o[0] ^= a;
+                o[1] ^= b;
+            }
+        }
+        4 => {
+            let (p01, p23) = planes.split_at(2 * n);
+            let ((p0, p1), (p2, p3)) = (p01.split_at(n), p23.split_at(n));
+            for ((((o, a), b), c), d) in body.chunks_exact_mut(4).zip(p0).zip(p1).zip(p2).zip(p3) {
+                o[0] ^= a;
+                o[1] ^= b;
+                o[2] ^= c;
+                o[3] ^= d;
+            }
+        }
+        _ => {
+            for (e, element) in body.chunks_exact_mut(width).enumerate() {
+                for (k, b) in element.iter_mut().enumerate() {
+                    *b ^= planes[k * n + e];
+                }
+            }
         }
     }
-    let tail = n * width;
-    for (b, p) in out[tail..].iter_mut().zip(&planes[tail..]) {
-        *b ^= p;
+    for (o, p) in out_tail.iter_mut().zip(tail) {
+        *o ^= p;
     }
 }
 
@@ -419,13 +481,7 @@ impl ChunkCodec {
                 if got != len {
                     return Err(format!("zstd frame holds {got} bytes for {len}"));
                 }
-                if width > 1 {
-                    unshuffle_xor(planes, width, out);
-                } else {
-                    for (b, x) in out.iter_mut().zip(planes.iter()) {
-                        *b ^= x;
-                    }
-                }
+                unshuffle_xor(planes, width, out);
             }
         }
         Ok(())
@@ -495,8 +551,29 @@ mod tests {
     }
 
     #[test]
+    fn nonzero_byte_mask_marks_exactly_the_nonzero_bytes() {
+        let mut rng = 0x1234_5678_9abc_def0u64;
+        for _ in 0..10_000 {
+            rng = crate::hash::mix64(rng);
+            // Bytes drawn from {0, 1, 0x7f, 0x80, 0xff, random} so edge values are common.
+            let x = u64::from_le_bytes(std::array::from_fn(|i| {
+                let r = crate::hash::mix64(rng ^ i as u64);
+                [0, 1, 0x7f, 0x80, 0xff, r as u8][(r >> 8) as usize % 6]
+            }));
+            let want = (0..8).fold(0u64, |m, i| {
+                m | if (x >> (8 * i)) & 0xff != 0 {
+                    0x80 << (8 * i)
+                } else {
+                    0
+                }
+            });
+            assert_eq!(nonzero_bytes(x), want, "{x:#018x}");
+        }
+    }
+
+    #[test]
     fn shuffle_round_trips_with_a_ragged_tail() {
-        for width in [1, 2, 4] {
+        for width in [1, 2, 3, 4] {
             let src: Vec<u8> = (0..23u8).map(|i| i.wrapping_mul(37) | 1).collect();
             let mut planes = vec![0; src.len()];
             shuffle(&src, width, &mut planes);
