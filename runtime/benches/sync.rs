@@ -8,6 +8,7 @@
 //! - the bf16 copies (round to nearest even) of the same f32 weights before and after it;
 //! - a sparse step: 1% of the f32 values move (rel 1e-3), the rest are untouched;
 //! - no change at all.
+//!
 //! The table is deterministic (fixed seeds); it is printed before the timings.
 //!
 //! Then criterion timings, in one run so the figures compare: memcpy of the image (one thread

@@ -118,8 +118,8 @@ fn make_pair(
             while p < len {
                 p += rng.below(300);
                 let run = 1 + rng.below(40);
-                for q in p..(p + run).min(len) {
-                    new[q] = other(rng, new[q]);
+                for b in new.iter_mut().take((p + run).min(len)).skip(p) {
+                    *b = other(rng, *b);
                 }
                 p += run;
             }

@@ -436,7 +436,7 @@ impl ChunkCodec {
                 out.copy_from_slice(payload);
             }
             Encoding::Positions32 => {
-                if payload.len() % 5 != 0 {
+                if !payload.len().is_multiple_of(5) {
                     return Err(format!("`pos32` of {} bytes", payload.len()));
                 }
                 for rec in payload.chunks_exact(5) {

@@ -145,7 +145,7 @@ impl Default for EncodeParams {
 impl EncodeParams {
     pub fn validate(&self) -> Result<(), DeltaError> {
         let cs = self.chunk_size;
-        if !(MIN_CHUNK_SIZE..=MAX_CHUNK_SIZE).contains(&cs) || cs % 8 != 0 {
+        if !(MIN_CHUNK_SIZE..=MAX_CHUNK_SIZE).contains(&cs) || !cs.is_multiple_of(8) {
             return Err(DeltaError::Params(format!(
                 "chunk size {cs} must be a multiple of 8 in [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]"
             )));
@@ -422,7 +422,7 @@ pub fn parse(delta: &[u8]) -> Result<ParsedDelta<'_>, DeltaError> {
     let elem = ElemType::from_code(delta[10])
         .ok_or_else(|| malformed(format!("unknown element type code {}", delta[10])))?;
     let chunk_size = u32_at(delta, 12) as usize;
-    if !(MIN_CHUNK_SIZE..=MAX_CHUNK_SIZE).contains(&chunk_size) || chunk_size % 8 != 0 {
+    if !(MIN_CHUNK_SIZE..=MAX_CHUNK_SIZE).contains(&chunk_size) || !chunk_size.is_multiple_of(8) {
         return Err(malformed(format!("chunk size {chunk_size}")));
     }
     let image_len = u64_at(delta, 32);
@@ -463,7 +463,7 @@ pub fn parse(delta: &[u8]) -> Result<ParsedDelta<'_>, DeltaError> {
         let sized_right = match encoding {
             Encoding::Same => payload_len == 0,
             Encoding::Raw => payload_len == image_len,
-            Encoding::Positions32 => payload_len % 5 == 0,
+            Encoding::Positions32 => payload_len.is_multiple_of(5),
             Encoding::Gaps16 | Encoding::ZstdXor => true,
         };
         if !sized_right {
