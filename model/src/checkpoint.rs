@@ -14,8 +14,14 @@
 //! version, the config (same architecture; `seed` and `init_std` may differ), then every tensor
 //! of every requested group: present, nothing unexpected, dtype F32, shape, checksum. Only when
 //! all of that passes are the new arenas built and swapped in, so a failed load leaves the
-//! model as it was. The file is written to `<path>.tmp` and renamed, so a crash mid-save never
-//! leaves a truncated checkpoint under the real name.
+//! model as it was.
+//!
+//! Saving is crash-safe ([`write_atomic`]): the bytes go to `<path>.tmp` in the same folder,
+//! which is flushed to disk (fsync) and then renamed over `<path>`, and the folder is fsynced so
+//! the rename itself survives a power loss. A process killed at any point leaves `<path>` either
+//! the previous checkpoint or the new one, whole; never a mix or a truncated file. A stale
+//! `<path>.tmp` from a killed writer is never read and is overwritten by the next save. One
+//! writer per path is assumed (two processes saving the same path at once share the temp name).
 
 use crate::arena::Arena;
 use crate::config::ModelConfig;
@@ -99,6 +105,19 @@ pub fn save_with_meta(
     extra: &[(&str, &Arena)],
     meta: &[(&str, String)],
 ) -> Result<()> {
+    let out = to_bytes_with_meta(config, params, extra, meta)?;
+    write_atomic(path, &out)
+}
+
+/// The bytes [`save_with_meta`] writes, without writing them (for callers that hash or send
+/// the file, such as the disk weight-sync path).
+pub fn to_bytes_with_meta(
+    config: &ModelConfig,
+    params: &Arena,
+    extra: &[(&str, &Arena)],
+    meta: &[(&str, String)],
+) -> Result<Vec<u8>> {
+    let path = Path::new("<checkpoint>");
     for (i, (key, _)) in meta.iter().enumerate() {
         check_meta_key(key)?;
         if meta[..i].iter().any(|(k, _)| k == key) {
@@ -169,14 +188,60 @@ pub fn save_with_meta(
     let mut out =
         safetensors::serialize(views, Some(metadata)).map_err(|e| io(path, e.to_string()))?;
     canonical_header(&mut out);
-    let tmp = path.with_file_name(format!(
-        "{}.tmp",
-        path.file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "checkpoint".into())
-    ));
-    std::fs::write(&tmp, out).map_err(|e| io(&tmp, e.to_string()))?;
-    std::fs::rename(&tmp, path).map_err(|e| io(path, format!("renaming {}: {e}", tmp.display())))
+    Ok(out)
+}
+
+/// The temp file [`write_atomic`] writes before renaming it to `path`: `<path>.tmp`, in the
+/// same folder (a rename is atomic only within one file system).
+pub fn temp_path(path: &Path) -> std::path::PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "checkpoint".into());
+    path.with_file_name(format!("{name}.tmp"))
+}
+
+/// Writes `bytes` to `path` so that a crash at any moment leaves `path` either as it was or
+/// holding exactly `bytes`: write `<path>.tmp`, fsync it, rename it over `path`, fsync the
+/// folder (so the rename is on disk too; Unix only, elsewhere the rename is the last step). On
+/// an error the temp file is removed and `path` is untouched.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let tmp = temp_path(path);
+    let written = (|| -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        // The data must be on disk before the rename makes it visible under the real name;
+        // otherwise a power loss could leave the new name pointing at unwritten blocks.
+        f.sync_all()
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(&tmp, e.to_string()));
+    }
+    if let Err(e) = std::fs::rename(&tmp, path) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(path, format!("renaming {}: {e}", tmp.display())));
+    }
+    sync_parent_dir(path)
+}
+
+/// Fsyncs the folder holding `path`, which makes a rename inside it durable.
+#[cfg(unix)]
+fn sync_parent_dir(path: &Path) -> Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| io(dir, format!("fsync of the folder after a rename: {e}")))
+}
+
+/// Folders cannot be opened for fsync off Unix; the rename is the last step there.
+#[cfg(not(unix))]
+fn sync_parent_dir(_path: &Path) -> Result<()> {
+    Ok(())
 }
 
 /// Rewrites the JSON header of serialised safetensors bytes with its keys sorted, in place.
@@ -235,6 +300,11 @@ struct Parsed {
 
 fn parse(path: &Path) -> Result<Parsed> {
     let bytes = std::fs::read(path).map_err(|e| io(path, e.to_string()))?;
+    parse_bytes(bytes, path)
+}
+
+/// [`parse`] of bytes already read; `path` only names them in errors.
+fn parse_bytes(bytes: Vec<u8>, path: &Path) -> Result<Parsed> {
     let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| {
         io(
             path,
@@ -364,11 +434,31 @@ fn check_meta_key(key: &str) -> Result<()> {
 /// config (the file is read once). Returns the config and the arena.
 pub fn load_new(path: &Path, backend: &Backend) -> Result<(ModelConfig, Arena)> {
     let parsed = parse(path)?;
+    load_new_parsed(parsed, path, backend).map(|(config, params, _)| (config, params))
+}
+
+/// [`load_new`] of a checkpoint file's bytes already in memory (read once, e.g. after checking
+/// their hash), also returning the caller metadata. `origin` only names the bytes in errors.
+pub fn load_new_from_bytes(
+    bytes: Vec<u8>,
+    origin: &Path,
+    backend: &Backend,
+) -> Result<(ModelConfig, Arena, BTreeMap<String, String>)> {
+    let parsed = parse_bytes(bytes, origin)?;
+    load_new_parsed(parsed, origin, backend)
+}
+
+fn load_new_parsed(
+    mut parsed: Parsed,
+    path: &Path,
+    backend: &Backend,
+) -> Result<(ModelConfig, Arena, BTreeMap<String, String>)> {
+    let meta = std::mem::take(&mut parsed.meta);
     let config = parsed.config.clone();
     let layout = Arc::new(Layout::new(&config)?);
     let mut params = Arena::zeros(backend, layout, DType::F32)?;
     let config = load_parsed(parsed, path, backend, &config, &mut params, &mut [])?;
-    Ok((config, params))
+    Ok((config, params, meta))
 }
 
 fn load_parsed(

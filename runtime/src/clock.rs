@@ -11,7 +11,19 @@ use std::collections::BinaryHeap;
 use std::time::{Duration, Instant};
 
 /// A point on the run clock: microseconds since the run started.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 pub struct Micros(pub u64);
 
 impl Micros {

@@ -17,6 +17,7 @@ pub mod learner;
 pub mod metrics;
 pub mod orchestrator;
 pub mod router;
+pub mod sync;
 pub mod system;
 pub mod trajectory;
 

@@ -905,7 +905,9 @@ impl Orchestrator {
             )));
         }
         if !self.groups.is_empty() {
-            return Err(internal("restore into an orchestrator with groups in flight"));
+            return Err(internal(
+                "restore into an orchestrator with groups in flight",
+            ));
         }
         self.next_group = st.next_group;
         self.stats = st.stats;

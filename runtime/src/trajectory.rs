@@ -14,7 +14,19 @@ pub type TokenId = u32;
 
 /// The version of the policy weights that produced a token. The learner bumps it on every weight
 /// refresh; the data buffer's version gate compares it with the learner's own.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 pub struct WeightVersion(pub u64);
 
 impl fmt::Display for WeightVersion {
@@ -68,7 +80,9 @@ impl FromStr for TerminalReason {
 
 /// The first token of one turn: turn k's tokens are `tokens[start_k .. start_{k+1}]` (the last
 /// turn runs to the end). The prompt precedes the first boundary.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 pub struct TurnBoundary {
     pub start: usize,
 }
@@ -362,7 +376,10 @@ pub mod f32_bits {
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
     pub fn serialize<S: Serializer>(v: &[f32], s: S) -> Result<S::Ok, S::Error> {
-        v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>().serialize(s)
+        v.iter()
+            .map(|x| x.to_bits())
+            .collect::<Vec<u32>>()
+            .serialize(s)
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<f32>, D::Error> {

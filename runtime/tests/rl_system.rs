@@ -13,8 +13,8 @@ use sluice_runtime::env::latency::LatencyModel;
 use sluice_runtime::env::synthetic::{Lookup, Recall};
 use sluice_runtime::env::Task;
 use sluice_runtime::learner::{Learner, LearnerConfig, StepReport};
-use sluice_runtime::orchestrator::{Orchestrator, RolloutPolicy, TaskSpec};
 use sluice_runtime::metrics::LearnerTotals;
+use sluice_runtime::orchestrator::{Orchestrator, RolloutPolicy, TaskSpec};
 use sluice_runtime::system::{
     run_stage, Mode, Parts, StageConfig, StageObserver, StageReport, StageStart, Tick,
 };

@@ -2,6 +2,7 @@
 
 pub mod bench_cmd;
 pub mod config;
+pub mod delta_cmd;
 pub mod kernel_cmd;
 pub mod progress;
 pub mod sft_cmd;

@@ -90,6 +90,11 @@ enum Command {
         #[arg(long)]
         print_defaults: bool,
     },
+    /// Weight-sync deltas between two safetensors files with identical tensor tables.
+    Delta {
+        #[command(subcommand)]
+        command: sluice_trainer::delta_cmd::DeltaCommand,
+    },
     /// Supervised training on the synthetic digit-reversal task with Muon + AdamW: progress,
     /// metrics.jsonl, held-out accuracy and a checkpoint with the optimizer state.
     Sft {
@@ -273,6 +278,12 @@ fn main() -> ExitCode {
             } else {
                 eprintln!("error: nothing to do; usage: sluice config --print-defaults");
                 ExitCode::from(2)
+            }
+        }
+        Command::Delta { command } => {
+            match sluice_trainer::delta_cmd::run(&command, &mut std::io::stdout()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => fail(&e),
             }
         }
         Command::Devices => {

@@ -40,8 +40,8 @@ fn short_config(dir: &Path) -> PathBuf {
 
 fn run_ok(args: &[&str]) -> String {
     let out = sluice(args);
-    let text = String::from_utf8_lossy(&out.stdout).to_string()
-        + &String::from_utf8_lossy(&out.stderr);
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "sluice {args:?} failed:\n{text}");
     text
 }
@@ -195,7 +195,10 @@ fn replay_pair(device: &str, cfg: &Path, dir: &Path) {
     let c = run("c", "6");
     let (ma, mb) = (metrics_without_wall(&a), metrics_without_wall(&b));
     assert!(ma.len() > 10);
-    assert_eq!(ma, mb, "{device}: two replays of one seed wrote different metrics");
+    assert_eq!(
+        ma, mb,
+        "{device}: two replays of one seed wrote different metrics"
+    );
     let (sa, sb, sc) = (summary(&a), summary(&b), summary(&c));
     assert_eq!(sa["final_weights_sha256"], sb["final_weights_sha256"]);
     assert_ne!(
@@ -236,10 +239,19 @@ fn bad_configs_name_the_key_exit_2_and_leave_no_folder() {
     )
     .unwrap();
     let cases: Vec<(Vec<String>, &str)> = vec![
-        (vec!["--set".into(), "buffer.nosuch=1".into()], "buffer.nosuch"),
-        (vec!["--set".into(), "buffer.tau=\"three\"".into()], "buffer.tau"),
+        (
+            vec!["--set".into(), "buffer.nosuch=1".into()],
+            "buffer.nosuch",
+        ),
+        (
+            vec!["--set".into(), "buffer.tau=\"three\"".into()],
+            "buffer.tau",
+        ),
         (vec!["--set".into(), "buffer.tau=-1".into()], "buffer.tau"),
-        (vec!["--set".into(), "buffer.group_size=0".into()], "buffer.group_size"),
+        (
+            vec!["--set".into(), "buffer.group_size=0".into()],
+            "buffer.group_size",
+        ),
         (vec!["--set".into(), "buffer.eta=-1".into()], "buffer.eta"),
         (
             vec!["--config".into(), missing_task.to_str().unwrap().into()],
@@ -261,7 +273,10 @@ fn bad_configs_name_the_key_exit_2_and_leave_no_folder() {
         let o = sluice(&refs);
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
-        assert!(err.contains(key), "{args:?}: the error does not name {key}: {err}");
+        assert!(
+            err.contains(key),
+            "{args:?}: the error does not name {key}: {err}"
+        );
         assert_eq!(err.lines().count(), 1, "{args:?}: one clear line: {err}");
         assert!(!out.exists(), "{args:?}: a run folder was created");
     }
