@@ -2,4 +2,6 @@
 
 pub mod bench_cmd;
 pub mod kernel_cmd;
+pub mod report;
 pub mod sft_cmd;
+pub mod tasks;
