@@ -9,7 +9,7 @@ use sluice_trainer::tasks::calc::CalcError;
 use sluice_trainer::tasks::tokenizer::{
     self, Special, TokenizerError, CALL, END_CALL, EOT, USER, VOCAB_SIZE,
 };
-use sluice_trainer::tasks::tool::{ToolTask, MAX_CALLS};
+use sluice_trainer::tasks::tool::{DemoMix, ToolTask, MAX_CALLS, MAX_OBSERVATION_TOKENS};
 use sluice_trainer::tasks::{make, TaskOptions, KINDS};
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -240,6 +240,19 @@ fn tool_answers_malformed_calls_with_an_error_observation() {
         call(0, &enc(&long)),
         "error: program of 401 chars is too long"
     );
+    // The longest observations still fit the bound the rollout is told about.
+    for program in [
+        format!("<call>{}</call>", "9".repeat(1_000_000)),
+        "<call>-999999999*999999999*9</call>".to_string(),
+        "<call>1+<user></call>".to_string(),
+    ] {
+        match t.respond(&p, 0, &enc(&program)).unwrap() {
+            Reply::Observe(obs) => {
+                assert!(obs.len() <= MAX_OBSERVATION_TOKENS, "{}", obs.len())
+            }
+            other => panic!("{other:?}"),
+        }
+    }
     // The last <call> of the turn opens the program.
     assert_eq!(call(0, &enc("<call>1+<call>2*3</call>")), "6");
     // Past MAX_CALLS a call ends the episode as `budget`.
@@ -317,9 +330,9 @@ fn problems_are_a_function_of_the_rng() {
 }
 
 /// Replays a demonstration's model turns through `respond`: every observation must be the
-/// demonstration's next given tokens, and the episode must end with reward 1. Returns the
-/// number of model turns.
-fn replay(t: &dyn Task, p: &Problem, d: &Demonstration) -> usize {
+/// demonstration's next given tokens, and the episode must end at its last turn. Returns the
+/// number of model turns and the reward.
+fn replay(t: &dyn Task, p: &Problem, d: &Demonstration) -> (usize, f32) {
     assert_eq!(d.tokens.len(), d.loss_mask.len());
     assert!(d.tokens.starts_with(&p.prompt));
     assert!(d.loss_mask[..p.prompt.len()].iter().all(|&m| !m));
@@ -348,9 +361,14 @@ fn replay(t: &dyn Task, p: &Problem, d: &Demonstration) -> usize {
                 turn += 1;
             }
             Reply::End { reward, reason } => {
-                assert_eq!((reward, reason), (1.0, TerminalReason::Success));
+                let want = if reward == 1.0 {
+                    TerminalReason::Success
+                } else {
+                    TerminalReason::Failure
+                };
+                assert_eq!(reason, want);
                 assert_eq!(i + 1, runs.len(), "the episode ends at the last turn");
-                return turn as usize + 1;
+                return (turn as usize + 1, reward);
             }
         }
     }
@@ -376,7 +394,8 @@ fn demonstrations_replay_to_reward_one() {
             let p = t.problem(&mut rng, Split::Train);
             let d = t.demonstration(&p, &mut rng).unwrap();
             assert!(d.tokens.iter().all(|&id| (id as usize) < vocab));
-            let n = replay(t.as_ref(), &p, &d);
+            let (n, reward) = replay(t.as_ref(), &p, &d);
+            assert_eq!(reward, 1.0, "{}", tokenizer::render(&d.tokens));
             turns[n.min(2)] += 1;
         }
         // Single-turn tasks answer in one turn; the tool and lookup demonstrations call first.
@@ -390,25 +409,41 @@ fn demonstrations_replay_to_reward_one() {
 }
 
 #[test]
-fn tool_fraction_sets_the_share_of_tool_demonstrations() {
-    for (fraction, lo, hi) in [
-        (0.0, 0, 0),
-        (1.0, 400, 400),
-        (0.25, 70, 130),
-        (0.5, 170, 230),
-    ] {
-        let t = ToolTask::new("calc", 3, fraction).unwrap();
+fn the_demonstration_mix_sets_tool_use_and_wrong_calls() {
+    // (tool_fraction, wrong_call_fraction, bounds on tool calls, bounds on wrong calls) of
+    // 400 demonstrations; random bounds are about 3 standard deviations of Binomial(400, f)
+    // (of Binomial(calls, g) for wrong calls).
+    let cases = [
+        (0.0, 0.0, (0, 0), (0, 0)),
+        (1.0, 0.0, (400, 400), (0, 0)),
+        (0.25, 0.0, (70, 130), (0, 0)),
+        (1.0, 0.6, (400, 400), (210, 270)),
+        (0.5, 1.0, (170, 230), (170, 230)),
+    ];
+    for (tool_fraction, wrong_call_fraction, calls_in, wrong_in) in cases {
+        let mix = DemoMix {
+            tool_fraction,
+            wrong_call_fraction,
+        };
+        let t = ToolTask::new("calc", 2, mix).unwrap();
         let mut rng = Rng::new(8);
-        let mut with_tool = 0;
+        let (mut calls, mut wrong) = (0, 0);
         for _ in 0..400 {
             let p = t.problem(&mut rng, Split::Train);
             let d = t.demonstration(&p, &mut rng).unwrap();
-            with_tool += usize::from(d.tokens.contains(&CALL));
+            let (turns, reward) = replay(&t, &p, &d);
+            let called = d.tokens.contains(&CALL);
+            assert_eq!(turns, 1 + usize::from(called));
+            calls += usize::from(called);
+            // A wrong call is the sum; its demonstration answers what the tool said and fails.
+            let sum = d.tokens.contains(&tokenizer::PLUS);
+            wrong += usize::from(sum);
+            assert_eq!(reward, if sum { 0.0 } else { 1.0 });
         }
-        // Binomial(400, f): the bounds are about 3 standard deviations.
+        let ok = |n: usize, (lo, hi): (usize, usize)| (lo..=hi).contains(&n);
         assert!(
-            (lo..=hi).contains(&with_tool),
-            "fraction {fraction}: {with_tool} of 400"
+            ok(calls, calls_in) && ok(wrong, wrong_in),
+            "{mix:?}: {calls} calls, {wrong} wrong of 400"
         );
     }
 }
@@ -472,7 +507,28 @@ fn the_registry_makes_every_kind_and_names_what_is_wrong() {
             },
         );
         assert!(e.contains("tool_fraction"), "{e}");
+        let e = err(
+            "tool",
+            64,
+            TaskOptions {
+                wrong_call_fraction: Some(f),
+                ..TaskOptions::default()
+            },
+        );
+        assert!(e.contains("wrong_call_fraction"), "{e}");
     }
+    let e = err(
+        "recall",
+        64,
+        TaskOptions {
+            wrong_call_fraction: Some(0.5),
+            ..TaskOptions::default()
+        },
+    );
+    assert!(
+        e.contains("wrong_call_fraction") && e.contains("items"),
+        "{e}"
+    );
     let e = err(
         "recall",
         64,

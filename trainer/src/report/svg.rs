@@ -99,6 +99,21 @@ fn text_width(s: &str, size: f64) -> f64 {
     s.chars().count() as f64 * 0.6 * size
 }
 
+/// Splits `text` at spaces into lines at most `width` wide (a longer word gets its own line).
+fn wrap(text: &str, width: f64, size: f64) -> Vec<String> {
+    let mut lines: Vec<String> = Vec::new();
+    for word in text.split_whitespace() {
+        match lines.last_mut() {
+            Some(l) if text_width(l, size) + text_width(word, size) + 0.6 * size <= width => {
+                l.push(' ');
+                l.push_str(word);
+            }
+            _ => lines.push(word.to_string()),
+        }
+    }
+    lines
+}
+
 /// Escapes text for an XML text node or attribute.
 pub fn escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
@@ -150,8 +165,10 @@ pub fn tick_label(v: f64, step: f64, extent: f64) -> String {
         ((-s.log10()).ceil() as usize).min(6)
     };
     let x = v / scale;
-    // Avoid "-0".
-    let x = if x.abs() < s * 1e-6 { 0.0 } else { x };
+    if x.abs() < s * 1e-6 {
+        // Zero is "0" on any axis (not "0k", "-0" or "0.00").
+        return "0".into();
+    }
     format!("{x:.decimals$}{suffix}")
 }
 
@@ -246,7 +263,9 @@ impl Chart {
         } else {
             legend_w + 28.0 + 24.0
         };
-        let top = if self.subtitle.is_empty() { 44.0 } else { 62.0 };
+        // The subtitle wraps at the chart's width.
+        let subtitle = wrap(&self.subtitle, WIDTH - left - 16.0, FONT);
+        let top = 44.0 + 16.0 * subtitle.len() as f64;
         let bottom = 58.0;
         let (pw, ph) = (WIDTH - left - right, HEIGHT - top - bottom);
         let sx = |x: f64| left + (x - x0) / (x1 - x0) * pw;
@@ -273,12 +292,13 @@ impl Chart {
             left,
             escape(&self.title)
         );
-        if !self.subtitle.is_empty() {
+        for (i, line) in subtitle.iter().enumerate() {
             let _ = writeln!(
                 o,
-                r##"<text x="{:.1}" y="44" fill="#555">{}</text>"##,
+                r##"<text x="{:.1}" y="{:.1}" fill="#555">{}</text>"##,
                 left,
-                escape(&self.subtitle)
+                44.0 + 16.0 * i as f64,
+                escape(line)
             );
         }
 
@@ -413,17 +433,8 @@ impl Chart {
                         );
                     }
                 }
-                Mark::Points => {
-                    for &(x, y) in &pts {
-                        let _ = writeln!(
-                            o,
-                            r#"<circle cx="{:.1}" cy="{:.1}" r="5" fill="{color}" stroke="white" stroke-width="1.5" opacity="{}"/>"#,
-                            sx(x),
-                            sy(y),
-                            s.opacity
-                        );
-                    }
-                }
+                // Drawn after the clipped group, whole even on the frame.
+                Mark::Points => {}
                 Mark::Bars => {
                     for &(x, y) in &pts {
                         let (ya, yb) = (sy(y.max(0.0)), sy(y.min(0.0)));
@@ -439,6 +450,18 @@ impl Chart {
             }
         }
         let _ = writeln!(o, "</g>");
+        for s in self.series.iter().filter(|s| s.mark == Mark::Points) {
+            for (x, y) in finite(&s.points) {
+                let _ = writeln!(
+                    o,
+                    r#"<circle cx="{:.1}" cy="{:.1}" r="5" fill="{}" stroke="white" stroke-width="1.5" opacity="{}"/>"#,
+                    sx(x),
+                    sy(y),
+                    escape(&s.color),
+                    s.opacity
+                );
+            }
+        }
         // Point labels (outside the clip so a label over the top bar stays readable).
         for s in &self.series {
             for (&(x, y), label) in s.points.iter().zip(&s.labels) {
@@ -528,7 +551,8 @@ mod tests {
         assert_eq!(tick_label(1500.0, 500.0, 2000.0), "1500");
         assert_eq!(tick_label(1500.0, 500.0, 20000.0), "1.5k");
         assert_eq!(tick_label(0.4, 0.2, 1.0), "0.4");
-        assert_eq!(tick_label(-0.0, 0.2, 1.0), "0.0");
+        assert_eq!(tick_label(-0.0, 0.2, 1.0), "0");
+        assert_eq!(tick_label(1e-17, 2000.0, 1e4), "0");
         assert_eq!(tick_label(25.0, 5.0, 30.0), "25");
         assert_eq!(tick_label(3e7, 1e7, 5e7), "30M");
         assert_eq!(tick_label(2.5e6, 5e5, 1e7), "2.5M");

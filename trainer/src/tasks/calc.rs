@@ -56,13 +56,15 @@ impl std::error::Error for CalcError {}
 
 /// Evaluates `program` (see the module docs).
 pub fn eval(program: &str) -> Result<i64, CalcError> {
-    let chars: Vec<char> = program.chars().filter(|c| *c != ' ').collect();
-    if chars.is_empty() {
+    // Count before collecting, so a huge program costs no allocation.
+    let len = program.chars().filter(|c| *c != ' ').count();
+    if len == 0 {
         return Err(CalcError::Empty);
     }
-    if chars.len() > MAX_LEN {
-        return Err(CalcError::TooLong(chars.len()));
+    if len > MAX_LEN {
+        return Err(CalcError::TooLong(len));
     }
+    let chars: Vec<char> = program.chars().filter(|c| *c != ' ').collect();
     let mut p = Parser { chars, at: 0 };
     let v = p.expr(0)?;
     match p.peek() {

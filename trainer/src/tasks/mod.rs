@@ -3,7 +3,7 @@
 //! | kind     | turns | what                                              | options                  |
 //! |----------|-------|---------------------------------------------------|--------------------------|
 //! | `arith`  | 1     | the sum of two integers ([`arith`])               | `digits`                 |
-//! | `tool`   | 2-4   | a product, with a calculator tool ([`tool`])      | `digits`, `tool_fraction`|
+//! | `tool`   | 2-4   | a product, with a calculator tool ([`tool`])      | `digits`, `tool_fraction`, `wrong_call_fraction` |
 //! | `recall` | 1     | raw-id recall (the runtime's synthetic task)      | `items`                  |
 //! | `lookup` | 2     | raw-id lookup through an observation (runtime)    | none                     |
 //!
@@ -46,6 +46,9 @@ pub struct TaskOptions {
     /// `tool`: the fraction of demonstrations that use the tool (the rest answer directly);
     /// in [0, 1], default [`DEFAULT_TOOL_FRACTION`]. See [`tool`] for how it sets the warm-up.
     pub tool_fraction: Option<f64>,
+    /// `tool`: the fraction of tool-calling demonstrations that call it with the wrong program
+    /// (`A+B`); in [0, 1], default 0. See [`tool`].
+    pub wrong_call_fraction: Option<f64>,
     /// `recall`: symbols per prompt, >= 1, default [`DEFAULT_ITEMS`].
     pub items: Option<u32>,
 }
@@ -59,6 +62,9 @@ impl TaskOptions {
         }
         if self.tool_fraction.is_some() {
             v.push("tool_fraction");
+        }
+        if self.wrong_call_fraction.is_some() {
+            v.push("wrong_call_fraction");
         }
         if self.items.is_some() {
             v.push("items");
@@ -77,7 +83,7 @@ pub fn make(
 ) -> Result<Arc<dyn Task>, String> {
     let takes: &[&str] = match kind {
         "arith" => &["digits"],
-        "tool" => &["digits", "tool_fraction"],
+        "tool" => &["digits", "tool_fraction", "wrong_call_fraction"],
         "recall" => &["items"],
         "lookup" => &[],
         _ => {
@@ -112,7 +118,10 @@ pub fn make(
             tool::ToolTask::new(
                 name,
                 digits,
-                options.tool_fraction.unwrap_or(DEFAULT_TOOL_FRACTION),
+                tool::DemoMix {
+                    tool_fraction: options.tool_fraction.unwrap_or(DEFAULT_TOOL_FRACTION),
+                    wrong_call_fraction: options.wrong_call_fraction.unwrap_or(0.0),
+                },
             )
             .map_err(|e| e.0)?,
         ),

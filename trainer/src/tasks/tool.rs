@@ -30,26 +30,49 @@
 //! which such a model learns in a minute. So the pass rate measures whether the policy uses the
 //! tool correctly.
 //!
-//! Demonstrations and the warm-up. [`Task::demonstration`] returns, with probability
-//! `tool_fraction`, the tool-using episode above and otherwise a direct answer (the correct
-//! product written straight after the prompt, which the model cannot actually compute). A
-//! model trained on that mix learns to open its answer with `<call>` with probability about
-//! `tool_fraction` and otherwise to write digits, so:
-//! - sampled at temperature 1, about `tool_fraction` of its episodes use the tool and succeed:
-//!   GRPO groups then have both outcomes, and RL has a signal to push the `<call>` probability
-//!   up;
-//! - decoded greedily, it writes `<call>` only where that probability beats the most likely
-//!   leading digit, which for a small fraction (about 0.1-0.25) is rare: the greedy held-out
-//!   pass rate stays low after the warm-up, and rises once RL has made the tool the policy's
-//!   first choice.
-//!   With `tool_fraction = 1` the demonstrations are all tool use (a warm-up that already
-//!   solves the task); with 0 none are (RL would have to discover `<call>` on its own).
+//! Demonstrations and the warm-up. The train issue wants a supervised warm-up after which
+//! the greedy held-out pass rate is below 50% but sampling sometimes succeeds, so that RL has
+//! something to reinforce. [`Task::demonstration`] draws from a [`DemoMix`]:
+//! - `wrong_call_fraction` (recommended for the warm-up): every demonstration calls the tool
+//!   and copies its result, but this fraction of them call it with the wrong program, the sum
+//!   `A+B`, and so end with reward 0. The model learns all of the mechanics from every
+//!   demonstration (copy the operands into the call, copy the observation into the answer) and
+//!   learns to write `+` after the first operand with probability about
+//!   `wrong_call_fraction`. With a fraction above one half, greedy decoding writes `+` and
+//!   fails on every problem, while sampling at temperature 1 writes `*` about
+//!   `1 - wrong_call_fraction` of the time and succeeds: GRPO groups then hold both outcomes,
+//!   and RL only has to move one decision.
+//! - `tool_fraction`: the fraction of demonstrations that call the tool; the others write the
+//!   correct product straight after the prompt (which the model cannot compute). Measured,
+//!   this is a poor warm-up: the direct answers are noise the model cannot fit, they dilute the
+//!   copying it must learn, and greedy decoding still opens with `<call>` as soon as its
+//!   probability beats the most likely leading digit (about 0.3 is enough).
+//!
+//! Measured (2026-12-01, branch tasks at ceb8fa9 plus the demonstration mix; configs/model/small.toml on cpu,
+//! Muon+AdamW at `sluice sft`'s default learning rates, 16 demonstrations per step, a 2-core
+//! machine shared with other builds): greedy and temperature-1 pass rates on 128 held-out
+//! problems after the warm-up.
+//!
+//! | digits | demonstrations               | steps | greedy        | sampled (T=1) |
+//! |--------|------------------------------|-------|---------------|---------------|
+//! | 2      | `wrong_call_fraction = 0.75` | 200   | 0.00          | 0.25          |
+//! | 2      | `wrong_call_fraction = 0.6`  | 200   | 0.00          | 0.43          |
+//! | 3      | `wrong_call_fraction = 0.6`  | 100 / 150 | 0.58 / 0.00 | 0.23 / 0.03 |
+//! | 2      | `tool_fraction = 0.3`        | 200   | 0.02          | 0.01          |
+//! | 3      | all correct                  | 150   | 0.73          |               |
+//!
+//! Near one half the learned share of `+` drifts with the optimizer's noise (the 3-digit row
+//! flips between evaluations), so a warm-up that must stay below 50% greedy wants a clear
+//! margin: `wrong_call_fraction` about 0.75.
+//!
+//! With the defaults (`tool_fraction = 1`, `wrong_call_fraction = 0`) every demonstration is
+//! a correct tool-using episode and replays to reward 1.
 //!
 //! Held-out problems are those whose spec (`"372*845"`) hashes odd, training problems those
 //! that hash even.
 
 use super::calc;
-use super::tokenizer::{self, CALL, END_CALL, EOT, TIMES};
+use super::tokenizer::{self, CALL, END_CALL, EOT, PLUS, TIMES};
 use super::{end, in_split, template, MAX_DIGITS};
 use sluice_kernels::testing::Rng;
 use sluice_runtime::engine::StopConfig;
@@ -63,35 +86,63 @@ pub const ENV_VERSION: &str = "tool-calculator-1";
 /// and the answer), and at most `MAX_CALLS + 1` turns can ever be used.
 pub const MAX_CALLS: u32 = 3;
 
+/// The longest observation the environment returns, in tokens (the rollout's
+/// `max_observation_tokens` must be at least this): `<observation>`, at most 45 characters
+/// (the longest error message, or a 20-character result), `<eot><assistant>`.
+pub const MAX_OBSERVATION_TOKENS: usize = 48;
+
 /// Seed of the split hash (distinct per task kind).
 const SPLIT_SEED: u64 = 0x7001;
+
+/// What [`Task::demonstration`] draws (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DemoMix {
+    /// The fraction of demonstrations that call the tool; the rest answer directly.
+    pub tool_fraction: f64,
+    /// The fraction of tool-calling demonstrations whose program is the sum `A+B` instead of
+    /// the product; their answer repeats what the tool returned, so they end with reward 0.
+    pub wrong_call_fraction: f64,
+}
+
+impl DemoMix {
+    /// Every demonstration calls the tool correctly.
+    pub const CORRECT: DemoMix = DemoMix {
+        tool_fraction: 1.0,
+        wrong_call_fraction: 0.0,
+    };
+}
 
 /// The agentic tool task (see the module docs).
 #[derive(Clone, Debug)]
 pub struct ToolTask {
     name: String,
     digits: u32,
-    tool_fraction: f64,
+    mix: DemoMix,
 }
 
 impl ToolTask {
-    /// Operands of exactly `digits` digits (1..=9); `tool_fraction` (in [0, 1]) of the
-    /// demonstrations use the tool, the rest answer directly.
-    pub fn new(name: &str, digits: u32, tool_fraction: f64) -> Result<ToolTask, TaskError> {
+    /// Operands of exactly `digits` digits (1..=9); demonstrations drawn as `mix` says (both
+    /// fractions in [0, 1]).
+    pub fn new(name: &str, digits: u32, mix: DemoMix) -> Result<ToolTask, TaskError> {
         if !(1..=MAX_DIGITS).contains(&digits) {
             return Err(TaskError(format!(
                 "task {name}: digits must be in 1..={MAX_DIGITS}, got {digits}"
             )));
         }
-        if !(0.0..=1.0).contains(&tool_fraction) {
-            return Err(TaskError(format!(
-                "task {name}: tool_fraction must be in [0, 1], got {tool_fraction}"
-            )));
+        for (key, f) in [
+            ("tool_fraction", mix.tool_fraction),
+            ("wrong_call_fraction", mix.wrong_call_fraction),
+        ] {
+            if !(0.0..=1.0).contains(&f) {
+                return Err(TaskError(format!(
+                    "task {name}: {key} must be in [0, 1], got {f}"
+                )));
+            }
         }
         Ok(ToolTask {
             name: name.into(),
             digits,
-            tool_fraction,
+            mix,
         })
     }
 
@@ -99,8 +150,8 @@ impl ToolTask {
         self.digits
     }
 
-    pub fn tool_fraction(&self) -> f64 {
-        self.tool_fraction
+    pub fn mix(&self) -> DemoMix {
+        self.mix
     }
 
     fn operand(&self, rng: &mut Rng) -> i64 {
@@ -173,7 +224,7 @@ impl Task for ToolTask {
             }
             return Problem {
                 id: format!("{}:{spec}", self.name),
-                prompt: template::prompt(&product_ids(a, b)),
+                prompt: template::prompt(&operation_ids(a, TIMES, b)),
                 spec,
             };
         }
@@ -214,22 +265,33 @@ impl Task for ToolTask {
 
     fn demonstration(&self, p: &Problem, rng: &mut Rng) -> Option<Demonstration> {
         let (a, b) = self.parse(&p.spec).ok()?;
-        let result = tokenizer::number(a * b);
+        // Both draws always happen, so one demonstration consumes the same randomness
+        // whatever the mix.
+        let (call, wrong) = (rng.uniform(), rng.uniform());
         let mut d = template::DemoBuilder::default();
         d.given(&p.prompt);
-        if rng.uniform() < self.tool_fraction {
-            d.model(&template::call(&product_ids(a, b)));
+        let result = if call < self.mix.tool_fraction {
+            let (op, value) = if wrong < self.mix.wrong_call_fraction {
+                (PLUS, a + b)
+            } else {
+                (TIMES, a * b)
+            };
+            let result = tokenizer::number(value);
+            d.model(&template::call(&operation_ids(a, op, b)));
             d.given(&template::observation(&result));
-        }
+            result
+        } else {
+            tokenizer::number(a * b)
+        };
         d.model(&template::answer(&result));
         Some(d.finish())
     }
 }
 
-/// `A*B` as ids.
-fn product_ids(a: i64, b: i64) -> Vec<TokenId> {
+/// `A op B` as ids.
+fn operation_ids(a: i64, op: TokenId, b: i64) -> Vec<TokenId> {
     let mut ids = tokenizer::number(a);
-    ids.push(TIMES);
+    ids.push(op);
     ids.extend(tokenizer::number(b));
     ids
 }
