@@ -281,7 +281,8 @@ pub fn reward_chart(lines: &[Value], pass: &[PassPoint]) -> Result<Option<Chart>
         y_label: "reward / pass rate".into(),
         series,
         y_min_range: Some((0.0, 1.0)),
-        integer_x: false,
+        x_min_range: Some((0.0, 1.0)),
+        integer_x: true,
         markers: tl.markers(false),
     };
     Ok(chart.has_data().then_some(chart))
@@ -311,6 +312,7 @@ pub fn throughput_chart(lines: &[Value]) -> Option<Chart> {
         y_label: "tokens / s".into(),
         series,
         y_min_range: None,
+        x_min_range: Some((0.0, 0.0)),
         integer_x: false,
         markers: tl.markers(true),
     };
@@ -361,6 +363,7 @@ pub fn lag_chart(lines: &[Value]) -> Option<Chart> {
         y_label: "trained tokens".into(),
         series: vec![bars],
         y_min_range: None,
+        x_min_range: None,
         integer_x: true,
         markers: Vec::new(),
     };
@@ -372,23 +375,16 @@ pub fn share_chart(lines: &[Value], targets: &BTreeMap<String, f64>) -> Option<C
     let tl = Timeline::new(lines);
     let colors = palette(lines, targets, &[]);
     let mut series = Vec::new();
-    let mut x_span = (f64::INFINITY, f64::NEG_INFINITY);
     for name in tasks_with(lines, "learner_share.") {
         let pts = tl.by_step(&format!("learner_share.{name}"));
-        for &(x, _) in &pts {
-            x_span = (x_span.0.min(x), x_span.1.max(x));
-        }
         series.push(Series::new(name.clone(), colors[&name], Mark::Line, pts));
-    }
-    if x_span.0 > x_span.1 {
-        return None;
     }
     for (name, &t) in targets {
         series.push(Series::new(
             format!("{name} target"),
             colors[name],
-            Mark::Dashed,
-            vec![(x_span.0, t), (x_span.1, t)],
+            Mark::HLine,
+            vec![(0.0, t)],
         ));
     }
     let chart = Chart {
@@ -399,7 +395,8 @@ pub fn share_chart(lines: &[Value], targets: &BTreeMap<String, f64>) -> Option<C
         y_label: "share of groups".into(),
         series,
         y_min_range: Some((0.0, 1.0)),
-        integer_x: false,
+        x_min_range: Some((0.0, 1.0)),
+        integer_x: true,
         markers: tl.markers(false),
     };
     chart.has_data().then_some(chart)

@@ -25,6 +25,9 @@ pub enum Mark {
     Dashed,
     /// Circles at the points.
     Points,
+    /// A dashed horizontal line across the whole plot at each point's y (x is ignored): a
+    /// reference level such as a target.
+    HLine,
     /// Bars from 0, centred on the x values (which should be integers: the bars are 0.8 wide).
     Bars,
 }
@@ -84,7 +87,9 @@ pub struct Chart {
     /// The y range to show at least (e.g. (0, 1) for rates); the data widens it if needed.
     /// None: from the data, with 0 included when the data is non-negative.
     pub y_min_range: Option<(f64, f64)>,
-    /// Ticks on the x axis at integers only (bar charts of counts by an integer).
+    /// The x range to show at least (e.g. from step 0); the data widens it if needed.
+    pub x_min_range: Option<(f64, f64)>,
+    /// Ticks on the x axis at integers only (steps, lags).
     pub integer_x: bool,
     /// Vertical dotted lines with a label at the top (stage boundaries).
     pub markers: Vec<(f64, String)>,
@@ -93,6 +98,9 @@ pub struct Chart {
 const WIDTH: f64 = 760.0;
 const HEIGHT: f64 = 430.0;
 const FONT: f64 = 12.0;
+/// How far outside the plot area series may still draw (so a dot or a thick line on the frame
+/// is not cut in half; the data itself always lies inside the axes' range).
+const CLIP_PAD: f64 = 6.0;
 
 /// The estimated width of `s` in the chart's font.
 fn text_width(s: &str, size: f64) -> f64 {
@@ -149,9 +157,9 @@ pub fn nice_ticks(lo: f64, hi: f64, target: usize) -> (f64, f64, f64) {
 }
 
 /// A tick label of an axis whose largest magnitude is `extent`: one k/M suffix for the whole
-/// axis when it reaches 10^4 (10^7), and as many decimals as the step needs.
+/// axis when it reaches 10^4 (10^6), and as many decimals as the step needs.
 pub fn tick_label(v: f64, step: f64, extent: f64) -> String {
-    let (scale, suffix) = if extent >= 1e7 {
+    let (scale, suffix) = if extent >= 1e6 {
         (1e6, "M")
     } else if extent >= 1e4 {
         (1e3, "k")
@@ -187,9 +195,13 @@ fn bounds(c: &Chart) -> Option<((f64, f64), (f64, f64))> {
     let mut any = false;
     for s in &c.series {
         for (x, y) in finite(&s.points) {
+            ys = (ys.0.min(y), ys.1.max(y));
+            if s.mark == Mark::HLine {
+                // A reference level: it widens y, never x, and is not data by itself.
+                continue;
+            }
             any = true;
             xs = (xs.0.min(x), xs.1.max(x));
-            ys = (ys.0.min(y), ys.1.max(y));
             if s.mark == Mark::Bars {
                 ys = (ys.0.min(0.0), ys.1.max(0.0));
             }
@@ -202,6 +214,9 @@ fn bounds(c: &Chart) -> Option<((f64, f64), (f64, f64))> {
         if x.is_finite() {
             xs = (xs.0.min(*x), xs.1.max(*x));
         }
+    }
+    if let Some((a, b)) = c.x_min_range {
+        xs = (xs.0.min(a), xs.1.max(b));
     }
     Some((xs, ys))
 }
@@ -280,10 +295,10 @@ impl Chart {
         let _ = writeln!(
             o,
             r#"<defs><clipPath id="plot"><rect x="{:.1}" y="{:.1}" width="{:.1}" height="{:.1}"/></clipPath></defs>"#,
-            left - 1.0,
-            top - 1.0,
-            pw + 2.0,
-            ph + 2.0
+            left - CLIP_PAD,
+            top - CLIP_PAD,
+            pw + 2.0 * CLIP_PAD,
+            ph + 2.0 * CLIP_PAD
         );
         // Title and subtitle.
         let _ = writeln!(
@@ -435,6 +450,20 @@ impl Chart {
                 }
                 // Drawn after the clipped group, whole even on the frame.
                 Mark::Points => {}
+                Mark::HLine => {
+                    for &(_, y) in &pts {
+                        let _ = writeln!(
+                            o,
+                            r#"<line x1="{:.1}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="{color}" stroke-width="{}" stroke-opacity="{}" stroke-dasharray="7 5"/>"#,
+                            left,
+                            sy(y),
+                            left + pw,
+                            sy(y),
+                            s.width,
+                            s.opacity
+                        );
+                    }
+                }
                 Mark::Bars => {
                     for &(x, y) in &pts {
                         let (ya, yb) = (sy(y.max(0.0)), sy(y.min(0.0)));
@@ -494,8 +523,8 @@ impl Chart {
             let y = top + 8.0 + i as f64 * (FONT + 8.0);
             let color = escape(&s.color);
             match s.mark {
-                Mark::Line | Mark::Dashed => {
-                    let dash = if s.mark == Mark::Dashed {
+                Mark::Line | Mark::Dashed | Mark::HLine => {
+                    let dash = if s.mark != Mark::Line {
                         r#" stroke-dasharray="5 3""#
                     } else {
                         ""
@@ -555,7 +584,8 @@ mod tests {
         assert_eq!(tick_label(1e-17, 2000.0, 1e4), "0");
         assert_eq!(tick_label(25.0, 5.0, 30.0), "25");
         assert_eq!(tick_label(3e7, 1e7, 5e7), "30M");
-        assert_eq!(tick_label(2.5e6, 5e5, 1e7), "2.5M");
+        assert_eq!(tick_label(2.5e6, 5e5, 4e6), "2.5M");
+        assert_eq!(tick_label(8e5, 2e5, 8e5), "800k");
     }
 
     #[test]
