@@ -46,6 +46,14 @@ fn arith(digits: u32) -> Arc<dyn Task> {
     make("arith", "add", 64, &o).unwrap()
 }
 
+fn sort(digits: u32) -> Arc<dyn Task> {
+    let o = TaskOptions {
+        digits: Some(digits),
+        ..TaskOptions::default()
+    };
+    make("sort", "sorting", 64, &o).unwrap()
+}
+
 fn tool(digits: u32, fraction: f64) -> Arc<dyn Task> {
     let o = TaskOptions {
         digits: Some(digits),
@@ -152,6 +160,48 @@ fn arith_rewards_exactly_the_sum() {
         ..bad
     };
     assert!(t.respond(&long, 0, &[EOT]).is_err());
+}
+
+// ---- sort ----
+
+#[test]
+fn sort_rewards_exactly_the_sorted_digits() {
+    let t = sort(7);
+    assert!(!t.multi_turn());
+    let mut rng = Rng::new(4);
+    let mut lengths = BTreeSet::new();
+    for _ in 0..60 {
+        let p = t.problem(&mut rng, Split::HeldOut);
+        lengths.insert(p.spec.len());
+        assert_eq!(
+            tokenizer::decode(&p.prompt).unwrap(),
+            format!("<bos><user>sort {}<eot><assistant>", p.spec)
+        );
+        let mut want: Vec<char> = p.spec.chars().collect();
+        want.sort();
+        let want: String = want.into_iter().collect();
+        let r = |s: &str| t.respond(&p, 0, &enc(s)).unwrap();
+        assert_eq!(r(&format!("{want}<eot>")), success());
+        let rev: String = want.chars().rev().collect();
+        if rev != want {
+            assert_eq!(r(&format!("{rev}<eot>")), failure());
+        }
+        assert_eq!(r(&format!("{want}0<eot>")), failure());
+        assert_eq!(r(&format!("{}<eot>", &want[1..])), failure());
+        assert_eq!(r(&want), failure());
+        assert!(t.respond(&p, 1, &enc(&format!("{want}<eot>"))).is_err());
+    }
+    assert_eq!(lengths, (2..=7).collect(), "every length 2..=7 drawn");
+    let bad = Problem {
+        id: "x".into(),
+        prompt: vec![1],
+        spec: "12345678".into(),
+    };
+    assert!(t
+        .respond(&bad, 0, &[EOT])
+        .unwrap_err()
+        .0
+        .contains("12345678"));
 }
 
 // ---- tool ----
@@ -381,6 +431,8 @@ fn demonstrations_replay_to_reward_one() {
     let tasks: Vec<(Arc<dyn Task>, usize)> = vec![
         (arith(3), 64),
         (arith(9), 64),
+        (sort(2), 64),
+        (sort(9), 64),
         (tool(3, 1.0), 64),
         (tool(4, 0.5), 64),
         (tool(3, 0.0), 64),
@@ -401,7 +453,7 @@ fn demonstrations_replay_to_reward_one() {
         // Single-turn tasks answer in one turn; the tool and lookup demonstrations call first.
         let name = t.name().to_string();
         match name.as_str() {
-            "add" | "r" => assert_eq!(turns[1], 40, "{name}"),
+            "add" | "sorting" | "r" => assert_eq!(turns[1], 40, "{name}"),
             "l" => assert_eq!(turns[2], 40, "{name}"),
             _ => assert_eq!(turns[1] + turns[2], 40, "{name}"),
         }
@@ -463,7 +515,7 @@ fn the_registry_makes_every_kind_and_names_what_is_wrong() {
     let err = |kind: &str, vocab: usize, o: TaskOptions| make(kind, "x", vocab, &o).err().unwrap();
     let e = err("calculator", 64, TaskOptions::default());
     assert!(
-        e.contains("calculator") && e.contains("arith, tool, recall, lookup"),
+        e.contains("calculator") && e.contains("arith, sort, tool, recall, lookup"),
         "{e}"
     );
     let e = err(
@@ -538,6 +590,15 @@ fn the_registry_makes_every_kind_and_names_what_is_wrong() {
         },
     );
     assert!(e.contains("item"), "{e}");
+    let e = err(
+        "sort",
+        64,
+        TaskOptions {
+            digits: Some(1),
+            ..TaskOptions::default()
+        },
+    );
+    assert!(e.contains("digits") && e.contains("2..=9"), "{e}");
     let e = err("lookup", 7, TaskOptions::default());
     assert!(e.contains('7'), "{e}");
 }

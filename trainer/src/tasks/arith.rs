@@ -10,6 +10,12 @@
 //! anything else is wrong. Writing the most significant digit first needs the carries, which is
 //! what makes it a (small) reasoning problem for a small transformer; `digits` sets how hard.
 //!
+//! Measured (2026-12-01, configs/model/small.toml on cpu, `sluice sft`'s learning rates, 16
+//! demonstrations per step): after 200 supervised steps the greedy held-out pass rate is 0.03
+//! with `digits = 2` and 0.02 with 3; with `digits = 1` (100 problems) the model memorises the
+//! training half (loss 0.01) and passes 0.2-0.3 of the held-out half. Sums are a slow task for
+//! a small model; `sort` shows progress in short runs.
+//!
 //! Held-out problems are those whose spec (`"372+45"`) hashes odd, training problems those that
 //! hash even, so the two streams never share a problem.
 

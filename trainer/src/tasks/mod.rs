@@ -3,17 +3,19 @@
 //! | kind     | turns | what                                              | options                  |
 //! |----------|-------|---------------------------------------------------|--------------------------|
 //! | `arith`  | 1     | the sum of two integers ([`arith`])               | `digits`                 |
+//! | `sort`   | 1     | the digits of the prompt, sorted ([`sort`])       | `digits`                 |
 //! | `tool`   | 2-4   | a product, with a calculator tool ([`tool`])      | `digits`, `tool_fraction`, `wrong_call_fraction` |
 //! | `recall` | 1     | raw-id recall (the runtime's synthetic task)      | `items`                  |
 //! | `lookup` | 2     | raw-id lookup through an observation (runtime)    | none                     |
 //!
-//! `arith` and `tool` are text tasks on the character [`tokenizer`] (64 ids) and the chat
+//! `arith`, `sort` and `tool` are text tasks on the character [`tokenizer`] (64 ids) and the chat
 //! [`template`]; they need a model vocabulary of at least [`tokenizer::VOCAB_SIZE`] ids.
 //! `recall` and `lookup` work on raw ids of any vocabulary of at least
 //! [`sluice_runtime::env::synthetic::MIN_VOCAB`] ids, for tiny models and tests.
 
 pub mod arith;
 pub mod calc;
+pub mod sort;
 pub mod template;
 pub mod tokenizer;
 pub mod tool;
@@ -25,10 +27,12 @@ use sluice_runtime::trajectory::TerminalReason;
 use std::sync::Arc;
 
 /// The task kinds [`make`] knows, for configs and error messages.
-pub const KINDS: [&str; 4] = ["arith", "tool", "recall", "lookup"];
+pub const KINDS: [&str; 5] = ["arith", "sort", "tool", "recall", "lookup"];
 
 /// Operand digits of `arith` and `tool` when not set.
 pub const DEFAULT_DIGITS: u32 = 3;
+/// The longest `sort` problem when not set.
+pub const DEFAULT_SORT_DIGITS: u32 = 5;
 /// The largest `digits` (sums and products of 9-digit numbers fit an i64).
 pub const MAX_DIGITS: u32 = 9;
 /// `tool`'s share of tool-using demonstrations when not set: all of them.
@@ -40,8 +44,9 @@ pub const DEFAULT_ITEMS: u32 = 4;
 /// not take, so a typo in a config is an error rather than silently ignored.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct TaskOptions {
-    /// `arith`: operands of 1..=digits digits; `tool`: operands of exactly `digits` digits.
-    /// 1..=9, default [`DEFAULT_DIGITS`].
+    /// `arith`: operands of 1..=digits digits; `tool`: operands of exactly `digits` digits
+    /// (1..=9, default [`DEFAULT_DIGITS`]); `sort`: problems of 2..=digits digits (2..=9,
+    /// default [`DEFAULT_SORT_DIGITS`]).
     pub digits: Option<u32>,
     /// `tool`: the fraction of demonstrations that use the tool (the rest answer directly);
     /// in [0, 1], default [`DEFAULT_TOOL_FRACTION`]. See [`tool`] for how it sets the warm-up.
@@ -82,7 +87,7 @@ pub fn make(
     options: &TaskOptions,
 ) -> Result<Arc<dyn Task>, String> {
     let takes: &[&str] = match kind {
-        "arith" => &["digits"],
+        "arith" | "sort" => &["digits"],
         "tool" => &["digits", "tool_fraction", "wrong_call_fraction"],
         "recall" => &["items"],
         "lookup" => &[],
@@ -103,7 +108,7 @@ pub fn make(
             }
         ));
     }
-    if matches!(kind, "arith" | "tool") && vocab < tokenizer::VOCAB_SIZE {
+    if matches!(kind, "arith" | "sort" | "tool") && vocab < tokenizer::VOCAB_SIZE {
         return Err(format!(
             "task {name}: kind {kind} needs a model vocabulary of at least {} ids (tokenizer \
              {}), the model has {vocab}",
@@ -114,6 +119,10 @@ pub fn make(
     let digits = options.digits.unwrap_or(DEFAULT_DIGITS);
     let task: Arc<dyn Task> = match kind {
         "arith" => Arc::new(arith::Arith::new(name, digits).map_err(|e| e.0)?),
+        "sort" => Arc::new(
+            sort::Sort::new(name, options.digits.unwrap_or(DEFAULT_SORT_DIGITS))
+                .map_err(|e| e.0)?,
+        ),
         "tool" => Arc::new(
             tool::ToolTask::new(
                 name,
