@@ -27,8 +27,8 @@
 //! parameters cannot multiply 3-digit numbers in its head (it can roughly guess the leading
 //! digit and the last one), so answering directly almost always fails; writing the call is
 //! copying the prompt, and answering after the observation is copying the observation, both of
-//! which such a model learns in a minute. So the pass rate measures whether the policy uses the
-//! tool correctly.
+//! which such a model learns in a few hundred supervised steps (one to two minutes on 2
+//! cores). So the pass rate measures whether the policy uses the tool correctly.
 //!
 //! Demonstrations and the warm-up. The train issue wants a supervised warm-up after which
 //! the greedy held-out pass rate is below 50% but sampling sometimes succeeds, so that RL has
@@ -48,10 +48,10 @@
 //!   copying it must learn, and greedy decoding still opens with `<call>` as soon as its
 //!   probability beats the most likely leading digit (about 0.3 is enough).
 //!
-//! Measured (2026-12-01, branch tasks at ceb8fa9 plus the demonstration mix; configs/model/small.toml on cpu,
-//! Muon+AdamW at `sluice sft`'s default learning rates, 16 demonstrations per step, a 2-core
-//! machine shared with other builds): greedy and temperature-1 pass rates on 128 held-out
-//! problems after the warm-up.
+//! Measured (2026-12-01; configs/model/small.toml on cpu, Muon+AdamW at `sluice sft`'s default
+//! learning rates, 16 demonstrations per step, a 2-core machine shared with other builds):
+//! greedy and temperature-1 pass rates on 128 held-out problems after the warm-up, episodes
+//! run through [`Task::respond`].
 //!
 //! | digits | demonstrations               | steps | greedy        | sampled (T=1) |
 //! |--------|------------------------------|-------|---------------|---------------|
