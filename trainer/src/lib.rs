@@ -5,5 +5,7 @@ pub mod config;
 pub mod delta_cmd;
 pub mod kernel_cmd;
 pub mod progress;
+pub mod report;
 pub mod sft_cmd;
+pub mod tasks;
 pub mod train_cmd;
