@@ -103,14 +103,7 @@ pub struct TrainSummary {
 
 /// Builds the task of a config section (the model's vocabulary bounds the token ids).
 pub fn make_task(t: &TaskSection, vocab: usize) -> Result<Arc<dyn Task>, String> {
-    use sluice_runtime::env::synthetic::{Lookup, Recall};
-    match t.kind.as_str() {
-        "recall" => Ok(Arc::new(Recall::new(&t.name, vocab, 3).map_err(|e| e.0)?)),
-        "lookup" => Ok(Arc::new(Lookup::new(&t.name, vocab).map_err(|e| e.0)?)),
-        other => Err(format!(
-            "{other:?} is not a task kind of this build (kinds: recall, lookup)"
-        )),
-    }
+    crate::tasks::make(&t.kind, &t.name, vocab, &t.options)
 }
 
 /// Everything resolved before anything is written.
@@ -499,8 +492,58 @@ pub fn run_train(o: &TrainOptions, out: &mut dyn Write) -> Result<TrainSummary, 
         "trace.json",
         &serde_json::to_string(&ctx.state.trace.to_chrome_json()).map_err(run_err)?,
     )?;
+    // Plots from the metrics, with the held-out pass rates at the first RL stage's start and
+    // at the end of the last one.
+    let lines = crate::report::plots::read_metrics(&metrics_path).map_err(run_err)?;
+    let rl_stages: Vec<usize> = cfg
+        .stages
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.kind == StageKind::Rl)
+        .map(|(i, _)| i)
+        .collect();
+    let mut pass = Vec::new();
+    if let (Some(&first), Some(&last)) = (rl_stages.first(), rl_stages.last()) {
+        for (name, r) in &ctx.state.pass_before {
+            pass.push(crate::report::plots::PassPoint {
+                task: name.clone(),
+                stage: format!("rl#{first}"),
+                step: 0,
+                pass_rate: r.rate(),
+            });
+        }
+        for (name, r) in &ctx.pass_after {
+            pass.push(crate::report::plots::PassPoint {
+                task: name.clone(),
+                stage: format!("rl#{last}"),
+                step: cfg.stages[last].steps,
+                pass_rate: r.rate(),
+            });
+        }
+    }
+    let targets: BTreeMap<String, f64> = cfg
+        .tasks
+        .iter()
+        .map(|t| (t.name.clone(), t.target_share))
+        .collect();
+    let total_target: f64 = targets.values().sum::<f64>().max(1e-12);
+    let targets = targets
+        .into_iter()
+        .map(|(k, v)| (k, v / total_target))
+        .collect();
+    let plots = crate::report::plots::write_all(&p.out, &lines, &targets, &pass).map_err(run_err)?;
     let table = ctx.summary_table(&summary);
     let _ = writeln!(ctx.progress, "{table}");
+    let names: Vec<String> = plots
+        .iter()
+        .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().to_string()))
+        .collect();
+    let _ = writeln!(
+        ctx.progress,
+        "plots: {}; trace: open {} in https://ui.perfetto.dev",
+        names.join(", "),
+        p.out.join("trace.json").display()
+    );
     Ok(TrainSummary {
         out_dir: p.out.clone(),
         summary,
@@ -545,14 +588,20 @@ impl RunContext<'_> {
         writeln!(self.metrics, "{v}").map_err(|e| run_err(format!("metrics.jsonl: {e}")))
     }
 
-    fn optim_config(&self, schedule: LrSchedule) -> OptimConfig {
-        let mut c =
-            OptimConfig::with_lrs(self.cfg.optim.muon_lr, self.cfg.optim.adamw_lr, schedule);
-        c.clip_norm = (self.cfg.optim.clip_norm > 0.0).then_some(self.cfg.optim.clip_norm);
-        c.muon.weight_decay = self.cfg.optim.weight_decay;
-        c.adamw.weight_decay = self.cfg.optim.weight_decay;
+    /// The optimizer of a stage: the supervised or the RL learning rates.
+    fn optim_config(&self, kind: StageKind, schedule: LrSchedule) -> OptimConfig {
+        let o = &self.cfg.optim;
+        let (muon, adamw) = match kind {
+            StageKind::Sft => (o.muon_lr, o.adamw_lr),
+            StageKind::Rl => (o.rl_muon_lr, o.rl_adamw_lr),
+        };
+        let mut c = OptimConfig::with_lrs(muon, adamw, schedule);
+        c.clip_norm = (o.clip_norm > 0.0).then_some(o.clip_norm);
+        c.muon.weight_decay = o.weight_decay;
+        c.adamw.weight_decay = o.weight_decay;
         c
     }
+
     /// Supervised warm-up on the tasks' demonstrations, mixed by target share.
     fn sft_stage(
         &mut self,
@@ -566,7 +615,7 @@ impl RunContext<'_> {
         let opt = Optimizer::new(
             backend,
             model.layout().clone(),
-            self.optim_config(LrSchedule::WarmupCosine {
+            self.optim_config(StageKind::Sft, LrSchedule::WarmupCosine {
                 warmup,
                 total: steps,
                 min_ratio: 0.1,
@@ -790,7 +839,7 @@ impl RunContext<'_> {
         let mut learner = Learner::new(
             learner_backend,
             model,
-            self.optim_config(LrSchedule::Constant),
+            self.optim_config(StageKind::Rl, LrSchedule::Constant),
             LearnerConfig {
                 loss: sluice_kernels::ops::is_gate_loss::GateParams {
                     mode: cfg.loss.mode,
