@@ -104,14 +104,15 @@ fn gamma(n: usize, u: f64) -> f64 {
 /// `|device - reference| <= c * sum_k |a_k b_k|` (plus an underflow term, see
 /// [`check_matmul_elementwise`]).
 ///
-/// Derivation. Each result is sum_k a_k b_k summed in f32 in some order. Whatever the order (a
-/// chain of FMAs, per-thread partial sums combined in a tree, k-blocks of a tile, a tensor core's
-/// block additions), every product reaches the result through at most L operations: at most K
-/// additions into running sums and at most K more combining partial sums, plus one rounding of
-/// the product itself when the inputs are f32 (bf16 products have at most 16 significant bits:
-/// exact in f32). If each operation errs by at most u times the sum of the magnitudes of its
-/// inputs, the computed sum differs from the exact one by at most gamma_L(u) sum_k |a_k b_k|
-/// (Higham, section 3.1). So:
+/// Derivation. Each result is sum_k a_k b_k summed in f32 in some order. If every operation on
+/// the way errs by at most u times the sum of the magnitudes of its inputs, and every product
+/// passes through at most L such operations, the computed sum differs from the exact one by at
+/// most gamma_L(u) sum_k |a_k b_k| (Higham, section 3.1). L, whatever the order: a chain of
+/// FMAs or additions costs K; partial sums combined in a tree or across k-blocks of a tile, at
+/// most K more; a tensor core's block addition of b products into the accumulator truncates each
+/// of its b + 1 addends by less than one ulp of the largest, so it counts as b + 1 operations and
+/// the K/b blocks of a chain as K + K/b <= 2K; the rounding of the product itself, one more when
+/// the inputs are f32 (bf16 products have at most 16 significant bits: exact in f32). So:
 ///   device:    L = 2K (+1 for f32 inputs), u = [`DEVICE_ACCUMULATION_ULP`] = 2^-23;
 ///   reference: L = 2K (+1 for f32 inputs), u = [`F32_UNIT_ROUNDOFF`] = 2^-24 (round to nearest);
 ///   c = gamma_L(2^-23) + gamma_L(2^-24), by the triangle inequality through the exact sum.
