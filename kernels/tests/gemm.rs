@@ -402,8 +402,12 @@ struct DeviceRun {
 impl DeviceRun {
     /// Element-wise bound and no lost outputs, always; with `norm_tol`, the relative norm too.
     fn check(&self, label: &str, norm_tol: Option<f64>) {
-        check_matmul_elementwise(&self.got, &self.want, &self.abs_sums, self.k, self.dtype)
-            .assert_ok(label);
+        let r = check_matmul_elementwise(&self.got, &self.want, &self.abs_sums, self.k, self.dtype);
+        println!(
+            "{label}: worst error {:.3e} of its element-wise bound",
+            r.worst_ratio
+        );
+        r.assert_ok(label);
         if let Some(tol) = norm_tol {
             assert_close(label, &self.got, &self.want, tol);
         }
