@@ -7,7 +7,7 @@ use sluice_kernels::ops::moe::{
     moe_backward, moe_backward_reference, moe_forward, moe_forward_reference, moe_route_reference,
     moe_sort, moe_sort_reference, MoeConfig, MoeDims, MoeGradTensors, MoeOutput, ScoreFn,
 };
-use sluice_kernels::testing::{rel_norm, Rng, BF16_TOL, F32_TOL};
+use sluice_kernels::testing::{lost_outputs, rel_norm, Rng, BF16_TOL, F32_TOL};
 use sluice_kernels::{Backend, DType, Error, Tensor};
 
 // ---------------------------------------------------------------------------------------------
@@ -479,6 +479,12 @@ fn check_against_reference(got: &DevOut, c: &Case, dtype: DType, tol: f64, what:
     for (name, a, b) in pairs {
         let err = rel_norm(a, &widen(b));
         assert!(err <= tol, "{what}: {name} rel err {err:e}");
+        // The norm hides a few zeroed outputs; none may be.
+        assert_eq!(
+            lost_outputs(a, b),
+            0,
+            "{what}: {name} has exact zeros where the reference has none"
+        );
     }
 }
 
