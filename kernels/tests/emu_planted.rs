@@ -852,8 +852,8 @@ fn planted_bulk_copy_destination_read_before_its_barrier() {
     );
     assert!(clean.is_empty(), "{clean:#?}");
     let got = download_f32(&out);
-    for i in 0..n {
-        assert_eq!(got[i], src_v[i] * 2.0, "element {i}");
+    for (i, (g, s)) in got.iter().zip(&src_v).enumerate() {
+        assert_eq!(*g, s * 2.0, "element {i}");
     }
 }
 
@@ -883,11 +883,10 @@ fn cp_async_destination_read_before_its_wait() {
         1,
     );
     assert!(clean.is_empty(), "{clean:#?}");
-    let got = download_f32(&out);
-    for t in 0..64 {
+    for (t, got) in download_f32(&out).into_iter().enumerate() {
         let j = (t + 1) % 64;
         let want: f32 = src_v[4 * j..4 * j + 4].iter().sum();
-        assert_eq!(got[t], want, "thread {t}");
+        assert_eq!(got, want, "thread {t}");
     }
 }
 

@@ -409,7 +409,8 @@ fn static_shared_replacement(decl: &str) -> Option<String> {
     }
     let mut out = String::new();
     for (name, dims) in &decls {
-        if !dims.is_empty() && !(dims.starts_with('[') && dims.ends_with(']')) {
+        let is_array_dims = dims.starts_with('[') && dims.ends_with(']');
+        if !dims.is_empty() && !is_array_dims {
             return None;
         }
         out.push_str(&format!(
