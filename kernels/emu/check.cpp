@@ -21,7 +21,7 @@
 
 namespace sluice_emu::rt {
 
-thread_local Fiber* t_watch __attribute__((tls_model("initial-exec"))) = nullptr;
+thread_local Fiber* t_watch SLUICE_EMU_FAST_TLS = nullptr;
 
 uintptr_t code_base() { return reinterpret_cast<uintptr_t>(&sluice_emu_launch); }
 

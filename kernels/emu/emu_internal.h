@@ -20,6 +20,16 @@
 #include <string>
 #include <vector>
 
+// The runtime's own thread-locals use the initial-exec model (one instruction per access) in the
+// build linked into sluice; a module loaded at run time (`sluice emu check`, built with
+// SLUICE_EMU_MODULE) cannot: any initial-exec access puts its whole TLS segment, namespace-scope
+// `__shared__` arrays of the user's file included, into the small static TLS block.
+#ifdef SLUICE_EMU_MODULE
+#define SLUICE_EMU_FAST_TLS
+#else
+#define SLUICE_EMU_FAST_TLS __attribute__((tls_model("initial-exec")))
+#endif
+
 namespace sluice_emu::rt {
 
 constexpr size_t kPage = 4096;
@@ -296,10 +306,10 @@ struct Worker {
   uintptr_t last_oob_addr = 0;  // the last out-of-bounds access reported by the checker
 };
 
-extern thread_local Worker* t_worker __attribute__((tls_model("initial-exec")));
-extern thread_local Fiber* t_cur __attribute__((tls_model("initial-exec")));
+extern thread_local Worker* t_worker SLUICE_EMU_FAST_TLS;
+extern thread_local Fiber* t_cur SLUICE_EMU_FAST_TLS;
 // Non-null while the running fiber has wgmma results pending (its accumulators are watched).
-extern thread_local Fiber* t_watch __attribute__((tls_model("initial-exec")));
+extern thread_local Fiber* t_watch SLUICE_EMU_FAST_TLS;
 
 std::string where(const Worker& w);
 std::string thread_str(const Fiber& f);

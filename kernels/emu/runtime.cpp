@@ -98,8 +98,8 @@ extern "C" __attribute__((visibility("hidden"))) void sluice_emu_fiber_start();
 
 namespace sluice_emu::rt {
 
-thread_local Worker* t_worker __attribute__((tls_model("initial-exec"))) = nullptr;
-thread_local Fiber* t_cur __attribute__((tls_model("initial-exec"))) = nullptr;
+thread_local Worker* t_worker SLUICE_EMU_FAST_TLS = nullptr;
+thread_local Fiber* t_cur SLUICE_EMU_FAST_TLS = nullptr;
 
 std::string format(const char* fmt, ...) {
   char buf[2048];

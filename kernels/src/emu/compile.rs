@@ -172,14 +172,27 @@ fn run(cmd: &mut Command, what: &str) -> Result<(), CompileError> {
     }
 }
 
+/// Flags of every object of a module. Thread-locals use the general-dynamic model: a loaded
+/// module gets only a small static TLS block, too small for a namespace-scope `__shared__` array
+/// (a `thread_local` under the emulator).
 fn base_flags(emu: &Path) -> Vec<String> {
-    let mut f: Vec<String> = COMMON_FLAGS.iter().map(|s| s.to_string()).collect();
+    let mut f: Vec<String> = COMMON_FLAGS
+        .iter()
+        .map(|s| {
+            if s.starts_with("-ftls-model=") {
+                "-ftls-model=global-dynamic".to_string()
+            } else {
+                s.to_string()
+            }
+        })
+        .collect();
     f.extend(
         [
             "-O2",
             "-g",
             "-fPIC",
             "-fvisibility=hidden",
+            "-DSLUICE_EMU_MODULE=1",
             "-w",
             "-include",
         ]
@@ -194,7 +207,8 @@ fn base_flags(emu: &Path) -> Vec<String> {
 
 /// The emulator's sources and compiled runtime in the cache (built on first use).
 fn emulator_dir(root: &Path, cxx: &str) -> Result<(PathBuf, u64), CompileError> {
-    let mut parts: Vec<&[u8]> = vec![cxx.as_bytes()];
+    let flags = base_flags(Path::new("")).join(" ");
+    let mut parts: Vec<&[u8]> = vec![cxx.as_bytes(), flags.as_bytes()];
     for (name, text) in EMBEDDED {
         parts.push(name.as_bytes());
         parts.push(text.as_bytes());
