@@ -926,13 +926,15 @@ fn block_order_is_shuffled_by_the_seed() {
 
 #[test]
 fn divergent_barrier_is_reported() {
+    let line = planted_line("PLANTED BUG: half the block waits here");
     let out = EmuBuffer::alloc(32 * 4).unwrap();
-    let err = launch("emutest_divergent_barrier", 1, 32, 0, &[Arg::Buf(&out)], 1).unwrap_err();
+    let found = checked("emutest_divergent_barrier", 1, 32, 0, &[Arg::Buf(&out)], 1);
+    let f = only_finding(&found, "divergent-barrier", line);
     assert!(
-        err.starts_with("divergent-barrier: kernel emutest_divergent_barrier block (0,0,0)"),
-        "{err}"
+        f.message.starts_with("kernel emutest_divergent_barrier block (0,0,0): divergent __syncthreads: 16 threads wait at the barrier at ")
+            && f.message.contains("but 16 threads of the block exited without reaching it"),
+        "{f}"
     );
-    assert!(err.contains("divergent __syncthreads"), "{err}");
     let err = launch("emutest_early_exit_barrier", 1, 32, 0, &[Arg::Buf(&out)], 1).unwrap_err();
     assert!(
         err.contains("emutest_early_exit_barrier block (0,0,0)"),
@@ -943,13 +945,18 @@ fn divergent_barrier_is_reported() {
 
 #[test]
 fn bad_shuffle_mask_is_reported() {
+    let line = planted_line("PLANTED BUG: full mask, half the lanes");
     let out = EmuBuffer::alloc(64 * 4).unwrap();
-    let err = launch("emutest_bad_shuffle_mask", 1, 64, 0, &[Arg::Buf(&out)], 1).unwrap_err();
+    let found = checked("emutest_bad_shuffle_mask", 1, 64, 0, &[Arg::Buf(&out)], 1);
+    let f = only_finding(&found, "shuffle-mask", line);
     assert!(
-        err.starts_with("shuffle-mask: kernel emutest_bad_shuffle_mask block (0,0,0) warp"),
-        "{err}"
+        f.message
+            .starts_with("kernel emutest_bad_shuffle_mask block (0,0,0) warp")
+            && f.message.contains("__shfl_down_sync(mask 0xffffffff)"),
+        "{f}"
     );
-    assert!(err.contains("__shfl_down_sync(mask 0xffffffff)"), "{err}");
+    let err = launch("emutest_bad_shuffle_mask", 1, 64, 0, &[Arg::Buf(&out)], 1).unwrap_err();
+    assert!(err.starts_with("shuffle-mask: "), "{err}");
     let err = launch("emutest_mask_without_self", 1, 32, 0, &[Arg::Buf(&out)], 1).unwrap_err();
     assert!(err.contains("does not include its own lane"), "{err}");
 }

@@ -130,7 +130,7 @@ extern "C" __global__ void emutest_oob_read(const float* __restrict__ x, float* 
 // PLANTED BUG: only half of the block reaches the barrier.
 extern "C" __global__ void emutest_divergent_barrier(float* __restrict__ out) {
   if (threadIdx.x < 16) {
-    __syncthreads();
+    __syncthreads();  // PLANTED BUG: half the block waits here
   }
   out[threadIdx.x] = 1.0f;
 }
@@ -145,7 +145,7 @@ extern "C" __global__ void emutest_early_exit_barrier(float* __restrict__ out) {
 // PLANTED BUG: full-warp mask but only lanes 0..15 execute the shuffle.
 extern "C" __global__ void emutest_bad_shuffle_mask(float* __restrict__ out) {
   float v = (float)threadIdx.x;
-  if (threadIdx.x % 32 < 16) v = __shfl_down_sync(0xffffffffu, v, 1);
+  if (threadIdx.x % 32 < 16) v = __shfl_down_sync(0xffffffffu, v, 1);  // PLANTED BUG: full mask, half the lanes
   out[threadIdx.x] = v;
 }
 
