@@ -538,7 +538,11 @@ fn task_options(g: &Get<'_>) -> Result<crate::tasks::TaskOptions, ConfigError> {
     let frac = |k: &str| -> Result<Option<f64>, ConfigError> {
         match g.t.get(k) {
             None => Ok(None),
-            Some(_) => Ok(Some(g.float(k, |x| (0.0..=1.0).contains(&x), "in [0, 1]")?)),
+            Some(_) => Ok(Some(g.float(
+                k,
+                |x| (0.0..=1.0).contains(&x),
+                "in [0, 1]",
+            )?)),
         }
     };
     Ok(crate::tasks::TaskOptions {

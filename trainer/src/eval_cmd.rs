@@ -123,7 +123,11 @@ pub fn run_eval(o: &EvalOptions, out: &mut dyn Write) -> Result<(PassRate, PassR
         .map_err(|e| TrainError::Run(e.to_string()))
     };
     let greedy = run(0.0)?;
-    let sampled = run(if r.temperature > 0.0 { r.temperature } else { 1.0 })?;
+    let sampled = run(if r.temperature > 0.0 {
+        r.temperature
+    } else {
+        1.0
+    })?;
     let _ = writeln!(
         out,
         "{} on {} held-out problems of task {} ({}):",

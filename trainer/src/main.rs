@@ -114,6 +114,11 @@ enum Command {
         #[command(subcommand)]
         command: sluice_trainer::delta_cmd::DeltaCommand,
     },
+    /// The CUDA emulator as a checker: `sluice emu check FILE.cu --kernel NAME ...`.
+    Emu {
+        #[command(subcommand)]
+        command: sluice_trainer::emu_cmd::EmuCommand,
+    },
     /// Supervised training on the synthetic digit-reversal task with Muon + AdamW: progress,
     /// metrics.jsonl, held-out accuracy and a checkpoint with the optimizer state.
     Sft {
@@ -327,6 +332,9 @@ fn main() -> ExitCode {
                 Err(e) => fail(&e),
             }
         }
+        Command::Emu {
+            command: sluice_trainer::emu_cmd::EmuCommand::Check(args),
+        } => sluice_trainer::emu_cmd::check(&args),
         Command::Devices => {
             println!("cpu: available ({} threads)", rayon_threads());
             println!("emu: available (CUDA kernels on the CPU; SLUICE_EMU_SEED sets the schedule)");

@@ -531,7 +531,8 @@ pub fn run_train(o: &TrainOptions, out: &mut dyn Write) -> Result<TrainSummary, 
         .into_iter()
         .map(|(k, v)| (k, v / total_target))
         .collect();
-    let plots = crate::report::plots::write_all(&p.out, &lines, &targets, &pass).map_err(run_err)?;
+    let plots =
+        crate::report::plots::write_all(&p.out, &lines, &targets, &pass).map_err(run_err)?;
     let table = ctx.summary_table(&summary);
     let _ = writeln!(ctx.progress, "{table}");
     let names: Vec<String> = plots
@@ -615,11 +616,14 @@ impl RunContext<'_> {
         let opt = Optimizer::new(
             backend,
             model.layout().clone(),
-            self.optim_config(StageKind::Sft, LrSchedule::WarmupCosine {
-                warmup,
-                total: steps,
-                min_ratio: 0.1,
-            }),
+            self.optim_config(
+                StageKind::Sft,
+                LrSchedule::WarmupCosine {
+                    warmup,
+                    total: steps,
+                    min_ratio: 0.1,
+                },
+            ),
         )
         .map_err(run_err)?;
         let mut state = opt.new_state(backend).map_err(run_err)?;
