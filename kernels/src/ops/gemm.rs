@@ -17,6 +17,7 @@
 //!   yet, so it is used only when `SLUICE_GEMM_PATH=wgmma` is set (or [`GemmPath::Wgmma`] is
 //!   asked for); scripts/gpu-check tests it so the first GPU run can verify it.
 
+pub use super::gemm_small::{gemm_packed_into, PackedB};
 use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -96,6 +97,28 @@ pub fn gemm_reference_into(a: &[f32], b: &[f32], c: &mut [f32], m: usize, n: usi
                 );
             }
         });
+}
+
+/// Products with at most this many rows of A use the packed small-row GEMM
+/// ([`gemm_packed_into`]; same bits as [`gemm_reference_into`]) when B is a host F32 tensor.
+pub const SMALL_M: usize = 64;
+/// ... and K at most this (longer K streams the packed panels from further out in the cache
+/// than matrixmultiply's blocking does).
+const SMALL_MAX_K: usize = 1024;
+
+/// The packed form of `b` (`groups` stacked [n, k] matrices) when a product with `m` rows of A
+/// should take the small-row path: `b` a host F32 tensor, `m <= SMALL_M`, `k <= SMALL_MAX_K`.
+pub fn small_rows_rhs(
+    b: &Tensor,
+    groups: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Option<std::sync::Arc<PackedB>> {
+    if m == 0 || m > SMALL_M || n == 0 || k == 0 || k > SMALL_MAX_K {
+        return None;
+    }
+    b.packed_rhs(groups, n, k)
 }
 
 /// C[m,n] = A[m,k] · B[n,k]^T in f32. See [`gemm_reference_into`].
@@ -431,8 +454,22 @@ fn batched(
     match backend {
         Backend::Cpu => {
             let af = a.f32_data()?;
-            let bf = b.f32_data()?;
             let c = c.host_slice_mut::<f32>()?;
+            if batch == 1 || shared_b {
+                if let Some(pb) = small_rows_rhs(b, 1, m, n, k) {
+                    for i in 0..batch {
+                        gemm_packed_into(
+                            &af[i * m * k..(i + 1) * m * k],
+                            &pb,
+                            0,
+                            &mut c[i * m * n..(i + 1) * m * n],
+                            m,
+                        );
+                    }
+                    return Ok(());
+                }
+            }
+            let bf = b.f32_data()?;
             for i in 0..batch {
                 let bi = if shared_b { 0 } else { i };
                 if m * n > 0 {
@@ -541,9 +578,13 @@ pub fn gemm_grouped_with_path(
             let af = a.f32_data()?;
             let bf = b_stack.f32_data()?;
             let mut c = vec![0.0f32; rows * n];
+            let largest = bounds.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+            let packed = small_rows_rhs(b_stack, groups, largest, n, k);
             for g in 0..groups {
                 let (r0, r1) = (bounds[g], bounds[g + 1]);
-                if r1 > r0 && n > 0 {
+                if let (Some(pb), true) = (&packed, r1 > r0) {
+                    gemm_packed_into(&af[r0 * k..r1 * k], pb, g, &mut c[r0 * n..r1 * n], r1 - r0);
+                } else if r1 > r0 && n > 0 {
                     gemm_reference_into(
                         &af[r0 * k..r1 * k],
                         &bf[g * n * k..(g + 1) * n * k],
