@@ -47,7 +47,8 @@ pub fn chunks_mut<T: Send>(
     if row_len == 0 || out.is_empty() {
         return;
     }
-    let rows = out.len() / row_len;
+    // A short last row (a caller cutting into blocks of rows) counts as a row.
+    let rows = out.len().div_ceil(row_len);
     let p = pieces(rows, work_per_row);
     if p == 1 {
         f(0, out);
@@ -76,9 +77,9 @@ pub fn rows_mut<T: Send>(
     });
 }
 
-/// [`rows_mut`] over two outputs with the same number of rows (`a` rows of `a_len`, `b` rows
-/// of `b_len`): `f(row, a_row, b_row)`.
-pub fn rows2_mut<A: Send, B: Send>(
+/// [`chunks_mut`] over two outputs with the same number of rows (`a` rows of `a_len`, `b`
+/// rows of `b_len`): `f(first_row, a_chunk, b_chunk)`.
+pub fn chunks2_mut<A: Send, B: Send>(
     a: &mut [A],
     a_len: usize,
     b: &mut [B],
@@ -90,15 +91,10 @@ pub fn rows2_mut<A: Send, B: Send>(
         return;
     }
     let rows = a.len() / a_len;
-    debug_assert_eq!(b.len() / b_len, rows, "rows2_mut: row counts differ");
-    let run = |r0: usize, ca: &mut [A], cb: &mut [B]| {
-        for (i, (ra, rb)) in ca.chunks_mut(a_len).zip(cb.chunks_mut(b_len)).enumerate() {
-            f(r0 + i, ra, rb);
-        }
-    };
+    debug_assert_eq!(b.len() / b_len, rows, "chunks2_mut: row counts differ");
     let p = pieces(rows, work_per_row);
     if p == 1 {
-        run(0, a, b);
+        f(0, a, b);
         return;
     }
     use rayon::prelude::*;
@@ -107,7 +103,24 @@ pub fn rows2_mut<A: Send, B: Send>(
         .zip(b.par_chunks_mut(per * b_len))
         .with_max_len(1)
         .enumerate()
-        .for_each(|(i, (ca, cb))| run(i * per, ca, cb));
+        .for_each(|(i, (ca, cb))| f(i * per, ca, cb));
+}
+
+/// [`rows_mut`] over two outputs with the same number of rows (`a` rows of `a_len`, `b` rows
+/// of `b_len`): `f(row, a_row, b_row)`.
+pub fn rows2_mut<A: Send, B: Send>(
+    a: &mut [A],
+    a_len: usize,
+    b: &mut [B],
+    b_len: usize,
+    work_per_row: usize,
+    f: impl Fn(usize, &mut [A], &mut [B]) + Sync + Send,
+) {
+    chunks2_mut(a, a_len, b, b_len, work_per_row, |r0, ca, cb| {
+        for (i, (ra, rb)) in ca.chunks_mut(a_len).zip(cb.chunks_mut(b_len)).enumerate() {
+            f(r0 + i, ra, rb);
+        }
+    });
 }
 
 /// A vector of `n` values, `f(i)` each, built as [`rows_mut`] with rows of one element.

@@ -14,7 +14,7 @@ use rayon::prelude::*;
 use sluice_kernels::ops::gemm::{
     gemm, gemm_batched, gemm_batched_reference, gemm_grouped, gemm_grouped_reference,
     gemm_grouped_with_path, gemm_into, gemm_packed_into, gemm_reference, gemm_reference_bf16,
-    gemm_with_path, GemmPath, PackedB,
+    gemm_strided_into, gemm_with_path, GemmPath, PackedB,
 };
 use sluice_kernels::testing::{rel_norm, Rng, BF16_TOL, F32_TOL};
 use sluice_kernels::{Backend, DType, Error, Tensor};
@@ -260,6 +260,40 @@ fn device_gemm_small_rows_equal_large_rows_bit_for_bit() {
         .unwrap();
     let want = gemm_grouped_reference(&a[..rows * k], &bs, &offsets, n, k);
     assert_same_bits("grouped, packed segments", &got, &want);
+}
+
+#[test]
+fn strided_views_equal_transposed_copies_bit_for_bit() {
+    // gemm_strided_into reads A^T and B^T through strides (the MoE backward's dY W and P^T Q);
+    // it must give the bits of the plain reference on transposed copies, which is what the
+    // backward computed before it dropped the copies.
+    let mut rng = Rng::new(23);
+    let transpose = |x: &[f32], r: usize, c: usize| -> Vec<f32> {
+        (0..c)
+            .flat_map(|j| (0..r).map(move |i| x[i * c + j]))
+            .collect()
+    };
+    for &(m, n, k) in &[
+        (1usize, 1usize, 1usize),
+        (17, 33, 300),
+        (130, 37, 257),
+        (64, 100, 17),
+    ] {
+        // C = A B with B [k, n] row-major: the reference takes B^T [n, k].
+        let a = rng.normal_vec(m * k, 1.0);
+        let b_kn = rng.normal_vec(k * n, 1.0);
+        let want = gemm_reference(&a, &transpose(&b_kn, k, n), m, n, k);
+        let mut got = vec![f32::NAN; m * n];
+        gemm_strided_into(m, n, k, (&a, k, 1), (&b_kn, n, 1), &mut got);
+        assert_same_bits(&format!("A B, M={m} N={n} K={k}"), &got, &want);
+        // C = P^T Q with P [k, m], Q [k, n] row-major.
+        let p = rng.normal_vec(k * m, 1.0);
+        let q = rng.normal_vec(k * n, 1.0);
+        let want = gemm_reference(&transpose(&p, k, m), &transpose(&q, k, n), m, n, k);
+        let mut got = vec![f32::NAN; m * n];
+        gemm_strided_into(m, n, k, (&p, 1, m), (&q, n, 1), &mut got);
+        assert_same_bits(&format!("P^T Q, M={m} N={n} K={k}"), &got, &want);
+    }
 }
 
 #[test]

@@ -55,8 +55,33 @@ fn warmed(m: &Model, b: usize) -> Engine {
     e
 }
 
+/// Median time of one decode step at batch `b`: `reps` fresh engines, 64 steps each.
+fn decode_step_ms(m: &Model, b: usize, reps: usize) -> (f64, Vec<f64>) {
+    let mut runs: Vec<f64> = (0..reps)
+        .map(|_| {
+            let mut e = warmed(m, b);
+            let t = Instant::now();
+            for _ in 0..STEPS {
+                std::hint::black_box(e.step().expect("step"));
+            }
+            t.elapsed().as_secs_f64() * 1e3 / STEPS as f64
+        })
+        .collect();
+    let shown = runs.clone();
+    runs.sort_by(f64::total_cmp);
+    (runs[runs.len() / 2], shown)
+}
+
 fn decode(c: &mut Criterion) {
     let m = small();
+    // One JSON line per batch size from a plain timing loop (what scripts/compare-xla.sh reads;
+    // run the binary with a filter that matches no criterion bench to get only these).
+    for b in [1usize, 4, 16, 64] {
+        let (ms, runs) = decode_step_ms(&m, b, 5);
+        println!(
+            "{{\"what\": \"decode\", \"form\": \"sluice\", \"batch\": {b}, \"ms\": {ms:.4}, \"runs_ms\": {runs:?}}}"
+        );
+    }
     let mut g = c.benchmark_group("rollout_decode_cpu_small");
     g.sample_size(10)
         .warm_up_time(Duration::from_millis(500))

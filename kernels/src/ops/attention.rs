@@ -22,9 +22,9 @@ use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
+use crate::par;
 use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
 use crate::tensor::Tensor;
-use rayon::prelude::*;
 
 /// Keys per online-softmax step (the warp size: lane j of the warp owns key j of a chunk).
 pub const KEY_CHUNK: usize = 32;
@@ -295,6 +295,15 @@ fn sequence_of(cu: &[i32], t: usize) -> (usize, usize) {
     (cu[b] as usize, cu[b + 1] as usize)
 }
 
+/// The length of the longest sequence of a varlen batch (what a row's work is sized by).
+fn longest_sequence(cu: &[i32]) -> usize {
+    cu.windows(2)
+        .map(|w| (w[1] - w[0]).max(0) as usize)
+        .max()
+        .unwrap_or(0)
+        .max(1)
+}
+
 /// The keys query `t` sees: the start of its sequence and how many keys.
 fn key_range(cu: &[i32], t: usize, causal: bool) -> (usize, usize) {
     let (s0, s1) = sequence_of(cu, t);
@@ -328,25 +337,23 @@ pub fn attention_forward_reference(
         )));
     }
     let group = h / hkv;
-    out.par_chunks_mut(d)
-        .zip(lse.par_iter_mut())
-        .enumerate()
-        .for_each(|(r, (o, l))| {
-            let (tok, head) = (r / h, r % h);
-            let g = head / group;
-            let (s0, n) = key_range(cu_seqlens, tok, causal);
-            let qr = &q[r * d..(r + 1) * d];
-            *l = attend_row(
-                qr,
-                n,
-                scale,
-                |j| {
-                    let row = ((s0 + j) * hkv + g) * d;
-                    (&k[row..row + d], &v[row..row + d])
-                },
-                o,
-            );
-        });
+    let keys = longest_sequence(cu_seqlens);
+    par::rows2_mut(out, d, lse, 1, 2 * d * keys, |r, o, l| {
+        let (tok, head) = (r / h, r % h);
+        let g = head / group;
+        let (s0, n) = key_range(cu_seqlens, tok, causal);
+        let qr = &q[r * d..(r + 1) * d];
+        l[0] = attend_row(
+            qr,
+            n,
+            scale,
+            |j| {
+                let row = ((s0 + j) * hkv + g) * d;
+                (&k[row..row + d], &v[row..row + d])
+            },
+            o,
+        );
+    });
     Ok(())
 }
 
@@ -404,15 +411,13 @@ pub fn attention_backward_reference(
         dout,
         delta: &delta,
     };
-    dq.par_chunks_mut(d)
-        .enumerate()
-        .for_each(|(r, dqr)| dq_row(&ctx, r, dqr));
+    let keys = longest_sequence(cu_seqlens);
+    par::rows_mut(dq, d, 3 * d * keys, |r, dqr| dq_row(&ctx, r, dqr));
 
     // dk, dv: one row per (token, kv head); heads of the group ascending, queries ascending.
-    dk.par_chunks_mut(d)
-        .zip(dv.par_chunks_mut(d))
-        .enumerate()
-        .for_each(|(r, (dkr, dvr))| dkdv_row(&ctx, r, dkr, dvr));
+    par::rows2_mut(dk, d, dv, d, 3 * d * keys * (h / hkv), |r, dkr, dvr| {
+        dkdv_row(&ctx, r, dkr, dvr)
+    });
     Ok(())
 }
 

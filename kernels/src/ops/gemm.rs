@@ -121,6 +121,86 @@ pub fn small_rows_rhs(
     b.packed_rhs(groups, n, k)
 }
 
+/// C[m,n] = A · B in f32 for operands given by strides: element (i, kk) of A at
+/// `a[i * rsa + kk * csa]`, element (kk, j) of B at `b[kk * rsb + j * csb]`; C row-major,
+/// overwritten. The same arithmetic as [`gemm_reference_into`] (matrixmultiply packs either
+/// layout into the same panels, so a product computed from a transposed view has the bits of
+/// the product of the transposed copy): what lets the MoE backward skip its transposes.
+///
+/// # Panics
+/// If a stride reaches past the end of a slice (a caller bug).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_strided_into(
+    m: usize,
+    n: usize,
+    k: usize,
+    (a, rsa, csa): (&[f32], usize, usize),
+    (b, rsb, csb): (&[f32], usize, usize),
+    c: &mut [f32],
+) {
+    assert_eq!(
+        c.len(),
+        m * n,
+        "gemm_strided_into: c must hold m*n elements"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        c.fill(0.0);
+        return;
+    }
+    let last = |r: usize, rs: usize, cols: usize, cs: usize| (r - 1) * rs + (cols - 1) * cs;
+    assert!(
+        last(m, rsa, k, csa) < a.len(),
+        "gemm_strided_into: A out of bounds"
+    );
+    assert!(
+        last(k, rsb, n, csb) < b.len(),
+        "gemm_strided_into: B out of bounds"
+    );
+    // Row panels over the pool as in gemm_reference_into (a row's bits do not depend on its
+    // panel).
+    let rows_per_panel = panel_rows(m, n, k);
+    crate::par::chunks_mut(c, n * rows_per_panel, 1 << 30, |r0_panel, c_panel| {
+        let r0 = r0_panel * rows_per_panel;
+        let rows = c_panel.len() / n;
+        // SAFETY: the asserts above bound every index matrixmultiply forms: A's rows r0..r0+rows
+        // (< m) and columns < k through (rsa, csa), B's k x n window through (rsb, csb), and C's
+        // panel (rows x n, row-major, a &mut slice aliasing neither input). beta = 0: C is not
+        // read.
+        unsafe {
+            matrixmultiply::sgemm(
+                rows,
+                k,
+                n,
+                1.0,
+                a.as_ptr().add(r0 * rsa),
+                rsa as isize,
+                csa as isize,
+                b.as_ptr(),
+                rsb as isize,
+                csb as isize,
+                0.0,
+                c_panel.as_mut_ptr(),
+                n as isize,
+                1,
+            );
+        }
+    });
+}
+
+/// Rows per thread panel of a product (multiples of 8; the whole of M when small).
+fn panel_rows(m: usize, n: usize, k: usize) -> usize {
+    let threads = crate::par::threads();
+    let panels = if m * n * k < (1 << 21) {
+        1
+    } else {
+        threads.min(m.div_ceil(8))
+    };
+    m.div_ceil(panels).div_ceil(8) * 8
+}
+
 /// C[m,n] = A[m,k] · B[n,k]^T in f32. See [`gemm_reference_into`].
 pub fn gemm_reference(a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
     let mut c = vec![0.0; m * n];

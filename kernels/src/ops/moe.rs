@@ -43,16 +43,20 @@
 //! [`MoeOutput::aux_loss`] and adds its gradient in [`moe_backward`].
 
 use super::elementwise::{softmax, softmax_backward_reference, softmax_reference};
-use super::gemm::{gemm, gemm_grouped, gemm_grouped_reference, gemm_reference};
+use super::gemm::{
+    gemm, gemm_grouped, gemm_packed_into, gemm_reference, gemm_reference_into, gemm_strided_into,
+    small_rows_rhs, PackedB,
+};
 use super::swiglu::{swiglu, swiglu_backward, swiglu_backward_reference, swiglu_reference};
 use super::topk::{topk, topk_reference, MAX_E, MAX_K};
 use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
+use crate::par;
 use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
 use crate::tensor::Tensor;
-use rayon::prelude::*;
+use std::sync::Arc;
 
 // ---------------------------------------------------------------------------------------------
 // Configuration
@@ -188,9 +192,27 @@ pub fn moe_route_reference(
     dims: MoeDims,
     cfg: MoeConfig,
 ) -> MoeRouting {
+    route(x, w_router, None, dims, cfg)
+}
+
+/// [`moe_route_reference`], the router product from `packed` when given (same bits).
+fn route(
+    x: &[f32],
+    w_router: &[f32],
+    packed: Option<&PackedB>,
+    dims: MoeDims,
+    cfg: MoeConfig,
+) -> MoeRouting {
     let MoeDims { t, d, e, .. } = dims;
     let k = cfg.k;
-    let logits = gemm_reference(x, w_router, t, e, d);
+    let logits = match packed {
+        Some(pb) => {
+            let mut l = vec![0.0f32; t * e];
+            gemm_packed_into(x, pb, 0, &mut l, t);
+            l
+        }
+        None => gemm_reference(x, w_router, t, e, d),
+    };
     let probs = match cfg.score_fn {
         ScoreFn::Softmax => {
             softmax_reference(&logits, t, e).expect("moe_route_reference: logits are [T,E]")
@@ -275,34 +297,31 @@ fn forward_state(
     w2: &[f32],
     dims: MoeDims,
     cfg: MoeConfig,
+    packed: Option<&MoePacked>,
 ) -> ForwardState {
     let MoeDims { t, d, f, .. } = dims;
     let k = cfg.k;
-    let routing = moe_route_reference(x, w_router, dims, cfg);
+    let routing = route(x, w_router, packed.map(|p| &*p.router), dims, cfg);
     let n = t * k;
     let mut xs = vec![0.0f32; n * d];
-    xs.par_chunks_mut(d.max(1))
-        .zip(&routing.perm)
-        .for_each(|(row, &slot)| {
-            let tok = slot as usize / k;
-            row.copy_from_slice(&x[tok * d..(tok + 1) * d]);
-        });
-    let a = gemm_grouped_reference(&xs, w1, &routing.offsets, f, d);
-    let b = gemm_grouped_reference(&xs, w3, &routing.offsets, f, d);
+    par::rows_mut(&mut xs, d.max(1), d, |p, row| {
+        let tok = routing.perm[p] as usize / k;
+        row.copy_from_slice(&x[tok * d..(tok + 1) * d]);
+    });
+    let a = grouped(&xs, w1, packed.map(|p| &*p.w1), &routing.offsets, f, d);
+    let b = grouped(&xs, w3, packed.map(|p| &*p.w3), &routing.offsets, f, d);
     let h = swiglu_reference(&a, &b).expect("moe: a and b are [N,f]");
-    let ye = gemm_grouped_reference(&h, w2, &routing.offsets, d, f);
+    let ye = grouped(&h, w2, packed.map(|p| &*p.w2), &routing.offsets, d, f);
     let mut y = vec![0.0f32; t * d];
-    y.par_chunks_mut(d.max(1))
-        .enumerate()
-        .for_each(|(tok, row)| {
-            for j in 0..k {
-                let g = routing.gate[tok * k + j];
-                let p = routing.pos[tok * k + j] as usize;
-                for (o, &v) in row.iter_mut().zip(&ye[p * d..(p + 1) * d]) {
-                    *o += g * v;
-                }
+    par::rows_mut(&mut y, d.max(1), 2 * k * d, |tok, row| {
+        for j in 0..k {
+            let g = routing.gate[tok * k + j];
+            let p = routing.pos[tok * k + j] as usize;
+            for (o, &v) in row.iter_mut().zip(&ye[p * d..(p + 1) * d]) {
+                *o += g * v;
             }
-        });
+        }
+    });
     ForwardState {
         routing,
         xs,
@@ -312,6 +331,55 @@ fn forward_state(
         ye,
         y,
     }
+}
+
+/// The expert weights packed for the small-row GEMM ([`crate::ops::gemm_small`]), taken from
+/// (and cached on) the weight tensors: what a decode step's MoE layer multiplies by.
+pub struct MoePacked {
+    router: Arc<PackedB>,
+    w1: Arc<PackedB>,
+    w3: Arc<PackedB>,
+    w2: Arc<PackedB>,
+}
+
+impl MoePacked {
+    /// The packed weights when a call of `t` tokens should use them (host F32 weights, and few
+    /// enough rows per expert: `t <= SMALL_M`, so no segment can exceed it).
+    fn for_call(inp: &Inputs<'_>) -> Option<MoePacked> {
+        let MoeDims { t, d, f, e } = inp.dims;
+        Some(MoePacked {
+            router: small_rows_rhs(inp.w_router, 1, t, e, d)?,
+            w1: small_rows_rhs(inp.w1, e, t, f, d)?,
+            w3: small_rows_rhs(inp.w3, e, t, f, d)?,
+            w2: small_rows_rhs(inp.w2, e, t, d, f)?,
+        })
+    }
+}
+
+/// The grouped product of the reference: rows `offsets[g]..offsets[g+1]` of `a` [N,k] times
+/// `w[g]` [n,k]^T, from `packed` when given (same bits as the plain reference).
+fn grouped(
+    a: &[f32],
+    w: &[f32],
+    packed: Option<&PackedB>,
+    offsets: &[i32],
+    n: usize,
+    k: usize,
+) -> Vec<f32> {
+    let rows = *offsets.last().unwrap_or(&0) as usize;
+    let mut c = vec![0.0f32; rows * n];
+    for g in 0..offsets.len() - 1 {
+        let (r0, r1) = (offsets[g] as usize, offsets[g + 1] as usize);
+        if r1 == r0 || n == 0 {
+            continue;
+        }
+        let (ag, cg) = (&a[r0 * k..r1 * k], &mut c[r0 * n..r1 * n]);
+        match packed {
+            Some(pb) => gemm_packed_into(ag, pb, g, cg, r1 - r0),
+            None => gemm_reference_into(ag, &w[g * n * k..(g + 1) * n * k], cg, r1 - r0, n, k),
+        }
+    }
+    c
 }
 
 /// The outputs of [`moe_forward_reference`].
@@ -341,8 +409,23 @@ pub fn moe_forward_reference(
     dims: MoeDims,
     cfg: MoeConfig,
 ) -> MoeForwardOut {
+    moe_forward_packed(x, w_router, w1, w3, w2, dims, cfg, None)
+}
+
+/// [`moe_forward_reference`] with the expert products from packed weights when given.
+#[allow(clippy::too_many_arguments)]
+fn moe_forward_packed(
+    x: &[f32],
+    w_router: &[f32],
+    w1: &[f32],
+    w3: &[f32],
+    w2: &[f32],
+    dims: MoeDims,
+    cfg: MoeConfig,
+    packed: Option<&MoePacked>,
+) -> MoeForwardOut {
     check_lengths(x, w_router, w1, w3, w2, None, dims);
-    let s = forward_state(x, w_router, w1, w3, w2, dims, cfg);
+    let s = forward_state(x, w_router, w1, w3, w2, dims, cfg, packed);
     MoeForwardOut {
         y: s.y,
         topk_idx: s.routing.idx,
@@ -390,27 +473,9 @@ pub struct MoeGrads {
     pub dw2: Vec<f32>,
 }
 
-/// `[batch, rows, cols]` -> `[batch, cols, rows]`.
-fn transpose_batched(src: &[f32], batch: usize, rows: usize, cols: usize) -> Vec<f32> {
-    let mut dst = vec![0.0f32; src.len()];
-    if rows * cols == 0 {
-        return dst;
-    }
-    dst.par_chunks_mut(rows * cols)
-        .zip(src.par_chunks(rows * cols))
-        .for_each(|(o, s)| {
-            for r in 0..rows {
-                for c in 0..cols {
-                    o[c * rows + r] = s[r * cols + c];
-                }
-            }
-        });
-    debug_assert_eq!(dst.len(), batch * rows * cols);
-    dst
-}
-
 /// out[g] = P_g^T · Q_g over the rows of segment g (P [N,p], Q [N,q], out [G,p,q]): the weight
-/// gradient of a grouped linear layer, as one GEMM per segment over the transposed segments.
+/// gradient of a grouped linear layer, one GEMM per segment reading the segments through
+/// transposed strides (the bits of a GEMM of transposed copies; no copies made).
 fn segment_wgrad_reference(
     pm: &[f32],
     qm: &[f32],
@@ -423,14 +488,42 @@ fn segment_wgrad_reference(
     if p * q == 0 {
         return out;
     }
-    out.par_chunks_mut(p * q).enumerate().for_each(|(g, o)| {
+    let rows = *offsets.last().unwrap_or(&0) as usize;
+    let per_group = p * q * rows.div_ceil(groups.max(1));
+    par::rows_mut(&mut out, p * q, per_group, |g, o| {
         let (r0, r1) = (offsets[g] as usize, offsets[g + 1] as usize);
-        let n = r1 - r0;
-        let pt = transpose_batched(&pm[r0 * p..r1 * p], 1, n, p);
-        let qt = transpose_batched(&qm[r0 * q..r1 * q], 1, n, q);
-        o.copy_from_slice(&gemm_reference(&pt, &qt, p, q, n));
+        gemm_strided_into(
+            p,
+            q,
+            r1 - r0,
+            (&pm[r0 * p..r1 * p], 1, p),
+            (&qm[r0 * q..r1 * q], q, 1),
+            o,
+        );
     });
     out
+}
+
+/// The grouped product with weights as stored: rows `offsets[g]..offsets[g+1]` of `a` [N,k]
+/// times `w[g]`, a row-major `[k, n]` matrix (the backward's `dY · W`, with no transposed
+/// copy of W).
+fn grouped_kn(a: &[f32], w: &[f32], offsets: &[i32], n: usize, k: usize) -> Vec<f32> {
+    let rows = *offsets.last().unwrap_or(&0) as usize;
+    let mut c = vec![0.0f32; rows * n];
+    for g in 0..offsets.len() - 1 {
+        let (r0, r1) = (offsets[g] as usize, offsets[g + 1] as usize);
+        if r1 > r0 {
+            gemm_strided_into(
+                r1 - r0,
+                n,
+                k,
+                (&a[r0 * k..r1 * k], k, 1),
+                (&w[g * k * n..(g + 1) * k * n], n, 1),
+                &mut c[r0 * n..r1 * n],
+            );
+        }
+    }
+    c
 }
 
 /// The CPU reference of `moe_backward`: recomputes the forward, then the gradients described in
@@ -453,37 +546,43 @@ pub fn moe_backward_reference(
     let MoeDims { t, d, f, e } = dims;
     let k = cfg.k;
     let n = t * k;
-    let s = forward_state(x, w_router, w1, w3, w2, dims, cfg);
+    let s = forward_state(x, w_router, w1, w3, w2, dims, cfg, None);
     let r = &s.routing;
 
-    // Combine backward: d(ye)[pos] = gate * dy[t]; dgate[t,j] = dy[t] . ye[pos].
+    // Combine backward: d(ye)[pos] = gate * dy[t]; dgate[t,j] = dy[t] . ye[pos] (by sorted
+    // position, then scattered to the slots).
     let mut dye = vec![0.0f32; n * d];
+    let mut dgate_sorted = vec![0.0f32; n];
+    par::rows2_mut(
+        &mut dye,
+        d.max(1),
+        &mut dgate_sorted,
+        1,
+        2 * d,
+        |p, dyer, dg| {
+            let slot = r.perm[p] as usize;
+            let tok = slot / k;
+            let g = r.gate[slot];
+            let dyr = &dy[tok * d..(tok + 1) * d];
+            let mut dot = 0.0f32;
+            for ((o, &dv), &yv) in dyer.iter_mut().zip(dyr).zip(&s.ye[p * d..(p + 1) * d]) {
+                *o = g * dv;
+                dot += dv * yv;
+            }
+            dg[0] = dot;
+        },
+    );
     let mut dgate = vec![0.0f32; n];
-    for (slot, dg) in dgate.iter_mut().enumerate() {
-        let tok = slot / k;
-        let p = r.pos[slot] as usize;
-        let g = r.gate[slot];
-        let dyr = &dy[tok * d..(tok + 1) * d];
-        let mut dot = 0.0f32;
-        for ((o, &dv), &yv) in dye[p * d..(p + 1) * d]
-            .iter_mut()
-            .zip(dyr)
-            .zip(&s.ye[p * d..(p + 1) * d])
-        {
-            *o = g * dv;
-            dot += dv * yv;
-        }
-        *dg = dot;
+    for (p, &slot) in r.perm.iter().enumerate() {
+        dgate[slot as usize] = dgate_sorted[p];
     }
 
     // Expert FFN backward.
-    let w2t = transpose_batched(w2, e, d, f); // [E,f,d]
-    let dh = gemm_grouped_reference(&dye, &w2t, &r.offsets, f, d);
+    // dh = d(ye) W2_e (W2_e [d,f] read as stored), dxs = da W1_e + db W3_e (W1_e, W3_e [f,d]).
+    let dh = grouped_kn(&dye, w2, &r.offsets, f, d);
     let (da, db) = swiglu_backward_reference(&s.a, &s.b, &dh).expect("moe: [N,f] operands");
-    let w1t = transpose_batched(w1, e, f, d); // [E,d,f]
-    let w3t = transpose_batched(w3, e, f, d);
-    let dxa = gemm_grouped_reference(&da, &w1t, &r.offsets, d, f);
-    let dxb = gemm_grouped_reference(&db, &w3t, &r.offsets, d, f);
+    let dxa = grouped_kn(&da, w1, &r.offsets, d, f);
+    let dxb = grouped_kn(&db, w3, &r.offsets, d, f);
     let dw2 = segment_wgrad_reference(&dye, &s.h, &r.offsets, d, f);
     let dw1 = segment_wgrad_reference(&da, &s.xs, &r.offsets, f, d);
     let dw3 = segment_wgrad_reference(&db, &s.xs, &r.offsets, f, d);
@@ -507,22 +606,20 @@ pub fn moe_backward_reference(
             .map(|(&p, &g)| g * (p * (1.0 - p)))
             .collect(),
     };
-    let wrt = transpose_batched(w_router, 1, e, d); // [d,E]
-    let dx_router = gemm_reference(&dlogits, &wrt, t, d, e);
+    let mut dx_router = vec![0.0f32; t * d];
+    gemm_strided_into(t, d, e, (&dlogits, e, 1), (w_router, d, 1), &mut dx_router);
     let dw_router = segment_wgrad_reference(&dlogits, x, &[0, t as i32], e, d);
 
     // dx = router part + the expert parts of the token's k slots, j ascending.
     let mut dx = dx_router;
-    dx.par_chunks_mut(d.max(1))
-        .enumerate()
-        .for_each(|(tok, row)| {
-            for j in 0..k {
-                let p = r.pos[tok * k + j] as usize;
-                for c in 0..d {
-                    row[c] += dxa[p * d + c] + dxb[p * d + c];
-                }
+    par::rows_mut(&mut dx, d.max(1), 2 * k * d, |tok, row| {
+        for j in 0..k {
+            let p = r.pos[tok * k + j] as usize;
+            for c in 0..d {
+                row[c] += dxa[p * d + c] + dxb[p * d + c];
             }
-        });
+        }
+    });
     MoeGrads {
         dx,
         dw_router,
@@ -730,7 +827,8 @@ pub fn moe_forward(
     let MoeDims { t, d, .. } = inp.dims;
     let k = cfg.k;
     if let Backend::Cpu = backend {
-        let out = moe_forward_reference(
+        let packed = MoePacked::for_call(&inp);
+        let out = moe_forward_packed(
             &x.f32_data()?,
             &w_router.f32_data()?,
             &w1.f32_data()?,
@@ -738,6 +836,7 @@ pub fn moe_forward(
             &w2.f32_data()?,
             inp.dims,
             cfg,
+            packed.as_ref(),
         );
         return Ok(MoeOutput {
             y: Tensor::from_f32_vec(backend, &[t, d], out.y)?,

@@ -17,10 +17,10 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
 use crate::ops::attention::{attend_row, resolve_scale, scale_param, MAX_HEAD_DIM, SCALE_DEFAULT};
+use crate::par;
 use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
 use crate::tensor::Tensor;
 use half::bf16;
-use rayon::prelude::*;
 
 /// The block size of the engine's cache unless configured otherwise.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
@@ -120,7 +120,12 @@ pub fn paged_attention_reference(
         )));
     }
     let group = h / hkv;
-    out.par_chunks_mut(d).enumerate().for_each(|(r, o)| {
+    let longest = context_lens
+        .iter()
+        .map(|&c| c.max(0) as usize)
+        .max()
+        .unwrap_or(0);
+    par::rows_mut(out, d, 4 * d * longest.max(1), |r, o| {
         let (s, head) = (r / h, r % h);
         let g = head / group;
         let table = &block_table[s * mb..(s + 1) * mb];
@@ -567,7 +572,12 @@ pub fn paged_prefill_reference(
         )));
     }
     let group = h / hkv;
-    out.par_chunks_mut(d).enumerate().for_each(|(r, o)| {
+    let longest = context_lens
+        .iter()
+        .map(|&c| c.max(0) as usize)
+        .max()
+        .unwrap_or(0);
+    par::rows_mut(out, d, 4 * d * longest.max(1), |r, o| {
         let (tok, head) = (r / h, r % h);
         let g = head / group;
         let s = cu_seqlens.partition_point(|&c| c as usize <= tok) - 1;

@@ -21,9 +21,9 @@ use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::launch::Launch;
+use crate::par;
 use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
 use crate::tensor::Tensor;
-use rayon::prelude::*;
 
 /// The default base of the rotary frequencies.
 pub const DEFAULT_THETA: f32 = 10000.0;
@@ -84,26 +84,24 @@ fn rotate_reference(
         return Ok(y);
     }
     let half = dim / 2;
-    y.par_chunks_mut(h * dim)
-        .zip(x.par_chunks(h * dim))
-        .zip(positions.par_iter())
-        .for_each(|((yt, xt), &pos)| {
-            // cos/sin once per (t, i), shared by the heads (as the kernel does).
-            let cs: Vec<(f32, f32)> = inv_freq
-                .iter()
-                .map(|&f| {
-                    let angle = pos as f32 * f;
-                    (angle.cos(), sign * angle.sin())
-                })
-                .collect();
-            for (yh, xh) in yt.chunks_mut(dim).zip(xt.chunks(dim)) {
-                for (i, &(c, s)) in cs.iter().enumerate() {
-                    let (x1, x2) = (xh[i], xh[i + half]);
-                    yh[i] = x1 * c - x2 * s;
-                    yh[i + half] = x2 * c + x1 * s;
-                }
+    par::rows_mut(&mut y, h * dim, 4 * h * dim + 40 * half, |row, yt| {
+        let (xt, pos) = (&x[row * h * dim..(row + 1) * h * dim], positions[row]);
+        // cos/sin once per (t, i), shared by the heads (as the kernel does).
+        let cs: Vec<(f32, f32)> = inv_freq
+            .iter()
+            .map(|&f| {
+                let angle = pos as f32 * f;
+                (angle.cos(), sign * angle.sin())
+            })
+            .collect();
+        for (yh, xh) in yt.chunks_mut(dim).zip(xt.chunks(dim)) {
+            for (i, &(c, s)) in cs.iter().enumerate() {
+                let (x1, x2) = (xh[i], xh[i + half]);
+                yh[i] = x1 * c - x2 * s;
+                yh[i + half] = x2 * c + x1 * s;
             }
-        });
+        }
+    });
     Ok(y)
 }
 
