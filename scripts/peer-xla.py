@@ -193,6 +193,18 @@ def make_model(cfg):
         y = jnp.einsum("enf,edf->end", jax.nn.silu(u) * g, w2)
         return jnp.einsum("end,ne->nd", y, full)
 
+    def moe_dense_flat(p, l, h):
+        # The same dense MoE as three plain matmuls on weights laid out for it once, outside the
+        # step (`inference_layout`): u = h W1cat [n, E*f], the gates folded into the hidden
+        # before W2cat [E*f, d] (y = sum_e gate_e s_e W2_e^T = (gate * s) W2cat).
+        gate, idx = gates(p, l, h)
+        n = h.shape[0]
+        full = jnp.zeros((n, E), h.dtype).at[jnp.arange(n)[:, None], idx].set(gate)
+        u = h @ p[f"layers.{l}.moe.w1cat"]
+        g = h @ p[f"layers.{l}.moe.w3cat"]
+        s = (jax.nn.silu(u) * g).reshape(n, E, -1) * full[:, :, None]
+        return s.reshape(n, -1) @ p[f"layers.{l}.moe.w2cat"]
+
     def moe_topk_gather(p, l, h):
         gate, idx = gates(p, l, h)
         w1, w3, w2 = (p[f"layers.{l}.moe.{w}"][idx] for w in ("w1", "w3", "w2"))  # [N,K,...]
@@ -219,7 +231,9 @@ def make_model(cfg):
     def ffn(p, l, h, form):
         if cfg["dense_first_layer"] and l == 0:
             return swiglu(h, p["layers.0.ffn.w1"], p["layers.0.ffn.w3"], p["layers.0.ffn.w2"])
-        y = {"dense": moe_dense, "topk": moe_topk_gather, "ragged": moe_topk_ragged}[form](p, l, h)
+        forms = {"dense": moe_dense, "dense_flat": moe_dense_flat, "topk": moe_topk_gather,
+                 "ragged": moe_topk_ragged}
+        y = forms[form](p, l, h)
         if cfg["shared_expert"]:
             pre = f"layers.{l}.moe.shared."
             y = y + swiglu(h, p[pre + "w1"], p[pre + "w3"], p[pre + "w2"])
@@ -278,6 +292,23 @@ def make_model(cfg):
         return logits, cache_k, cache_v
 
     return logits_fn, loss_fn, decode_step
+
+
+def inference_layout(cfg, params):
+    """The parameters plus the dense-flat form's expert weights, laid out once (decode only):
+    w1cat/w3cat [d, E*f] and w2cat [E*f, d] per MoE layer."""
+    import jax.numpy as jnp
+
+    p = dict(params)
+    for l in range(cfg["n_layers"]):
+        pre = f"layers.{l}.moe."
+        if pre + "w1" not in p:
+            continue
+        e, f, d = p[pre + "w1"].shape
+        p[pre + "w1cat"] = jnp.asarray(jnp.transpose(p[pre + "w1"], (2, 0, 1)).reshape(d, e * f))
+        p[pre + "w3cat"] = jnp.asarray(jnp.transpose(p[pre + "w3"], (2, 0, 1)).reshape(d, e * f))
+        p[pre + "w2cat"] = jnp.asarray(jnp.transpose(p[pre + "w2"], (0, 2, 1)).reshape(e * f, d))
+    return p
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,6 +402,7 @@ def cmd_decode(args, cfg, params):
     import numpy as np
 
     _, _, decode_step = make_model(cfg)
+    params = inference_layout(cfg, params)
     prompt, steps = 16, 64
     maxlen = prompt + steps + 1
     L, Hkv, D = cfg["n_layers"], cfg["n_kv_heads"], cfg["head_dim"]
@@ -446,7 +478,7 @@ def cmd_check(args, cfg):
     ok = True
     for form in ("dense", "ragged"):
         loss, g = jax.value_and_grad(loss_fn)(params, tokens, targets, mask, form)
-        norm = float(jnp.sqrt(sum(jnp.sum(x.astype(jnp.float64) ** 2) for x in g.values())))
+        norm = float(jnp.sqrt(sum(jnp.sum(x * x) for x in g.values())))
         rl = abs(float(loss) - ref["loss"]) / abs(ref["loss"])
         rn = abs(norm - ref["grad_norm"]) / ref["grad_norm"]
         # f32 forward and backward of the same math in another summation order: relative
@@ -459,8 +491,9 @@ def cmd_check(args, cfg):
                           "grad_norm_rel_diff": rn, "ok": good}), flush=True)
     # Decode with the KV cache equals the full forward (both forms), on the first 2 sequences.
     full = logits_fn(params, tokens[:2, :8], "dense")
+    params = inference_layout(cfg, params)
     L, Hkv, D = cfg["n_layers"], cfg["n_kv_heads"], cfg["head_dim"]
-    for form in ("dense", "topk"):
+    for form in ("dense", "dense_flat", "topk"):
         ck = jnp.zeros((L, 2, 8, Hkv, D), jnp.float32)
         cv = jnp.zeros_like(ck)
         worst = 0.0
@@ -488,7 +521,7 @@ def main():
         else:
             s.add_argument("--checkpoint", required=True, help="a sluice checkpoint (safetensors)")
             s.add_argument("--reps", type=int, default=5)
-            default_forms = "dense,topk" if name == "decode" else "dense,ragged"
+            default_forms = "dense,dense_flat,topk" if name == "decode" else "dense,ragged"
             s.add_argument("--forms", default=default_forms)
         if name == "decode":
             s.add_argument("--batches", default="1,4,16,64")

@@ -16,7 +16,7 @@
 /// The smallest total work (multiply-adds, or element operations of similar cost) worth
 /// splitting over threads: about 20-40 us of one core's time, several times the cost of
 /// waking a worker and joining it.
-pub const MIN_PAR_WORK: usize = 1 << 17;
+pub const MIN_PAR_WORK: usize = 1 << 21;
 
 /// The pool's thread count.
 pub fn threads() -> usize {
