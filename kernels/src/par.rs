@@ -123,6 +123,33 @@ pub fn rows2_mut<A: Send, B: Send>(
     });
 }
 
+/// Calls `f(first, a_chunk, b_chunk, c_chunk)` over three slices of the same length cut at the
+/// same places (elementwise updates of three arrays, e.g. AdamW's p, m, v), threaded as
+/// [`chunks_mut`] with `work_per_item` units per element.
+pub fn chunks3_mut<A: Send, B: Send, C: Send>(
+    a: &mut [A],
+    b: &mut [B],
+    c: &mut [C],
+    work_per_item: usize,
+    f: impl Fn(usize, &mut [A], &mut [B], &mut [C]) + Sync + Send,
+) {
+    let n = a.len();
+    debug_assert!(b.len() == n && c.len() == n, "chunks3_mut: lengths differ");
+    let p = pieces(n, work_per_item);
+    if p == 1 {
+        f(0, a, b, c);
+        return;
+    }
+    use rayon::prelude::*;
+    let per = n.div_ceil(p);
+    a.par_chunks_mut(per)
+        .zip(b.par_chunks_mut(per))
+        .zip(c.par_chunks_mut(per))
+        .with_max_len(1)
+        .enumerate()
+        .for_each(|(i, ((ca, cb), cc))| f(i * per, ca, cb, cc));
+}
+
 /// A vector of `n` values, `f(i)` each, built as [`rows_mut`] with rows of one element.
 pub fn map_collect<T: Send + Copy + Default>(
     n: usize,

@@ -25,7 +25,6 @@ use crate::launch::{blocks_for, Launch};
 use crate::runner::{OpCall, OpOutputs, OpSpec, TensorSpec};
 use crate::tensor::Tensor;
 use half::bf16;
-use rayon::prelude::*;
 
 // ---------------------------------------------------------------------------------------------
 // CPU reference
@@ -56,69 +55,13 @@ pub fn gemm_reference_into(a: &[f32], b: &[f32], c: &mut [f32], m: usize, n: usi
         c.fill(0.0);
         return;
     }
-    // Rows split into panels over rayon's threads, each panel one single-threaded sgemm: a
+    // Rows split into panels over the pool's threads, each panel one single-threaded sgemm: a
     // row's arithmetic does not depend on which panel it is in (see above), so this keeps batch
     // invariance, and it scales better than matrixmultiply's own pool (measured in
     // docs/perf/gemm.md). Panels are multiples of 8 rows (the micro-kernel's height) and small
-    // products stay on one thread.
-    let threads = rayon::current_num_threads().max(1);
-    let work = m * n * k;
-    let panels = if work < (1 << 21) {
-        1
-    } else {
-        threads.min(m.div_ceil(8))
-    };
-    let rows_per_panel = m.div_ceil(panels).div_ceil(8) * 8;
-    c.par_chunks_mut(rows_per_panel * n)
-        .zip(a.par_chunks(rows_per_panel * k))
-        .for_each(|(c_panel, a_panel)| {
-            let rows = a_panel.len() / k;
-            // SAFETY: the asserts above make every index matrixmultiply forms from (rows, k, n)
-            // and the strides in bounds: A's panel is rows x k row-major (row stride k, column
-            // stride 1); B^T is the k x n view of row-major B[n,k] (row stride 1, column stride
-            // k); C's panel is rows x n row-major. With beta = 0, C need not be initialised, and
-            // it aliases neither input (a &mut slice).
-            unsafe {
-                matrixmultiply::sgemm(
-                    rows,
-                    k,
-                    n,
-                    1.0,
-                    a_panel.as_ptr(),
-                    k as isize,
-                    1,
-                    b.as_ptr(),
-                    1,
-                    k as isize,
-                    0.0,
-                    c_panel.as_mut_ptr(),
-                    n as isize,
-                    1,
-                );
-            }
-        });
-}
-
-/// Products with at most this many rows of A use the packed small-row GEMM
-/// ([`gemm_packed_into`]; same bits as [`gemm_reference_into`]) when B is a host F32 tensor.
-pub const SMALL_M: usize = 64;
-/// ... and K at most this (longer K streams the packed panels from further out in the cache
-/// than matrixmultiply's blocking does).
-const SMALL_MAX_K: usize = 1024;
-
-/// The packed form of `b` (`groups` stacked [n, k] matrices) when a product with `m` rows of A
-/// should take the small-row path: `b` a host F32 tensor, `m <= SMALL_M`, `k <= SMALL_MAX_K`.
-pub fn small_rows_rhs(
-    b: &Tensor,
-    groups: usize,
-    m: usize,
-    n: usize,
-    k: usize,
-) -> Option<std::sync::Arc<PackedB>> {
-    if m == 0 || m > SMALL_M || n == 0 || k == 0 || k > SMALL_MAX_K {
-        return None;
-    }
-    b.packed_rhs(groups, n, k)
+    // products stay on the calling thread. B^T is the k x n view of row-major B[n,k] (row
+    // stride 1, column stride k).
+    gemm_strided_into(m, n, k, (a, k, 1), (b, 1, k), c);
 }
 
 /// C[m,n] = A · B in f32 for operands given by strides: element (i, kk) of A at
@@ -199,6 +142,28 @@ fn panel_rows(m: usize, n: usize, k: usize) -> usize {
         threads.min(m.div_ceil(8))
     };
     m.div_ceil(panels).div_ceil(8) * 8
+}
+
+/// Products with at most this many rows of A use the packed small-row GEMM
+/// ([`gemm_packed_into`]; same bits as [`gemm_reference_into`]) when B is a host F32 tensor.
+pub const SMALL_M: usize = 64;
+/// ... and K at most this (longer K streams the packed panels from further out in the cache
+/// than matrixmultiply's blocking does).
+const SMALL_MAX_K: usize = 1024;
+
+/// The packed form of `b` (`groups` stacked [n, k] matrices) when a product with `m` rows of A
+/// should take the small-row path: `b` a host F32 tensor, `m <= SMALL_M`, `k <= SMALL_MAX_K`.
+pub fn small_rows_rhs(
+    b: &Tensor,
+    groups: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Option<std::sync::Arc<PackedB>> {
+    if m == 0 || m > SMALL_M || n == 0 || k == 0 || k > SMALL_MAX_K {
+        return None;
+    }
+    b.packed_rhs(groups, n, k)
 }
 
 /// C[m,n] = A[m,k] · B[n,k]^T in f32. See [`gemm_reference_into`].
