@@ -393,6 +393,16 @@ fn dims_fit_i32(dims: &[(&str, usize)]) -> Result<()> {
     Ok(())
 }
 
+/// A fresh F32 output: poisoned on emu and cuda (a kernel that misses an element shows as
+/// NaN); zeros on cpu, where the reference writes every element and the poison pass was only
+/// a second write of the whole output (fresh zero pages cost no pass at all).
+fn output(backend: &Backend, shape: &[usize]) -> Result<Tensor> {
+    match backend {
+        Backend::Cpu => Tensor::zeros(backend, shape, DType::F32),
+        _ => Tensor::poisoned(backend, shape, DType::F32),
+    }
+}
+
 /// C[M,N] = A[M,K] · B[N,K]^T. `a` and `b` are both F32 or both BF16; C is F32.
 pub fn gemm(backend: &Backend, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     gemm_with_path(backend, a, b, GemmPath::from_env()?)
@@ -401,7 +411,7 @@ pub fn gemm(backend: &Backend, a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// [`gemm`] with the bf16 kernel chosen explicitly (tests run both paths side by side).
 pub fn gemm_with_path(backend: &Backend, a: &Tensor, b: &Tensor, path: GemmPath) -> Result<Tensor> {
     let (m, n, _) = plain_dims(a, b)?;
-    let mut c = Tensor::poisoned(backend, &[m, n], DType::F32)?;
+    let mut c = output(backend, &[m, n])?;
     gemm_into_with_path(backend, a, b, &mut c, path)?;
     Ok(c)
 }
@@ -475,7 +485,7 @@ pub fn gemm_batched_with_path(
         ));
     }
     let n = b.shape()[b.shape().len() - 2];
-    let mut c = Tensor::poisoned(backend, &[batch, m, n], DType::F32)?;
+    let mut c = output(backend, &[batch, m, n])?;
     batched(backend, a, b, &mut c, batch, m, n, k, shared_b, path)?;
     Ok(c)
 }
