@@ -76,7 +76,12 @@ fn decode(c: &mut Criterion) {
     let m = small();
     // One JSON line per batch size from a plain timing loop (what scripts/compare-xla.sh reads;
     // run the binary with a filter that matches no criterion bench to get only these).
-    for b in [1usize, 4, 16, 64] {
+    // SLUICE_DECODE_BATCHES=64 (a comma list) times only those batch sizes.
+    let batches: Vec<usize> = std::env::var("SLUICE_DECODE_BATCHES")
+        .ok()
+        .map(|v| v.split(',').filter_map(|b| b.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![1, 4, 16, 64]);
+    for b in batches {
         let (ms, runs) = decode_step_ms(&m, b, 5);
         println!(
             "{{\"what\": \"decode\", \"form\": \"sluice\", \"batch\": {b}, \"ms\": {ms:.4}, \"runs_ms\": {runs:?}}}"

@@ -125,7 +125,9 @@ fn rows_block(a: &[f32], pb: &PackedB, group: usize, c: &mut [f32], rows: usize)
 }
 
 /// Calls `tile(r0, mr, p0, np)` over the block's micro-tiles: rows in groups of up to [`MR`],
-/// panels in groups of up to `np_max`.
+/// panels in groups of up to `np_max`. Panels outside, rows inside: a group of panels (K x 32
+/// values, 16-32 KiB for the model's K) stays in the L1 cache while every row block streams
+/// past it, instead of coming from L2 again for each row block.
 #[inline(always)]
 fn for_each_tile(
     rows: usize,
@@ -133,16 +135,16 @@ fn for_each_tile(
     np_max: usize,
     mut tile: impl FnMut(usize, usize, usize, usize),
 ) {
-    let mut r = 0;
-    while r < rows {
-        let mr = MR.min(rows - r);
-        let mut p = 0;
-        while p < panels {
-            let np = np_max.min(panels - p);
+    let mut p = 0;
+    while p < panels {
+        let np = np_max.min(panels - p);
+        let mut r = 0;
+        while r < rows {
+            let mr = MR.min(rows - r);
             tile(r, mr, p, np);
-            p += np;
+            r += mr;
         }
-        r += mr;
+        p += np;
     }
 }
 
