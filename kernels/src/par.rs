@@ -150,6 +150,40 @@ pub fn chunks3_mut<A: Send, B: Send, C: Send>(
         .for_each(|(i, ((ca, cb), cc))| f(i * per, ca, cb, cc));
 }
 
+/// Calls `f(segment, first_row, chunk)` for each segment `bounds[g]..bounds[g+1]` (row
+/// indices, non-decreasing, starting at 0) of `out` (rows of `row_len`), the segments as tasks
+/// of the pool when the total work (`work_per_row` per row) reaches [`MIN_PAR_WORK`] and there
+/// are at least two of them; empty segments are skipped. (The MoE layer's per-expert products.)
+pub fn segments_mut<T: Send>(
+    out: &mut [T],
+    row_len: usize,
+    bounds: &[usize],
+    work_per_row: usize,
+    f: impl Fn(usize, usize, &mut [T]) + Sync + Send,
+) {
+    let mut tasks = Vec::with_capacity(bounds.len().saturating_sub(1));
+    let mut rest = out;
+    for (g, w) in bounds.windows(2).enumerate() {
+        let (chunk, tail) = std::mem::take(&mut rest).split_at_mut((w[1] - w[0]) * row_len);
+        rest = tail;
+        if w[1] > w[0] {
+            tasks.push((g, w[0], chunk));
+        }
+    }
+    let rows = bounds.last().copied().unwrap_or(0);
+    if tasks.len() < 2 || pieces(rows, work_per_row) == 1 {
+        for (g, r0, chunk) in tasks {
+            f(g, r0, chunk);
+        }
+        return;
+    }
+    use rayon::prelude::*;
+    tasks
+        .into_par_iter()
+        .with_max_len(1)
+        .for_each(|(g, r0, chunk)| f(g, r0, chunk));
+}
+
 /// A vector of `n` values, `f(i)` each, built as [`rows_mut`] with rows of one element.
 pub fn map_collect<T: Send + Copy + Default>(
     n: usize,

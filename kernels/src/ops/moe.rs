@@ -47,7 +47,7 @@ use super::gemm::{
     gemm, gemm_grouped, gemm_packed_into, gemm_reference, gemm_reference_into, gemm_strided_into,
     small_rows_rhs, PackedB,
 };
-use super::swiglu::{swiglu, swiglu_backward, swiglu_backward_reference, swiglu_reference};
+use super::swiglu::{swiglu, swiglu_backward, swiglu_backward_reference, swiglu_reference_into};
 use super::topk::{topk, topk_reference, MAX_E, MAX_K};
 use crate::device::Backend;
 use crate::dtype::DType;
@@ -308,10 +308,7 @@ fn forward_state(
         let tok = routing.perm[p] as usize / k;
         row.copy_from_slice(&x[tok * d..(tok + 1) * d]);
     });
-    let a = grouped(&xs, w1, packed.map(|p| &*p.w1), &routing.offsets, f, d);
-    let b = grouped(&xs, w3, packed.map(|p| &*p.w3), &routing.offsets, f, d);
-    let h = swiglu_reference(&a, &b).expect("moe: a and b are [N,f]");
-    let ye = grouped(&h, w2, packed.map(|p| &*p.w2), &routing.offsets, d, f);
+    let [a, b, h, ye] = experts_forward(&xs, [w1, w3, w2], packed, &routing.offsets, d, f);
     let mut y = vec![0.0f32; t * d];
     par::rows_mut(&mut y, d.max(1), 2 * k * d, |tok, row| {
         for j in 0..k {
@@ -331,6 +328,72 @@ fn forward_state(
         ye,
         y,
     }
+}
+
+/// Every expert's SwiGLU FFN on its segment of the sorted rows `xs` [N,d]: a = xs W1_e^T,
+/// b = xs W3_e^T (both [N,f]), h = silu(a) * b, ye = h W2_e^T [N,d]. One task per expert (all
+/// four steps of a segment in one task, so a call forks and joins the pool once, not once per
+/// product), in parallel when the call is large enough; every row's arithmetic is the plain
+/// references', so the bits do not depend on the grouping.
+fn experts_forward(
+    xs: &[f32],
+    [w1, w3, w2]: [&[f32]; 3],
+    packed: Option<&MoePacked>,
+    offsets: &[i32],
+    d: usize,
+    f: usize,
+) -> [Vec<f32>; 4] {
+    use rayon::prelude::*;
+    let n = *offsets.last().unwrap_or(&0) as usize;
+    let (mut a, mut b, mut h, mut ye) = (
+        vec![0.0f32; n * f],
+        vec![0.0f32; n * f],
+        vec![0.0f32; n * f],
+        vec![0.0f32; n * d],
+    );
+    if n == 0 || d == 0 || f == 0 {
+        return [a, b, h, ye];
+    }
+    // Split the four outputs at the segment bounds: one tuple of disjoint slices per expert.
+    let mut tasks = Vec::with_capacity(offsets.len() - 1);
+    let (mut ra, mut rb, mut rh, mut ry) = (&mut a[..], &mut b[..], &mut h[..], &mut ye[..]);
+    for (g, w) in offsets.windows(2).enumerate() {
+        let rows = (w[1] - w[0]) as usize;
+        let (sa, ta) = std::mem::take(&mut ra).split_at_mut(rows * f);
+        let (sb, tb) = std::mem::take(&mut rb).split_at_mut(rows * f);
+        let (sh, th) = std::mem::take(&mut rh).split_at_mut(rows * f);
+        let (sy, ty) = std::mem::take(&mut ry).split_at_mut(rows * d);
+        (ra, rb, rh, ry) = (ta, tb, th, ty);
+        if rows > 0 {
+            tasks.push((g, w[0] as usize, rows, sa, sb, sh, sy));
+        }
+    }
+    let product =
+        |src: &[f32], w: &[f32], pb: Option<&PackedB>, g, out: &mut [f32], rows, nn, kk| match pb {
+            Some(pb) => gemm_packed_into(src, pb, g, out, rows),
+            None => gemm_reference_into(src, &w[g * nn * kk..(g + 1) * nn * kk], out, rows, nn, kk),
+        };
+    let run = |(g, r0, rows, sa, sb, sh, sy): (
+        usize,
+        usize,
+        usize,
+        &mut [f32],
+        &mut [f32],
+        &mut [f32],
+        &mut [f32],
+    )| {
+        let x = &xs[r0 * d..(r0 + rows) * d];
+        product(x, w1, packed.map(|p| &*p.w1), g, sa, rows, f, d);
+        product(x, w3, packed.map(|p| &*p.w3), g, sb, rows, f, d);
+        swiglu_reference_into(sa, sb, sh).expect("moe: a, b and h are one segment");
+        product(sh, w2, packed.map(|p| &*p.w2), g, sy, rows, d, f);
+    };
+    if tasks.len() > 1 && par::pieces(n, 3 * d * f) > 1 {
+        tasks.into_par_iter().with_max_len(1).for_each(run);
+    } else {
+        tasks.into_iter().for_each(run);
+    }
+    [a, b, h, ye]
 }
 
 /// The expert weights packed for the small-row GEMM ([`crate::ops::gemm_small`]), taken from
@@ -354,32 +417,6 @@ impl MoePacked {
             w2: small_rows_rhs(inp.w2, e, t, d, f)?,
         })
     }
-}
-
-/// The grouped product of the reference: rows `offsets[g]..offsets[g+1]` of `a` [N,k] times
-/// `w[g]` [n,k]^T, from `packed` when given (same bits as the plain reference).
-fn grouped(
-    a: &[f32],
-    w: &[f32],
-    packed: Option<&PackedB>,
-    offsets: &[i32],
-    n: usize,
-    k: usize,
-) -> Vec<f32> {
-    let rows = *offsets.last().unwrap_or(&0) as usize;
-    let mut c = vec![0.0f32; rows * n];
-    for g in 0..offsets.len() - 1 {
-        let (r0, r1) = (offsets[g] as usize, offsets[g + 1] as usize);
-        if r1 == r0 || n == 0 {
-            continue;
-        }
-        let (ag, cg) = (&a[r0 * k..r1 * k], &mut c[r0 * n..r1 * n]);
-        match packed {
-            Some(pb) => gemm_packed_into(ag, pb, g, cg, r1 - r0),
-            None => gemm_reference_into(ag, &w[g * n * k..(g + 1) * n * k], cg, r1 - r0, n, k),
-        }
-    }
-    c
 }
 
 /// The outputs of [`moe_forward_reference`].
@@ -508,21 +545,23 @@ fn segment_wgrad_reference(
 /// times `w[g]`, a row-major `[k, n]` matrix (the backward's `dY · W`, with no transposed
 /// copy of W).
 fn grouped_kn(a: &[f32], w: &[f32], offsets: &[i32], n: usize, k: usize) -> Vec<f32> {
-    let rows = *offsets.last().unwrap_or(&0) as usize;
+    let bounds: Vec<usize> = offsets.iter().map(|&o| o as usize).collect();
+    let rows = bounds.last().copied().unwrap_or(0);
     let mut c = vec![0.0f32; rows * n];
-    for g in 0..offsets.len() - 1 {
-        let (r0, r1) = (offsets[g] as usize, offsets[g + 1] as usize);
-        if r1 > r0 {
-            gemm_strided_into(
-                r1 - r0,
-                n,
-                k,
-                (&a[r0 * k..r1 * k], k, 1),
-                (&w[g * k * n..(g + 1) * k * n], n, 1),
-                &mut c[r0 * n..r1 * n],
-            );
-        }
+    if n == 0 {
+        return c;
     }
+    par::segments_mut(&mut c, n, &bounds, n * k, |g, r0, cg| {
+        let r1 = r0 + cg.len() / n;
+        gemm_strided_into(
+            r1 - r0,
+            n,
+            k,
+            (&a[r0 * k..r1 * k], k, 1),
+            (&w[g * k * n..(g + 1) * k * n], n, 1),
+            cg,
+        );
+    });
     c
 }
 

@@ -30,6 +30,17 @@ pub fn swiglu_reference(a: &[f32], b: &[f32]) -> Result<Vec<f32>> {
     }))
 }
 
+/// [`swiglu_reference`] into `out` (same length), on the calling thread: one MoE expert's
+/// segment inside a task of its own.
+pub fn swiglu_reference_into(a: &[f32], b: &[f32], out: &mut [f32]) -> Result<()> {
+    check_len("b", b, a.len(), "the length of `a`")?;
+    check_len("out", out, a.len(), "the length of `a`")?;
+    for ((o, &av), &bv) in out.iter_mut().zip(a).zip(b) {
+        *o = av * sigmoid(av) * bv;
+    }
+    Ok(())
+}
+
 /// (da, db) of swiglu from a, b and dh.
 pub fn swiglu_backward_reference(a: &[f32], b: &[f32], dh: &[f32]) -> Result<(Vec<f32>, Vec<f32>)> {
     check_len("b", b, a.len(), "the length of `a`")?;
