@@ -582,10 +582,26 @@ pub fn moe_backward_reference(
     cfg: MoeConfig,
 ) -> MoeGrads {
     check_lengths(x, w_router, w1, w3, w2, Some(dy), dims);
+    let s = forward_state(x, w_router, w1, w3, w2, dims, cfg, None);
+    backward_with_state(&s, x, w_router, w1, w3, w2, dy, dims, cfg)
+}
+
+/// The backward from the forward's state `s` (computed from the same inputs).
+#[allow(clippy::too_many_arguments)]
+fn backward_with_state(
+    s: &ForwardState,
+    x: &[f32],
+    w_router: &[f32],
+    w1: &[f32],
+    w3: &[f32],
+    w2: &[f32],
+    dy: &[f32],
+    dims: MoeDims,
+    cfg: MoeConfig,
+) -> MoeGrads {
     let MoeDims { t, d, f, e } = dims;
     let k = cfg.k;
     let n = t * k;
-    let s = forward_state(x, w_router, w1, w3, w2, dims, cfg, None);
     let r = &s.routing;
 
     // Combine backward: d(ye)[pos] = gate * dy[t]; dgate[t,j] = dy[t] . ye[pos] (by sorted
@@ -851,6 +867,16 @@ pub struct MoeGradTensors {
     pub dw2: Tensor,
 }
 
+/// What the CPU forward computed (routing, the expert-sorted rows, every expert activation),
+/// kept by [`moe_forward_saved`] so that [`moe_backward_saved`] need not recompute it: the
+/// backward's recomputation of the forward was about a sixth of a training step's FLOPs.
+/// Opaque; only the `cpu` device makes one.
+pub struct MoeSaved {
+    state: ForwardState,
+    dims: MoeDims,
+    cfg: MoeConfig,
+}
+
 /// The MoE layer forward on any device (see the module documentation).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_forward(
@@ -862,12 +888,26 @@ pub fn moe_forward(
     w2: &Tensor,
     cfg: MoeConfig,
 ) -> Result<MoeOutput> {
+    Ok(moe_forward_saved(backend, x, w_router, w1, w3, w2, cfg)?.0)
+}
+
+/// [`moe_forward`], also returning (on `cpu`) the state [`moe_backward_saved`] takes.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_forward_saved(
+    backend: &Backend,
+    x: &Tensor,
+    w_router: &Tensor,
+    w1: &Tensor,
+    w3: &Tensor,
+    w2: &Tensor,
+    cfg: MoeConfig,
+) -> Result<(MoeOutput, Option<MoeSaved>)> {
     let inp = check_inputs(backend, x, w_router, w1, w3, w2, None, cfg)?;
     let MoeDims { t, d, .. } = inp.dims;
     let k = cfg.k;
     if let Backend::Cpu = backend {
         let packed = MoePacked::for_call(&inp);
-        let out = moe_forward_packed(
+        let mut state = forward_state(
             &x.f32_data()?,
             &w_router.f32_data()?,
             &w1.f32_data()?,
@@ -877,21 +917,31 @@ pub fn moe_forward(
             cfg,
             packed.as_ref(),
         );
-        return Ok(MoeOutput {
-            y: Tensor::from_f32_vec(backend, &[t, d], out.y)?,
-            topk_idx: Tensor::from_slice(backend, &[t, k], &out.topk_idx)?,
-            topk_gate: Tensor::from_f32_vec(backend, &[t, k], out.topk_gate)?,
-            aux_loss: Tensor::from_slice(backend, &[1], &[out.aux_loss])?,
-        });
+        let r = &state.routing;
+        let out = MoeOutput {
+            y: Tensor::from_f32_vec(backend, &[t, d], std::mem::take(&mut state.y))?,
+            topk_idx: Tensor::from_slice(backend, &[t, k], &r.idx)?,
+            topk_gate: Tensor::from_slice(backend, &[t, k], &r.gate)?,
+            aux_loss: Tensor::from_slice(backend, &[1], &[r.aux_loss])?,
+        };
+        let saved = MoeSaved {
+            state,
+            dims: inp.dims,
+            cfg,
+        };
+        return Ok((out, Some(saved)));
     }
     let w = Widened::new(backend, &inp)?;
     let s = device_forward(backend, &w, inp.dims, cfg)?;
-    Ok(MoeOutput {
-        y: s.y,
-        topk_idx: s.idx,
-        topk_gate: s.gate,
-        aux_loss: s.aux_loss,
-    })
+    Ok((
+        MoeOutput {
+            y: s.y,
+            topk_idx: s.idx,
+            topk_gate: s.gate,
+            aux_loss: s.aux_loss,
+        },
+        None,
+    ))
 }
 
 /// The MoE layer backward on any device: gradients of sum(dy * y) with respect to x and the
@@ -907,19 +957,51 @@ pub fn moe_backward(
     dy: &Tensor,
     cfg: MoeConfig,
 ) -> Result<MoeGradTensors> {
+    moe_backward_saved(backend, x, w_router, w1, w3, w2, dy, cfg, None)
+}
+
+/// [`moe_backward`] from the state of the forward of the SAME inputs (`saved`, from
+/// [`moe_forward_saved`] on `cpu`) instead of recomputing it; the gradients are the same bits
+/// (the forward is deterministic). A state of other sizes or parameters is an error; `None`
+/// recomputes.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_backward_saved(
+    backend: &Backend,
+    x: &Tensor,
+    w_router: &Tensor,
+    w1: &Tensor,
+    w3: &Tensor,
+    w2: &Tensor,
+    dy: &Tensor,
+    cfg: MoeConfig,
+    saved: Option<MoeSaved>,
+) -> Result<MoeGradTensors> {
     let inp = check_inputs(backend, x, w_router, w1, w3, w2, Some(dy), cfg)?;
     let MoeDims { t, d, f, e } = inp.dims;
+    if let Some(s) = &saved {
+        if s.dims != inp.dims || s.cfg != cfg {
+            return Err(Error::Invalid(format!(
+                "moe_backward_saved: the saved forward state is of {:?} / {:?}, the call of \
+                 {:?} / {cfg:?}",
+                s.dims, s.cfg, inp.dims
+            )));
+        }
+    }
     if let Backend::Cpu = backend {
-        let g = moe_backward_reference(
-            &x.f32_data()?,
-            &w_router.f32_data()?,
-            &w1.f32_data()?,
-            &w3.f32_data()?,
-            &w2.f32_data()?,
-            &dy.f32_data()?,
-            inp.dims,
-            cfg,
+        let (xs, wr, w1s, w3s, w2s, dys) = (
+            x.f32_data()?,
+            w_router.f32_data()?,
+            w1.f32_data()?,
+            w3.f32_data()?,
+            w2.f32_data()?,
+            dy.f32_data()?,
         );
+        let g = match saved {
+            Some(s) => {
+                backward_with_state(&s.state, &xs, &wr, &w1s, &w3s, &w2s, &dys, inp.dims, cfg)
+            }
+            None => moe_backward_reference(&xs, &wr, &w1s, &w3s, &w2s, &dys, inp.dims, cfg),
+        };
         return Ok(MoeGradTensors {
             dx: Tensor::from_f32_vec(backend, &[t, d], g.dx)?,
             dw_router: Tensor::from_f32_vec(backend, &[e, d], g.dw_router)?,
