@@ -154,17 +154,25 @@ def main():
         "",
         "## Decode step (ms per step; B sequences, one token each, contexts 17..80)",
         "",
-        "| B | sluice | peer dense (all experts) | peer top-k (gathered experts) | peer fastest / sluice |",
-        "|---|---|---|---|---|",
+        "| B | sluice | peer dense (einsum) | peer dense (3 flat matmuls) | peer top-k (gathered experts) | peer fastest / sluice | sluice system CPU share |",
+        "|---|---|---|---|---|---|---|",
     ]
+    fmt = lambda x: f"{x:.3f}" if x is not None else "-"
     for b in ("1", "4", "16", "64"):
         s = med.get(("decode", "sluice", b))
-        pd = med.get(("decode", "dense", b))
-        pt = med.get(("decode", "topk", b))
-        fastest = min(x for x in (pd, pt) if x is not None) if (pd or pt) else None
+        peers = [med.get(("decode", f, b)) for f in ("dense", "dense_flat", "topk")]
+        known = [x for x in peers if x is not None]
+        fastest = min(known) if known else None
         ratio = f"{fastest / s:.2f}x" if s and fastest else "-"
-        fmt = lambda x: f"{x:.3f}" if x is not None else "-"
-        lines.append(f"| {b} | {fmt(s)} | {fmt(pd)} | {fmt(pt)} | {ratio} |")
+        user = sum(r.get("user_s", 0.0) for _, _, r in rows if r["what"] == "decode" and r["form"] == "sluice" and str(r["batch"]) == b)
+        sys_s = sum(r.get("sys_s", 0.0) for _, _, r in rows if r["what"] == "decode" and r["form"] == "sluice" and str(r["batch"]) == b)
+        share = f"{100 * sys_s / (user + sys_s):.1f}% ({sys_s:.2f} of {user + sys_s:.2f} s)" if user + sys_s > 0 else "-"
+        lines.append(f"| {b} | {fmt(s)} | {fmt(peers[0])} | {fmt(peers[1])} | {fmt(peers[2])} | {ratio} | {share} |")
+    lines += [
+        "",
+        "A ratio above 1 means sluice is faster. The system CPU share is of the timed decode steps",
+        "of every round together (user and system CPU seconds from /proc/self/stat).",
+    ]
     s = med.get(("train", "sluice", "32x64"))
     sf = med.get(("train_fwd_bwd", "sluice", "32x64"))
     pd = med.get(("train", "dense", "32x64"))
@@ -182,7 +190,8 @@ def main():
         f"| peer, top-k MoE (ragged_dot), one compiled step | {pr:.1f} |",
         f"| peer fastest / sluice | {fastest / s:.2f}x |",
         "",
-        "A ratio above 1 means sluice is faster.",
+        "A ratio above 1 means sluice is faster. What changed in sluice's CPU path to get here, and",
+        "what each change kept, is docs/perf/cpu-path.md.",
         "",
         "## Every run",
         "",

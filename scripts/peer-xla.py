@@ -6,10 +6,12 @@ It reads a sluice model TOML (configs/model/*.toml) and a sluice checkpoint (saf
 tensor names of model/src/layout.rs) and runs:
 
 - `decode`: one decode step with a KV cache for B sequences (B = 1, 4, 16, 64 by default), in
-  two MoE forms: `dense` (every expert on every token, gates zero outside the top-k: 4x the
-  expert FLOPs of top-2 of 8, but plain batched matmuls) and `topk` (each token's k experts'
-  weights gathered: the same expert FLOPs as sluice). Same shape as sluice's rollout bench:
-  16-token prompts already in the cache, then steps decoding one token per sequence.
+  three MoE forms: `dense` (every expert on every token as einsums over the stored weights,
+  gates zero outside the top-k: 4x the expert FLOPs of top-2 of 8), `dense_flat` (the same
+  dense MoE as three plain matmuls on expert weights laid out once for it, the gates folded
+  into the hidden activations) and `topk` (each token's k experts' weights gathered: the same
+  expert FLOPs as sluice). Same shape as sluice's rollout bench: 16-token prompts already in
+  the cache, then steps decoding one token per sequence.
 - `train`: one compiled training step of the supervised loss on 32 x 64 tokens: forward,
   backward (jax.grad) and the optimizer sluice uses (global-norm clipping, AdamW on the
   embedding, LM head, router and norm scales; Muon with Nesterov momentum on the matrices,

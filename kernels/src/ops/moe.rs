@@ -289,6 +289,7 @@ struct ForwardState {
     y: Vec<f32>,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn forward_state(
     x: &[f32],
     w_router: &[f32],
@@ -330,6 +331,18 @@ fn forward_state(
     }
 }
 
+/// One expert's share of [`experts_forward`]: its segment (rows `r0..r0 + rows` of the sorted
+/// rows) and its slices of the four outputs.
+struct ExpertTask<'a> {
+    g: usize,
+    r0: usize,
+    rows: usize,
+    a: &'a mut [f32],
+    b: &'a mut [f32],
+    h: &'a mut [f32],
+    ye: &'a mut [f32],
+}
+
 /// Every expert's SwiGLU FFN on its segment of the sorted rows `xs` [N,d]: a = xs W1_e^T,
 /// b = xs W3_e^T (both [N,f]), h = silu(a) * b, ye = h W2_e^T [N,d]. One task per expert (all
 /// four steps of a segment in one task, so a call forks and joins the pool once, not once per
@@ -354,18 +367,27 @@ fn experts_forward(
     if n == 0 || d == 0 || f == 0 {
         return [a, b, h, ye];
     }
-    // Split the four outputs at the segment bounds: one tuple of disjoint slices per expert.
-    let mut tasks = Vec::with_capacity(offsets.len() - 1);
+    // Split the four outputs at the segment bounds: one set of disjoint slices per expert.
+    let mut tasks: Vec<ExpertTask<'_>> = Vec::with_capacity(offsets.len() - 1);
     let (mut ra, mut rb, mut rh, mut ry) = (&mut a[..], &mut b[..], &mut h[..], &mut ye[..]);
     for (g, w) in offsets.windows(2).enumerate() {
         let rows = (w[1] - w[0]) as usize;
-        let (sa, ta) = std::mem::take(&mut ra).split_at_mut(rows * f);
-        let (sb, tb) = std::mem::take(&mut rb).split_at_mut(rows * f);
-        let (sh, th) = std::mem::take(&mut rh).split_at_mut(rows * f);
-        let (sy, ty) = std::mem::take(&mut ry).split_at_mut(rows * d);
+        let (a, ta) = std::mem::take(&mut ra).split_at_mut(rows * f);
+        let (b, tb) = std::mem::take(&mut rb).split_at_mut(rows * f);
+        let (h, th) = std::mem::take(&mut rh).split_at_mut(rows * f);
+        let (ye, ty) = std::mem::take(&mut ry).split_at_mut(rows * d);
         (ra, rb, rh, ry) = (ta, tb, th, ty);
         if rows > 0 {
-            tasks.push((g, w[0] as usize, rows, sa, sb, sh, sy));
+            let r0 = w[0] as usize;
+            tasks.push(ExpertTask {
+                g,
+                r0,
+                rows,
+                a,
+                b,
+                h,
+                ye,
+            });
         }
     }
     let product =
@@ -373,20 +395,12 @@ fn experts_forward(
             Some(pb) => gemm_packed_into(src, pb, g, out, rows),
             None => gemm_reference_into(src, &w[g * nn * kk..(g + 1) * nn * kk], out, rows, nn, kk),
         };
-    let run = |(g, r0, rows, sa, sb, sh, sy): (
-        usize,
-        usize,
-        usize,
-        &mut [f32],
-        &mut [f32],
-        &mut [f32],
-        &mut [f32],
-    )| {
-        let x = &xs[r0 * d..(r0 + rows) * d];
-        product(x, w1, packed.map(|p| &*p.w1), g, sa, rows, f, d);
-        product(x, w3, packed.map(|p| &*p.w3), g, sb, rows, f, d);
-        swiglu_reference_into(sa, sb, sh).expect("moe: a, b and h are one segment");
-        product(sh, w2, packed.map(|p| &*p.w2), g, sy, rows, d, f);
+    let run = |t: ExpertTask<'_>| {
+        let x = &xs[t.r0 * d..(t.r0 + t.rows) * d];
+        product(x, w1, packed.map(|p| &*p.w1), t.g, t.a, t.rows, f, d);
+        product(x, w3, packed.map(|p| &*p.w3), t.g, t.b, t.rows, f, d);
+        swiglu_reference_into(t.a, t.b, t.h).expect("moe: a, b and h are one segment");
+        product(t.h, w2, packed.map(|p| &*p.w2), t.g, t.ye, t.rows, d, f);
     };
     if tasks.len() > 1 && par::pieces(n, 3 * d * f) > 1 {
         tasks.into_par_iter().with_max_len(1).for_each(run);
@@ -872,7 +886,8 @@ pub struct MoeGradTensors {
 /// backward's recomputation of the forward was about a sixth of a training step's FLOPs.
 /// Opaque; only the `cpu` device makes one.
 pub struct MoeSaved {
-    state: ForwardState,
+    /// Boxed: the state is a dozen vectors, and the model keeps one per layer in an enum.
+    state: Box<ForwardState>,
     dims: MoeDims,
     cfg: MoeConfig,
 }
@@ -925,7 +940,7 @@ pub fn moe_forward_saved(
             aux_loss: Tensor::from_slice(backend, &[1], &[r.aux_loss])?,
         };
         let saved = MoeSaved {
-            state,
+            state: Box::new(state),
             dims: inp.dims,
             cfg,
         };
