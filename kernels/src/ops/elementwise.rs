@@ -109,9 +109,10 @@ pub(crate) fn as_i32(name: &str, what: &str, v: usize) -> Result<i32> {
     })
 }
 
-/// An f32 result computed on the host, as a tensor on `backend` (cpu here).
-pub(crate) fn host_tensor(backend: &Backend, shape: &[usize], data: &[f32]) -> Result<Tensor> {
-    Tensor::from_slice(backend, shape, data)
+/// A CPU reference's result as a tensor: on `cpu` the vector becomes the tensor's storage (no
+/// copy); elsewhere it is uploaded.
+pub(crate) fn host_tensor(backend: &Backend, shape: &[usize], data: Vec<f32>) -> Result<Tensor> {
+    Tensor::from_f32_vec(backend, shape, data)
 }
 
 /// A rank-2 tensor's `[rows, cols]`, or an error naming it and the expected form.
@@ -250,7 +251,7 @@ pub fn softmax(backend: &Backend, x: &Tensor) -> Result<Tensor> {
         Backend::Cpu => host_tensor(
             backend,
             x.shape(),
-            &softmax_reference(&x.to_f32_vec()?, rows, n)?,
+            softmax_reference(&x.f32_data()?, rows, n)?,
         ),
         _ => {
             let y = Tensor::poisoned(backend, x.shape(), DType::F32)?;
@@ -282,7 +283,7 @@ pub fn softmax_backward(backend: &Backend, y: &Tensor, dy: &Tensor) -> Result<Te
         Backend::Cpu => host_tensor(
             backend,
             y.shape(),
-            &softmax_backward_reference(&y.to_f32_vec()?, &dy.to_f32_vec()?, rows, n)?,
+            softmax_backward_reference(&y.f32_data()?, &dy.f32_data()?, rows, n)?,
         ),
         _ => {
             let dx = Tensor::poisoned(backend, y.shape(), DType::F32)?;

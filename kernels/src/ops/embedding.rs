@@ -139,7 +139,7 @@ pub fn embedding(backend: &Backend, table: &Tensor, tokens: &Tensor) -> Result<T
     let t = host_tokens.len();
     if let Backend::Cpu = backend {
         let out = embedding_reference(&table.f32_data()?, &host_tokens, vocab, d)?;
-        return host_tensor(backend, &[t, d], &out);
+        return host_tensor(backend, &[t, d], out);
     }
     let out = Tensor::poisoned(backend, &[t, d], DType::F32)?;
     let n = t * d;
@@ -183,7 +183,7 @@ pub fn embedding_backward(
     let d = dout.shape()[1];
     if let Backend::Cpu = backend {
         let dtable = embedding_backward_reference(&dout.f32_data()?, &host_tokens, vocab, d)?;
-        return host_tensor(backend, &[vocab, d], &dtable);
+        return host_tensor(backend, &[vocab, d], dtable);
     }
     let (order, offsets) = counting_sort(&host_tokens, vocab)?;
     let dtable = Tensor::poisoned(backend, &[vocab, d], DType::F32)?;

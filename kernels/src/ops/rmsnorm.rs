@@ -130,7 +130,7 @@ pub fn rmsnorm(backend: &Backend, x: &Tensor, w: &Tensor, eps: f32) -> Result<Te
     check_eps(eps)?;
     if let Backend::Cpu = backend {
         let y = rmsnorm_reference(&x.f32_data()?, &w.f32_data()?, t, d, eps)?;
-        return host_tensor(backend, &[t, d], &y);
+        return host_tensor(backend, &[t, d], y);
     }
     let y = Tensor::poisoned(backend, &[t, d], DType::F32)?;
     if t > 0 && d > 0 {
@@ -168,8 +168,8 @@ pub fn rmsnorm_backward(
         let (dx, dw) =
             rmsnorm_backward_reference(&x.f32_data()?, &w.f32_data()?, &dy.f32_data()?, t, d, eps)?;
         return Ok((
-            host_tensor(backend, &[t, d], &dx)?,
-            host_tensor(backend, &[d], &dw)?,
+            host_tensor(backend, &[t, d], dx)?,
+            host_tensor(backend, &[d], dw)?,
         ));
     }
     let dx = Tensor::poisoned(backend, &[t, d], DType::F32)?;

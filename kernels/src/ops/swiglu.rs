@@ -64,7 +64,7 @@ pub fn swiglu(backend: &Backend, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         return host_tensor(
             backend,
             a.shape(),
-            &swiglu_reference(&a.f32_data()?, &b.f32_data()?)?,
+            swiglu_reference(&a.f32_data()?, &b.f32_data()?)?,
         );
     }
     let n = a.numel();
@@ -99,8 +99,8 @@ pub fn swiglu_backward(
     if let Backend::Cpu = backend {
         let (da, db) = swiglu_backward_reference(&a.f32_data()?, &b.f32_data()?, &dh.f32_data()?)?;
         return Ok((
-            host_tensor(backend, a.shape(), &da)?,
-            host_tensor(backend, a.shape(), &db)?,
+            host_tensor(backend, a.shape(), da)?,
+            host_tensor(backend, a.shape(), db)?,
         ));
     }
     let n = a.numel();
