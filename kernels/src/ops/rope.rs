@@ -61,10 +61,13 @@ const STACK_HALF: usize = 128;
 /// Positions below this have their cos/sin rows kept per thread (see [`cos_sin`]).
 const CACHED_POSITIONS: i32 = 1 << 16;
 
+/// The kept cos/sin rows of one (theta bits, inv_freq length): positions 0.. computed so far,
+/// `[pos][i]` = (cos, sin) of pos * inv_freq[i].
+type CosSinTable = (u32, usize, Vec<(f32, f32)>);
+
 thread_local! {
-    /// Per thread: for each (theta bits, inv_freq length) seen, the cos/sin rows of positions
-    /// 0.. computed so far ([pos][i], (cos, sin) of pos * inv_freq[i])).
-    static COS_SIN: std::cell::RefCell<Vec<(u32, usize, Vec<(f32, f32)>)>> =
+    /// Per thread: one table per (theta, head dim) seen.
+    static COS_SIN: std::cell::RefCell<Vec<CosSinTable>> =
         const { std::cell::RefCell::new(Vec::new()) };
 }
 
