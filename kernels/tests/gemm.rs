@@ -18,8 +18,8 @@ use half::bf16;
 use rayon::prelude::*;
 use sluice_kernels::ops::gemm::{
     gemm, gemm_batched, gemm_batched_reference, gemm_grouped, gemm_grouped_reference,
-    gemm_grouped_with_path, gemm_into, gemm_reference, gemm_reference_bf16, gemm_with_path,
-    GemmPath,
+    gemm_grouped_with_path, gemm_into, gemm_packed_into, gemm_reference, gemm_reference_bf16,
+    gemm_strided_into, gemm_with_path, GemmPath, PackedB,
 };
 use sluice_kernels::testing::{
     check_matmul_elementwise, matmul_abs_sums, matmul_bound_factor, rel_norm, Rng, F32_TOL,
@@ -187,6 +187,119 @@ fn grouped_rows_equal_plain_rows_bit_for_bit() {
                 );
             }
         }
+    }
+}
+
+/// Asserts two f32 slices are equal bit for bit, naming the first difference.
+fn assert_same_bits(label: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{label}: lengths");
+    if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+        panic!("{label}: element {i}: {} vs {}", got[i], want[i]);
+    }
+}
+
+#[test]
+fn packed_small_row_path_equals_the_reference_bit_for_bit() {
+    // The small-row path (packed B, issue 16) must give the reference's bits, or mixing the
+    // two (decode batches vs training batches) would break batch invariance. K = 255, 256, 257
+    // and 700 sit on and across matrixmultiply's 256-wide chunks; N = 15, 16, 17, 33 and 100
+    // leave partial 16-column panels and partial two-panel tiles; M covers 1..4-row tails.
+    let mut rng = Rng::new(21);
+    for &k in &[1usize, 17, 255, 256, 257, 700] {
+        for &n in &[1usize, 15, 16, 17, 33, 100] {
+            let b = rng.normal_vec(n * k, 1.0);
+            let pb = PackedB::new(&b, 1, n, k);
+            for &m in &[1usize, 2, 3, 5, 17, 64] {
+                let a = rng.normal_vec(m * k, 1.0);
+                let want = gemm_reference(&a, &b, m, n, k);
+                let mut got = vec![f32::NAN; m * n];
+                gemm_packed_into(&a, &pb, 0, &mut got, m);
+                assert_same_bits(&format!("M={m} N={n} K={k}"), &got, &want);
+            }
+        }
+    }
+}
+
+#[test]
+fn device_gemm_small_rows_equal_large_rows_bit_for_bit() {
+    // Through the cpu entry points: a product of few rows (packed path, B cached on the
+    // tensor) and of many rows (matrixmultiply) give each row the same bits, plain and grouped,
+    // also after the weight tensor was rewritten (the cached packing must be dropped).
+    let cpu = Backend::Cpu;
+    let (n, k, big) = (37, 300, 130);
+    let mut rng = Rng::new(22);
+    let a = rng.normal_vec(big * k, 1.0);
+    let a_t = Tensor::from_slice(&cpu, &[big, k], &a).unwrap();
+    for round in 0..2 {
+        let b = rng.normal_vec(n * k, 1.0);
+        let mut b_t = Tensor::from_slice(&cpu, &[n, k], &rng.normal_vec(n * k, 1.0)).unwrap();
+        // Pack the first contents, then overwrite them: the next call must use the new ones.
+        let one = Tensor::from_slice(&cpu, &[1, k], &a[..k]).unwrap();
+        gemm(&cpu, &one, &b_t).unwrap();
+        b_t.host_slice_mut::<f32>().unwrap().copy_from_slice(&b);
+        let full = gemm(&cpu, &a_t, &b_t).unwrap().to_vec::<f32>().unwrap();
+        assert_same_bits(
+            "large M vs reference",
+            &full,
+            &gemm_reference(&a, &b, big, n, k),
+        );
+        for (start, m) in [(0usize, 1usize), (5, 3), (60, 17), (66, 64)] {
+            let part = Tensor::from_slice(&cpu, &[m, k], &a[start * k..(start + m) * k]).unwrap();
+            let got = gemm(&cpu, &part, &b_t).unwrap().to_vec::<f32>().unwrap();
+            assert_same_bits(
+                &format!("round {round}, M={m} at {start}"),
+                &got,
+                &full[start * n..(start + m) * n],
+            );
+        }
+    }
+    // Grouped: segments of 0, 1, 17 and 64 rows against three stacked matrices plus one.
+    let offsets = [0i32, 1, 1, 18, 82];
+    let groups = offsets.len() - 1;
+    let rows = 82;
+    let bs = rng.normal_vec(groups * n * k, 1.0);
+    let a_t = Tensor::from_slice(&cpu, &[rows, k], &a[..rows * k]).unwrap();
+    let b_t = Tensor::from_slice(&cpu, &[groups, n, k], &bs).unwrap();
+    let off_t = Tensor::from_slice(&cpu, &[offsets.len()], &offsets).unwrap();
+    let got = gemm_grouped(&cpu, &a_t, &b_t, &off_t)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    let want = gemm_grouped_reference(&a[..rows * k], &bs, &offsets, n, k);
+    assert_same_bits("grouped, packed segments", &got, &want);
+}
+
+#[test]
+fn strided_views_equal_transposed_copies_bit_for_bit() {
+    // gemm_strided_into reads A^T and B^T through strides (the MoE backward's dY W and P^T Q);
+    // it must give the bits of the plain reference on transposed copies, which is what the
+    // backward computed before it dropped the copies.
+    let mut rng = Rng::new(23);
+    let transpose = |x: &[f32], r: usize, c: usize| -> Vec<f32> {
+        (0..c)
+            .flat_map(|j| (0..r).map(move |i| x[i * c + j]))
+            .collect()
+    };
+    for &(m, n, k) in &[
+        (1usize, 1usize, 1usize),
+        (17, 33, 300),
+        (130, 37, 257),
+        (64, 100, 17),
+    ] {
+        // C = A B with B [k, n] row-major: the reference takes B^T [n, k].
+        let a = rng.normal_vec(m * k, 1.0);
+        let b_kn = rng.normal_vec(k * n, 1.0);
+        let want = gemm_reference(&a, &transpose(&b_kn, k, n), m, n, k);
+        let mut got = vec![f32::NAN; m * n];
+        gemm_strided_into(m, n, k, (&a, k, 1), (&b_kn, n, 1), &mut got);
+        assert_same_bits(&format!("A B, M={m} N={n} K={k}"), &got, &want);
+        // C = P^T Q with P [k, m], Q [k, n] row-major.
+        let p = rng.normal_vec(k * m, 1.0);
+        let q = rng.normal_vec(k * n, 1.0);
+        let want = gemm_reference(&transpose(&p, k, m), &transpose(&q, k, n), m, n, k);
+        let mut got = vec![f32::NAN; m * n];
+        gemm_strided_into(m, n, k, (&p, 1, m), (&q, n, 1), &mut got);
+        assert_same_bits(&format!("P^T Q, M={m} N={n} K={k}"), &got, &want);
     }
 }
 
