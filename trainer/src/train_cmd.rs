@@ -494,7 +494,12 @@ pub fn run_train(o: &TrainOptions, out: &mut dyn Write) -> Result<TrainSummary, 
     )?;
     // Plots from the metrics, with the held-out pass rates at the first RL stage's start and
     // at the end of the last one.
-    let lines = crate::report::plots::read_metrics(&metrics_path).map_err(run_err)?;
+    // The charts are of the RL stages (supervised lines carry only a loss).
+    let lines: Vec<Value> = crate::report::plots::read_metrics(&metrics_path)
+        .map_err(run_err)?
+        .into_iter()
+        .filter(|l| l["stage"].as_str().is_some_and(|s| s.starts_with("rl#")))
+        .collect();
     let rl_stages: Vec<usize> = cfg
         .stages
         .iter()
@@ -539,10 +544,12 @@ pub fn run_train(o: &TrainOptions, out: &mut dyn Write) -> Result<TrainSummary, 
         .iter()
         .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().to_string()))
         .collect();
+    if !names.is_empty() {
+        let _ = writeln!(ctx.progress, "plots: {}", names.join(", "));
+    }
     let _ = writeln!(
         ctx.progress,
-        "plots: {}; trace: open {} in https://ui.perfetto.dev",
-        names.join(", "),
+        "trace: open {} in https://ui.perfetto.dev (or chrome://tracing)",
         p.out.join("trace.json").display()
     );
     Ok(TrainSummary {
