@@ -160,6 +160,20 @@ impl DataBuffer {
         self.complete.len() + self.candidates.len()
     }
 
+    /// Complete groups waiting for the learner, by task.
+    pub fn waiting_by_task(&self) -> BTreeMap<String, u64> {
+        let mut out = BTreeMap::new();
+        for (_, members) in &self.complete {
+            if let Some(s) = members.first() {
+                *out.entry(s.task.clone()).or_default() += 1;
+            }
+        }
+        for c in &self.candidates {
+            *out.entry(c.task.clone()).or_default() += 1;
+        }
+        out
+    }
+
     /// Instances with some but fewer than G finished trajectories.
     pub fn groups_filling(&self) -> usize {
         self.filling.len()

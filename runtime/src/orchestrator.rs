@@ -14,10 +14,11 @@
 //!
 //! Share correction. A task's flow into the learner is bounded by min(lambda, c/T) * q (arrival
 //! rate, concurrency over completion time, acceptance rate): left alone, fast tasks crowd out
-//! slow ones. With `share_correction` the orchestrator (1) starts groups of the task whose
-//! started share is furthest below its target (among tasks with concurrency room), and (2)
-//! chooses which ready groups the learner takes so that each task's consumed share follows its
-//! target ([`Orchestrator::pick`]). Without it, it fills the task with the most free
+//! slow ones. With `share_correction` the orchestrator (1) gives the backpressure room to the
+//! task with the least supply (groups in flight or waiting) against target share x completion
+//! time, Little's law, so a slow task keeps enough groups in flight to deliver its share, and
+//! (2) chooses which ready groups the learner takes so that each task's consumed share follows
+//! its target ([`Orchestrator::pick`]). Without it, it fills the task with the most free
 //! concurrency first and the learner takes groups in completion order; the report shows the
 //! resulting skew.
 
@@ -115,6 +116,15 @@ pub struct OrchestratorState {
     pub next_group: u64,
     pub stats: Vec<TaskStats>,
     pub counters: RolloutCounters,
+}
+
+/// How fast the learner consumes groups (for admission's share correction).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Pace {
+    /// Recent seconds per learner step.
+    pub step_s: f64,
+    /// Groups per learner step.
+    pub groups_per_step: usize,
 }
 
 /// A member of a group: (group id, group index).
@@ -347,17 +357,28 @@ impl Orchestrator {
     }
 
     /// Starts groups while `room` trajectories may start: a group needs G. `route` names the
-    /// replica of a session. Returns the submit commands.
+    /// replica of a session; `waiting[task]` is how many complete groups of each task wait in
+    /// the buffer; `step_s` is the learner's recent seconds per step and `per_step` its groups
+    /// per step. Returns the submit commands.
     pub fn admit(
         &mut self,
         now: Micros,
         mut room: u64,
         route: &mut dyn FnMut(&str) -> usize,
+        waiting: &BTreeMap<String, u64>,
+        pace: Pace,
     ) -> Vec<Action> {
         let g = self.policy.group_size as u64;
+        let waiting: Vec<u64> = self
+            .tasks
+            .iter()
+            .map(|t| waiting.get(t.task.name()).copied().unwrap_or(0))
+            .collect();
         let mut out = Vec::new();
         while room >= g {
-            let Some(t) = self.choose_task() else { break };
+            let Some(t) = self.choose_task(&waiting, pace) else {
+                break;
+            };
             out.push(self.start_group(t, now, route));
             room -= g;
         }
@@ -365,22 +386,39 @@ impl Orchestrator {
     }
 
     /// The task to start a group of next, or None when no task has concurrency room.
-    fn choose_task(&self) -> Option<usize> {
+    ///
+    /// With share correction, the task whose supply (groups in flight plus groups waiting in
+    /// the buffer) is smallest against what the learner needs of it: by Little's law a task
+    /// whose groups take T seconds, consumed at target share x groups per step every `step_s`
+    /// seconds, needs share x per_step x (1 + T / step_s) groups in the pipeline (in flight,
+    /// plus a step's worth ready). So a slow task gets more of the backpressure room and a fast
+    /// one is started just in time. Before any group of a task has finished, its completion
+    /// time counts as `step_s`. Without correction, the task with the most free concurrency.
+    fn choose_task(&self, waiting: &[u64], pace: Pace) -> Option<usize> {
         let g = self.policy.group_size as u64;
         let open = |i: usize| self.stats[i].in_flight + g <= self.tasks[i].concurrency;
         let candidates = (0..self.tasks.len()).filter(|&i| open(i));
         if self.policy.share_correction {
-            // The largest shortfall of started groups against the target share.
-            let total: u64 = self.stats.iter().map(|s| s.groups_started).sum();
-            candidates.max_by(|&a, &b| {
-                let d = |i: usize| {
-                    self.tasks[i].target_share * (total + 1) as f64
-                        - self.stats[i].groups_started as f64
+            let step_s = pace.step_s.max(1e-3);
+            let pressure = |i: usize| {
+                let st = &self.stats[i];
+                let supply = st.in_flight as f64 / g as f64 + waiting[i] as f64;
+                let t = if st.trajectories_finished >= g {
+                    st.mean_completion_s()
+                } else {
+                    step_s
                 };
-                // Ties: the earlier task (max_by keeps the last maximum, so compare reversed
-                // indices too).
-                d(a).total_cmp(&d(b)).then(b.cmp(&a))
-            })
+                let need = self.tasks[i].target_share
+                    * pace.groups_per_step.max(1) as f64
+                    * (1.0 + t / step_s);
+                if need > 0.0 {
+                    supply / need
+                } else {
+                    f64::INFINITY
+                }
+            };
+            // Ties: the earlier task (min_by keeps the first minimum).
+            candidates.min_by(|&a, &b| pressure(a).total_cmp(&pressure(b)))
         } else {
             // Uncorrected: the task with the most free concurrency (ties: the earlier task).
             candidates.max_by(|&a, &b| {

@@ -27,7 +27,7 @@ use crate::engine::{Engine, Event};
 use crate::learner::{Learner, Publication, StepReport};
 use crate::metrics::{metrics_line, LearnerTotals, LineInputs, RolloutCounters, Trace, Track};
 use crate::orchestrator::{
-    Action, EngineCmd, EngineResult, EnvCall, Orchestrator, OrchestratorError, TaskStats,
+    Action, EngineCmd, EngineResult, EnvCall, Orchestrator, OrchestratorError, Pace, TaskStats,
 };
 use crate::router::{ReplicaId, Router};
 use crate::trajectory::WeightVersion;
@@ -732,7 +732,19 @@ impl<'a> Scheduler<'a> {
         let now = self.clock.now();
         let router = &self.router;
         let mut route = |session: &str| router.route(session).map_or(0, |r| r.0 as usize);
-        let actions = self.orch.admit(now, room, &mut route);
+        let waiting = self.buffer.waiting_by_task();
+        // The learner's pace so far in this stage (1 s before its first step); from the
+        // stage's beginning, so a resumed stage computes what the original did.
+        let done = self.totals.steps;
+        let pace = Pace {
+            step_s: if done > 0 {
+                now.since(self.stage_start).secs() / done as f64
+            } else {
+                1.0
+            },
+            groups_per_step: self.cfg.groups_per_step,
+        };
+        let actions = self.orch.admit(now, room, &mut route, &waiting, pace);
         self.apply(actions)
     }
 

@@ -26,8 +26,8 @@ fn sluice(args: &[&str]) -> std::process::Output {
         .expect("run sluice")
 }
 
-/// A short tiny-model pipeline: 10 SFT steps, 12 async RL steps with faulty, heavy-tailed
-/// environments.
+/// A short run of configs/tiny.toml: its supervised warm-up, then 12 async RL steps with
+/// faulty, heavy-tailed environments.
 fn short_config(dir: &Path) -> PathBuf {
     let text = std::fs::read_to_string(root().join("configs/tiny.toml"))
         .unwrap()
@@ -107,7 +107,7 @@ fn a_run_leaves_the_run_folder() {
     assert_eq!(s["learner_steps"], 12);
     assert_eq!(s["zero_lag_mismatch_tokens"], 0);
     assert!(s["zero_lag_tokens"].as_u64().unwrap() > 0);
-    for task in ["recall", "lookup"] {
+    for task in ["sort", "tool"] {
         let t = &s["tasks"][task];
         for key in [
             "target_share",
@@ -140,8 +140,8 @@ fn a_run_leaves_the_run_folder() {
             "ratio_max",
             "zero_lag_tokens",
             "zero_lag_mismatch_tokens",
-            "reward_mean.recall",
-            "learner_share.lookup",
+            "reward_mean.sort",
+            "learner_share.tool",
             "sync_bytes",
             "sync_encoding",
         ] {
@@ -194,7 +194,7 @@ fn replay_pair(device: &str, cfg: &Path, dir: &Path) {
     let b = run("b", "5");
     let c = run("c", "6");
     let (ma, mb) = (metrics_without_wall(&a), metrics_without_wall(&b));
-    assert!(ma.len() > 10);
+    assert!(ma.len() >= 10);
     assert_eq!(
         ma, mb,
         "{device}: two replays of one seed wrote different metrics"
@@ -217,13 +217,40 @@ fn replay_runs_are_bit_reproducible_on_cpu() {
 
 #[test]
 fn replay_runs_are_bit_reproducible_on_emu() {
+    // Every op runs through the emulated CUDA kernels: the tiny model of the gradient tests
+    // and the raw-id tasks, a few steps of each stage.
     let dir = scratch("replay-emu");
-    // Fewer steps: every op runs through the emulated kernels.
-    let text = std::fs::read_to_string(short_config(&dir))
-        .unwrap()
-        .replace("steps = 12", "steps = 6");
     let cfg = dir.join("emu.toml");
-    std::fs::write(&cfg, text).unwrap();
+    std::fs::write(
+        &cfg,
+        r#"
+[model]
+config = "configs/model/tiny.toml"
+[[stage]]
+kind = "sft"
+steps = 4
+tasks = ["recall", "lookup"]
+[[stage]]
+kind = "rl"
+steps = 6
+tasks = ["recall", "lookup"]
+[optim]
+sft_batch = 8
+[rollout]
+max_new_tokens = 4
+eval_problems = 4
+[buffer]
+group_size = 4
+groups_per_step = 2
+[tasks.recall]
+kind = "recall"
+items = 3
+faults = { crash = 0.05, timeout = 0.0, garbage = 0.05 }
+[tasks.lookup]
+kind = "lookup"
+"#,
+    )
+    .unwrap();
     replay_pair("emu", &cfg, &dir);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -350,5 +377,56 @@ fn a_resumed_replay_run_ends_with_the_same_weights() {
     // Resuming a run with bad options is refused.
     let o = sluice(&["train", "--resume", cut.to_str().unwrap(), "--seed", "3"]);
     assert_eq!(o.status.code(), Some(2));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn rl_after_the_warm_up_teaches_the_tool_task() {
+    // configs/tiny.toml as it is (replayed, so the outcome is fixed for the seed): the warm-up
+    // leaves greedy decoding calling the calculator with `+` (measured 0% of held-out
+    // problems), and async RL must move the tool task's held-out greedy pass rate up by at
+    // least 40 points (measured: 0% -> 75-81% at seeds 0..2 while the config was written), with
+    // the reasoning task not losing more than 15 points.
+    let dir = scratch("e2e");
+    let out = dir.join("run");
+    run_ok(&[
+        "train",
+        "--config",
+        "configs/tiny.toml",
+        "--set",
+        "run.replay=true",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let s = summary(&out);
+    let rate = |task: &str, key: &str| s["tasks"][task][key].as_f64().unwrap();
+    let (before, after) = (
+        rate("tool", "pass_rate_before"),
+        rate("tool", "pass_rate_after"),
+    );
+    assert!(
+        before < 0.5,
+        "the warm-up alone passes {before} of the tool task"
+    );
+    assert!(
+        after >= before + 0.4,
+        "tool task: {before:.3} after the warm-up, {after:.3} after RL"
+    );
+    let (sb, sa) = (
+        rate("sort", "pass_rate_before"),
+        rate("sort", "pass_rate_after"),
+    );
+    assert!(sa >= sb - 0.15, "sort task: {sb:.3} -> {sa:.3}");
+    assert_eq!(s["zero_lag_mismatch_tokens"], 0);
+    // The plots of the run parse as XML.
+    for f in [
+        "reward.svg",
+        "throughput.svg",
+        "policy_lag.svg",
+        "learner_share.svg",
+    ] {
+        let text = std::fs::read_to_string(out.join(f)).unwrap();
+        assert!(roxmltree::Document::parse(&text).is_ok(), "{f} is not XML");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
