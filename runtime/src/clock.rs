@@ -166,11 +166,11 @@ impl Default for CostModel {
 // from the sync bench on the 2-vCPU development machine (docs/perf/sync.md): delta encode of a
 // dense f32 update at about 200 MiB/s, install (decode, verify, copy) at about 450 MiB/s, an
 // in-memory copy at about 5 GiB/s for the transfer, and a checkpoint write (serialise, write,
-// fsync) at about 400 MiB/s.
+// fsync, rename, pointer) at about 256 MiB/s.
 const SYNC_ENCODE_BYTE_US: f64 = 0.00477;
 const SYNC_APPLY_BYTE_US: f64 = 0.00212;
 const SYNC_TRANSFER_BYTE_US: f64 = 0.000186;
-const SYNC_WRITE_BYTE_US: f64 = 0.00238;
+const SYNC_WRITE_BYTE_US: f64 = 0.00373;
 
 impl CostModel {
     pub fn validate(&self) -> Result<(), String> {
