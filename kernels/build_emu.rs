@@ -15,8 +15,19 @@
 //! 2. writes one wrapper .cpp per .cu that includes the copy and lists its kernels in a table of
 //!    `{name, entry}` (the entry unpacks `params` by the kernel's parameter types), and one
 //!    registry .cpp referencing every table, so the linker keeps every kernel;
-//! 3. compiles them with the runtime through the `cc` crate.
+//! 3. compiles them through the `cc` crate: the runtime (kernels/emu/*.cpp) plain, the kernels
+//!    with the checker's instrumentation (src/emu/build_flags.rs; `SLUICE_EMU_SANITIZE=0` builds
+//!    them without it, for measuring what the checks cost).
+//!
+//! The rewriting itself lives in src/emu/rewrite.rs, shared with `sluice emu check`.
 
+#[path = "src/emu/build_flags.rs"]
+mod build_flags;
+#[path = "src/emu/rewrite.rs"]
+#[allow(dead_code)] // kernel_declarations/parse_params serve `sluice emu check`, not the build
+mod rewrite;
+
+use rewrite::scan_kernel_names;
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -123,33 +134,58 @@ pub fn build(cuda_dir: &Path, kernel_files: &[(PathBuf, Vec<String>)], out_dir: 
     let registry = gen_dir.join("sluice_emu_registry.cpp");
     write_if_changed(&registry, &r);
 
-    // 3. Compile.
-    build
-        .file(&registry)
-        .file(emu_dir.join("runtime.cpp"))
-        .cpp(true)
-        .std("c++20")
-        .opt_level(2)
-        .warnings(false)
-        .define("SLUICE_EMU", "1")
-        .include(emu_dir.join("include"))
-        .include(&emu_dir)
-        .include(&src_root)
-        .flag("-include")
-        .flag(emu_dir.join("sluice_emu.h").to_str().expect("utf-8 path"))
-        .flag("-fno-extern-tls-init")
-        .flag("-ftls-model=initial-exec")
-        .flag("-fno-strict-aliasing");
-    if let Ok(extra) = std::env::var("SLUICE_EMU_CFLAGS") {
-        for f in extra.split_whitespace() {
+    // 3. Compile: the runtime without instrumentation, then the kernels with it, into one
+    // archive (the runtime and the kernel tables refer to each other).
+    let configure = |build: &mut cc::Build| {
+        build
+            .cpp(true)
+            .opt_level(2)
+            .warnings(false)
+            .include(emu_dir.join("include"))
+            .include(&emu_dir)
+            .include(&src_root)
+            .flag("-include")
+            .flag(emu_dir.join("sluice_emu.h").to_str().expect("utf-8 path"));
+        for f in build_flags::COMMON_FLAGS {
             build.flag(f);
         }
+        if let Ok(extra) = std::env::var("SLUICE_EMU_CFLAGS") {
+            for f in extra.split_whitespace() {
+                build.flag(f);
+            }
+        }
+    };
+    let mut runtime = cc::Build::new();
+    configure(&mut runtime);
+    for src in build_flags::RUNTIME_SOURCES {
+        runtime.file(emu_dir.join(src));
+    }
+    let runtime_objects = runtime.compile_intermediates();
+    configure(&mut build);
+    if std::env::var("SLUICE_EMU_SANITIZE").as_deref() != Ok("0") {
+        for f in build_flags::INSTRUMENT_FLAGS {
+            build.flag(f);
+        }
+    }
+    build.file(&registry);
+    for o in &runtime_objects {
+        build.object(o);
     }
     build.compile("sluice_emu");
 
     println!("cargo:rerun-if-changed={}", emu_dir.display());
     println!("cargo:rerun-if-changed={}", cuda_dir.display());
+    let here = emu_dir.parent().expect("kernels/");
+    println!(
+        "cargo:rerun-if-changed={}",
+        here.join("src/emu/rewrite.rs").display()
+    );
+    println!(
+        "cargo:rerun-if-changed={}",
+        here.join("src/emu/build_flags.rs").display()
+    );
     println!("cargo:rerun-if-env-changed=SLUICE_EMU_CFLAGS");
+    println!("cargo:rerun-if-env-changed=SLUICE_EMU_SANITIZE");
 }
 
 fn sorted_entries(dir: &Path) -> Vec<PathBuf> {
@@ -206,272 +242,6 @@ fn rewrite_file(path: &Path) -> String {
         .to_string()
         .replace('\\', "\\\\")
         .replace('"', "\\\"");
-    let text = rewrite_static_shared(&rewrite_extern_shared(&text));
+    let text = rewrite::rewrite_source(&text);
     format!("#line 1 \"{name}\"\n{text}")
-}
-
-/// After each block-scope `__shared__ [qualifiers] T name[dims];` (one declarator, no
-/// initializer) appends `::sluice_emu::touch_shared(&name, sizeof(name));` on the same line: the
-/// first thread of each block that passes the declaration fills the variable with 0xFF bytes
-/// (NaN), so reads of static shared memory that the block never wrote show up as NaN. Namespace-
-/// scope `__shared__` variables and declarations this parser does not understand stay plain
-/// (unpoisoned) `thread_local`s.
-pub fn rewrite_static_shared(text: &str) -> String {
-    let b = text.as_bytes();
-    let mut out = String::with_capacity(text.len() + 256);
-    let mut copied = 0usize;
-    // Kinds of the open braces: true = namespace or extern "C" block, false = anything else.
-    let mut braces: Vec<bool> = Vec::new();
-    let mut stmt_start = 0usize; // start of the current statement (after the last ; { })
-    let mut i = 0usize;
-    let mut line_start = true;
-    while i < b.len() {
-        let c = b[i];
-        if line_start && c == b'#' {
-            // Preprocessor line (with continuations): skip.
-            while i < b.len() && !(b[i] == b'\n' && (i == 0 || b[i - 1] != b'\\')) {
-                i += 1;
-            }
-            continue;
-        }
-        if c == b'\n' {
-            line_start = true;
-            i += 1;
-            continue;
-        }
-        if !c.is_ascii_whitespace() {
-            line_start = false;
-        }
-        if c == b'/' && b.get(i + 1) == Some(&b'/') {
-            while i < b.len() && b[i] != b'\n' {
-                i += 1;
-            }
-            continue;
-        }
-        if c == b'/' && b.get(i + 1) == Some(&b'*') {
-            i += 2;
-            while i + 1 < b.len() && !(b[i] == b'*' && b[i + 1] == b'/') {
-                i += 1;
-            }
-            i += 2;
-            continue;
-        }
-        let char_literal = c == b'\'' && (i == 0 || !b[i - 1].is_ascii_alphanumeric());
-        if c == b'"' || char_literal {
-            i += 1;
-            while i < b.len() && b[i] != c {
-                if b[i] == b'\\' {
-                    i += 1;
-                }
-                i += 1;
-            }
-            i += 1;
-            continue;
-        }
-        match c {
-            b'{' => {
-                let head = text[stmt_start..i].trim();
-                let is_ns = head.starts_with("namespace")
-                    || head.starts_with("inline namespace")
-                    || head == "extern \"C\""
-                    || head == "extern \"C++\"";
-                braces.push(is_ns);
-                stmt_start = i + 1;
-            }
-            b'}' => {
-                braces.pop();
-                stmt_start = i + 1;
-            }
-            b';' => stmt_start = i + 1,
-            _ => {}
-        }
-        if c == b'_'
-            && text[i..].starts_with("__shared__")
-            && (i == 0 || !is_ident(b[i - 1]))
-            && !b.get(i + 10).is_some_and(|&n| is_ident(n))
-        {
-            let in_function = braces.iter().any(|&ns| !ns);
-            if let (true, Some(semi)) = (in_function, text[i..].find(';')) {
-                let end = i + semi + 1;
-                if let Some(name) = static_shared_name(&text[i + 10..end - 1]) {
-                    out.push_str(&text[copied..end]);
-                    out.push_str(&format!(
-                        " ::sluice_emu::touch_shared(&{name}, sizeof({name}));"
-                    ));
-                    copied = end;
-                    stmt_start = end;
-                    i = end;
-                    continue;
-                }
-            }
-            i += 10;
-            continue;
-        }
-        i += 1;
-    }
-    out.push_str(&text[copied..]);
-    out
-}
-
-/// The declared name of `[qualifiers] T name[dims]` (one declarator, no initializer).
-fn static_shared_name(decl: &str) -> Option<String> {
-    let mut depth = 0i32;
-    for c in decl.chars() {
-        match c {
-            '(' | '[' | '<' => depth += 1,
-            ')' | ']' | '>' => depth -= 1,
-            ',' | '=' | '{' if depth == 0 => return None,
-            _ => {}
-        }
-    }
-    let head = match decl.find('[') {
-        Some(k) => &decl[..k],
-        None => decl,
-    }
-    .trim_end();
-    let start = head
-        .char_indices()
-        .rev()
-        .take_while(|(_, c)| c.is_ascii_alphanumeric() || *c == '_')
-        .last()?
-        .0;
-    let name = &head[start..];
-    let ty = head[..start].trim();
-    if ty.is_empty() || name.chars().next()?.is_ascii_digit() {
-        return None;
-    }
-    Some(name.to_string())
-}
-
-/// Rewrites each `extern __shared__ [attrs] T name[];` into
-/// `static thread_local T* const name = reinterpret_cast<T*>(::sluice_emu::dynamic_shared_base());`
-/// keeping the number of lines. The pointer is per host thread and stable for the thread's life,
-/// so the declaration works at block scope and at namespace scope.
-pub fn rewrite_extern_shared(text: &str) -> String {
-    let mut out = String::with_capacity(text.len() + 256);
-    let mut rest = text;
-    while let Some(pos) = find_extern_shared(rest) {
-        out.push_str(&rest[..pos.0]);
-        let decl = &rest[pos.0..pos.2];
-        match parse_extern_shared(&rest[pos.1..pos.2 - 1]) {
-            Some((ty, name)) => {
-                out.push_str(&format!(
-                    "static thread_local {ty}* const {name} = reinterpret_cast<{ty}*>(::sluice_emu::dynamic_shared_base());"
-                ));
-                for _ in 0..decl.matches('\n').count() {
-                    out.push('\n');
-                }
-            }
-            None => out.push_str(decl),
-        }
-        rest = &rest[pos.2..];
-    }
-    out.push_str(rest);
-    out
-}
-
-/// Finds `extern <ws> __shared__`; returns (start, end of `__shared__`, end after the `;`).
-fn find_extern_shared(s: &str) -> Option<(usize, usize, usize)> {
-    let mut from = 0;
-    while let Some(i) = s[from..].find("extern") {
-        let start = from + i;
-        from = start + 6;
-        let before_ok = start == 0 || !is_ident(s.as_bytes()[start - 1]);
-        let after = s[from..].trim_start();
-        if before_ok && after.starts_with("__shared__") {
-            let sh_end = s.len() - after.len() + "__shared__".len();
-            if s.as_bytes().get(sh_end).is_some_and(|&c| is_ident(c)) {
-                continue;
-            }
-            let semi = s[sh_end..].find(';')? + sh_end + 1;
-            return Some((start, sh_end, semi));
-        }
-    }
-    None
-}
-
-fn is_ident(c: u8) -> bool {
-    c.is_ascii_alphanumeric() || c == b'_'
-}
-
-/// Parses `[attrs] T name[ ]` (the text between `__shared__` and `;`) into (T, name).
-fn parse_extern_shared(decl: &str) -> Option<(String, String)> {
-    let mut d = decl.to_string();
-    for attr in ["__align__", "alignas", "__attribute__"] {
-        while let Some(i) = d.find(attr) {
-            let open = i + d[i..].find('(')?;
-            let mut depth = 0usize;
-            let mut close = None;
-            for (k, c) in d[open..].char_indices() {
-                match c {
-                    '(' => depth += 1,
-                    ')' => {
-                        depth -= 1;
-                        if depth == 0 {
-                            close = Some(open + k);
-                            break;
-                        }
-                    }
-                    _ => {}
-                }
-            }
-            d.replace_range(i..=close?, " ");
-        }
-    }
-    let d = d.trim();
-    let open = d.rfind('[')?;
-    if d[open + 1..].trim() != "]" {
-        return None;
-    }
-    let head = d[..open].trim_end();
-    let name_start = head
-        .char_indices()
-        .rev()
-        .take_while(|(_, c)| c.is_ascii_alphanumeric() || *c == '_')
-        .last()?
-        .0;
-    let name = &head[name_start..];
-    let ty = head[..name_start]
-        .split_whitespace()
-        .collect::<Vec<_>>()
-        .join(" ");
-    if ty.is_empty() || name.is_empty() {
-        return None;
-    }
-    Some((ty, name.to_string()))
-}
-
-/// Kernel names declared as `extern "C" __global__ void [__launch_bounds__(...)] NAME(`.
-pub fn scan_kernel_names(text: &str) -> Vec<String> {
-    let mut names = Vec::new();
-    let mut rest = text;
-    while let Some(i) = rest.find("extern") {
-        let mut s = &rest[i + 6..];
-        rest = s;
-        let mut ok = true;
-        for tok in ["\"C\"", "__global__", "void"] {
-            let t = s.trim_start();
-            if t.len() == s.len() || !t.starts_with(tok) {
-                ok = false;
-                break;
-            }
-            s = &t[tok.len()..];
-        }
-        if !ok {
-            continue;
-        }
-        let mut t = s.trim_start();
-        if let Some(lb) = t.strip_prefix("__launch_bounds__") {
-            let Some(close) = lb.find(')') else { continue };
-            t = lb[close + 1..].trim_start();
-        }
-        let end = t
-            .char_indices()
-            .find(|(_, c)| !(c.is_ascii_alphanumeric() || *c == '_'))
-            .map_or(t.len(), |(k, _)| k);
-        if end > 0 && t[end..].trim_start().starts_with('(') {
-            names.push(t[..end].to_string());
-        }
-    }
-    names
 }

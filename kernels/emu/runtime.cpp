@@ -1,34 +1,31 @@
-// runtime.cpp — the emulator's scheduler, allocator and C ABI (emu_api.h). See docs/emulator.md.
+// runtime.cpp — the emulator's scheduler and C ABI (emu_api.h). See docs/emulator.md.
 //
-// Structure:
+// Structure (the other runtime sources: memory.cpp, check.cpp, async.cpp; emu_internal.h):
 //   * context switch: ~20 lines of x86-64 assembly (callee-saved registers + MXCSR/x87 control
 //     word); swapcontext would make a system call per switch.
-//   * Worker: one host thread of a launch. It runs whole blocks, one at a time, blocks w, w+W,
-//     w+2W, ... (fixed round-robin, so results never depend on timing). Each CUDA thread of the
-//     block is a Fiber on a pooled 64 KiB stack with a guard page below it.
+//   * Worker: one host thread of a launch. It runs whole blocks, one at a time: the launch's
+//     blocks in a seed-shuffled order, split round-robin between the workers (so results never
+//     depend on timing). Each CUDA thread of the block is a Fiber on a pooled 64 KiB stack with a
+//     guard page below it.
 //   * Fibers run until they block (barrier, warp op, exit); then a ready fiber is drawn from the
 //     block's generator (seeded by seed, kernel name and block index) and switched to directly.
 //     When none is ready the worker's scheduler context decides: block done, barrier released,
 //     or an error (deadlock: divergent barrier, early exit, unmatched warp op).
 //   * Faults (SIGSEGV/SIGBUS/SIGFPE/SIGILL) inside a worker are caught on an alternate signal
 //     stack and siglongjmp'd back to the worker, which names the allocation and offset.
-#include "sluice_emu.h"
-#include "emu_api.h"
+//   * Findings (check.cpp, async.cpp and the scheduler's own: divergent barriers, bad warp masks)
+//     are collected per launch, deduplicated, and handed to the caller after the launch.
+#include "emu_internal.h"
 
 #include <chrono>
-#include <condition_variable>
-#include <deque>
-#include <csetjmp>
 #include <csignal>
 #include <cstdarg>
-#include <map>
-#include <mutex>
-#include <string>
+#include <deque>
 #include <string_view>
 #include <thread>
 #include <unordered_map>
-#include <vector>
 
+#include <link.h>
 #include <sys/mman.h>
 #include <ucontext.h>
 #include <unistd.h>
@@ -99,21 +96,13 @@ sluice_emu_fiber_start:
 extern "C" __attribute__((visibility("hidden"))) void sluice_emu_switch(void** save_sp, void* load_sp);
 extern "C" __attribute__((visibility("hidden"))) void sluice_emu_fiber_start();
 
-namespace {
+namespace sluice_emu::rt {
 
-constexpr size_t kPage = 4096;
-constexpr size_t kStackBytes = 64 * 1024;
-constexpr size_t kAltStackBytes = 64 * 1024;
-constexpr size_t kFrontGuard = 64 * 1024;
-constexpr size_t kBackGuard = 1024 * 1024;
-constexpr size_t kMaxDynamicShared = 232448;  // 227 KiB, the sm_90 opt-in maximum
-constexpr unsigned kMaxWorkers = 8;
+thread_local Worker* t_worker SLUICE_EMU_FAST_TLS = nullptr;
+thread_local Fiber* t_cur SLUICE_EMU_FAST_TLS = nullptr;
 
-size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
-
-std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 std::string format(const char* fmt, ...) {
-  char buf[1024];
+  char buf[2048];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(buf, sizeof buf, fmt, ap);
@@ -121,70 +110,11 @@ std::string format(const char* fmt, ...) {
   return buf;
 }
 
-// ---------------------------------------------------------------------------------------------
-// Allocations with guard pages and canaries
-// ---------------------------------------------------------------------------------------------
-// Layout: [64 KiB guard][front canary][data, 256-aligned][tail canary < 256 B][1 MiB guard]. The
-// guards are PROT_NONE address space (no memory). The data ends at most 255 bytes before the
-// trailing guard, so a read or write from 256 bytes to 1 MiB past the end faults and is named; a
-// write into the canary bytes is found by the check after every launch.
-struct Alloc {
-  char* map;
-  size_t map_len;
-  char* start;
-  size_t bytes;
-  size_t body;  // round_up(bytes, 256): data + tail canary
-  unsigned long long id;
-};
-std::mutex g_alloc_mu;
-std::map<uintptr_t, Alloc> g_allocs;  // keyed by start
-unsigned long long g_alloc_next_id = 1;
+namespace {
 
-unsigned char canary_byte(size_t i) { return static_cast<unsigned char>(0xA5u ^ (i * 131u)); }
-
-// Finds the allocation whose mapping (guards included) holds addr. Caller holds g_alloc_mu.
-const Alloc* find_alloc_locked(uintptr_t addr) {
-  auto it = g_allocs.upper_bound(addr + kFrontGuard + kPage);
-  while (it != g_allocs.begin()) {
-    --it;
-    const Alloc& a = it->second;
-    uintptr_t lo = reinterpret_cast<uintptr_t>(a.map);
-    if (addr >= lo && addr < lo + a.map_len) return &a;
-    if (lo + a.map_len <= addr) break;  // mappings do not overlap: earlier ones end earlier
-  }
-  return nullptr;
-}
-
-// Returns an empty string or a description of the first modified canary byte of a.
-std::string check_canaries_locked(const Alloc& a) {
-  char* front = a.map + kFrontGuard;
-  for (char* p = a.start - 1; p >= front; --p) {
-    size_t i = static_cast<size_t>(p - front);
-    if (static_cast<unsigned char>(*p) != canary_byte(i)) {
-      return format("byte offset -%zu (before the start) of allocation #%llu (%zu bytes) was written",
-                    static_cast<size_t>(a.start - p), a.id, a.bytes);
-    }
-  }
-  for (size_t off = a.bytes; off < a.body; ++off) {
-    if (static_cast<unsigned char>(a.start[off]) != canary_byte(off)) {
-      return format("byte offset %zu (%zu bytes past the end) of allocation #%llu (%zu bytes) was written",
-                    off, off - a.bytes + 1, a.id, a.bytes);
-    }
-  }
-  return {};
-}
-
-void restore_canaries_locked(const Alloc& a) {
-  char* front = a.map + kFrontGuard;
-  for (char* p = front; p < a.start; ++p) *p = static_cast<char>(canary_byte(static_cast<size_t>(p - front)));
-  for (size_t off = a.bytes; off < a.body; ++off) a.start[off] = static_cast<char>(canary_byte(off));
-}
-
-// ---------------------------------------------------------------------------------------------
-// Per-host-thread memory: fiber stacks and the dynamic shared memory region (kept for the life of
-// the pool thread that owns them)
-// ---------------------------------------------------------------------------------------------
-constexpr size_t kDynRegion = (kMaxDynamicShared + kPage - 1) / kPage * kPage;
+constexpr size_t kStackBytes = 64 * 1024;
+constexpr size_t kAltStackBytes = 64 * 1024;
+constexpr unsigned kMaxWorkers = 8;
 
 char* map_region(size_t len) {
   void* p = mmap(nullptr, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -203,17 +133,6 @@ bool acquire_stacks(std::vector<char*>& stacks, size_t n) {
     stacks.push_back(m);
   }
   return true;
-}
-
-// guard page + kDynRegion + guard page
-char* acquire_dyn() {
-  char* m = map_region(kPage + kDynRegion + kPage);
-  if (!m) return nullptr;
-  if (mprotect(m + kPage, kDynRegion, PROT_READ | PROT_WRITE) != 0) {
-    munmap(m, kPage + kDynRegion + kPage);
-    return nullptr;
-  }
-  return m;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -236,118 +155,6 @@ const KernelIndex& kernels() {
   }();
   return idx;
 }
-
-// ---------------------------------------------------------------------------------------------
-// Fibers, blocks, workers
-// ---------------------------------------------------------------------------------------------
-using sluice_emu::WarpOp;
-
-enum FiberState : unsigned char { kReady, kRunning, kBarrier, kWarp, kWarpGroup, kNamed, kDone };
-
-struct Fiber {
-  void* sp;
-  char* stack;  // mapping: guard page + kStackBytes
-  uint3 tid;
-  unsigned linear;
-  FiberState state;
-  // The operation the fiber waits at.
-  WarpOp op;
-  unsigned mask;
-  unsigned size;
-  int arg;
-  int width;
-  const void* in;
-  void* out;
-  const char* file;
-  unsigned line;
-  int pred;
-};
-
-struct PendingWarpOp {
-  unsigned mask;
-  unsigned arrived;
-};
-struct Warp {
-  unsigned exists;
-  unsigned live;
-  unsigned npend;
-  PendingWarpOp pend[32];
-};
-struct NamedBarrier {
-  unsigned expected;
-  unsigned arrived;
-};
-
-struct Launch {
-  const sluice_emu_kernel* kernel;
-  unsigned grid[3];
-  unsigned block[3];
-  size_t dyn_bytes;
-  void** params;
-  unsigned long long seed;
-  unsigned long long name_hash;
-  unsigned long long nblocks;
-  unsigned nthreads;
-  std::mutex mu;
-  std::condition_variable done;
-  unsigned pending = 0;
-  unsigned long long err_block = ~0ull;
-  std::string error;
-  void finish_one() {
-    std::lock_guard<std::mutex> g(mu);
-    if (--pending == 0) done.notify_all();
-  }
-  void report(unsigned long long block, std::string msg) {
-    std::lock_guard<std::mutex> g(mu);
-    if (block < err_block) {
-      err_block = block;
-      error = std::move(msg);
-    }
-  }
-};
-
-struct Worker {
-  Launch* L = nullptr;
-  std::vector<Fiber> fibers;
-  std::vector<unsigned> ready;
-  std::vector<Warp> warps;
-  std::vector<unsigned> wg_arrived;
-  NamedBarrier named[16] = {};
-  std::vector<char*> stacks;
-  bool alt_ok = false;
-  char* dyn_region = nullptr;
-  unsigned char* dyn_base = nullptr;
-  size_t dyn_poison = 0;
-  unsigned ndone = 0;
-  unsigned long long rng = 0;
-  void* sched_sp = nullptr;
-  void* dead_sp = nullptr;
-  bool failed = false;
-  std::string error;
-  unsigned long long block_linear = 0;
-  uint3 bidx{};
-  int bar_result = 0;
-  // Static __shared__ variables seen on this host thread and the block that last poisoned them.
-  struct StaticShared {
-    const volatile void* p;
-    size_t bytes;
-    unsigned long long block;
-  };
-  std::vector<StaticShared> static_shared;
-  unsigned long long block_serial = 0;
-  unsigned long long spins = 0;  // emu_yield calls since the last barrier/warp op/exit
-  std::vector<char> scratch;  // gather assembly buffer
-  // fault handling
-  sigjmp_buf jb;
-  volatile bool catching = false;
-  volatile int fault_sig = 0;
-  volatile uintptr_t fault_addr = 0;
-  volatile int fault_write = -1;
-  Fiber* volatile fault_fiber = nullptr;
-};
-
-__attribute__((tls_model("initial-exec"))) thread_local Worker* t_worker = nullptr;
-__attribute__((tls_model("initial-exec"))) thread_local Fiber* t_cur = nullptr;
 
 unsigned long long splitmix(unsigned long long& s) {
   unsigned long long z = (s += 0x9e3779b97f4a7c15ull);
@@ -389,11 +196,49 @@ const char* op_name(WarpOp op) {
   return "warp operation";
 }
 
+}  // namespace
+
+std::string block_str(const Launch& L, unsigned long long b) {
+  return format("block (%u,%u,%u)", static_cast<unsigned>(b % L.grid[0]), static_cast<unsigned>((b / L.grid[0]) % L.grid[1]),
+                static_cast<unsigned>(b / (static_cast<unsigned long long>(L.grid[0]) * L.grid[1])));
+}
 std::string where(const Worker& w) {
-  const Launch& L = *w.L;
-  return format("kernel %s block (%u,%u,%u)", L.kernel->name, w.bidx.x, w.bidx.y, w.bidx.z);
+  return format("kernel %s block (%u,%u,%u)", w.L->kernel->name, w.bidx.x, w.bidx.y, w.bidx.z);
 }
 std::string thread_str(const Fiber& f) { return format("thread (%u,%u,%u)", f.tid.x, f.tid.y, f.tid.z); }
+std::string thread_str_linear(const Launch& L, unsigned i) {
+  return format("thread (%u,%u,%u)", i % L.block[0], (i / L.block[0]) % L.block[1], i / (L.block[0] * L.block[1]));
+}
+
+void Launch::add(Finding f) {
+  std::lock_guard<std::mutex> g(fmu);
+  for (Finding& e : findings) {
+    if (e.kind == f.kind && e.pc == f.pc && e.pc2 == f.pc2 && e.line == f.line &&
+        (e.file == f.file || (e.file && f.file && std::strcmp(e.file, f.file) == 0)) &&
+        (e.pc != 0 || e.line != 0 || e.message == f.message)) {
+      ++e.count;
+      return;
+    }
+  }
+  if (findings.size() >= kMaxFindings) {
+    ++dropped;
+    return;
+  }
+  findings.push_back(std::move(f));
+}
+
+void report(Worker& w, const char* kind, std::string msg, uintptr_t pc, uintptr_t pc2, const char* file, unsigned line) {
+  Finding f;
+  f.kind = kind;
+  f.message = std::move(msg);
+  f.pc = pc;
+  f.pc2 = pc2;
+  f.file = file;
+  f.line = line;
+  w.L->add(std::move(f));
+}
+
+namespace {
 
 std::string describe(const Fiber& f) {
   std::string t = thread_str(f) + format(" [warp %u lane %u]", f.linear >> 5, f.linear & 31);
@@ -410,40 +255,56 @@ std::string describe(const Fiber& f) {
   return t;
 }
 
+void switch_to(Fiber* n) {
+  t_cur = n;
+  t_watch = n->wgmma.empty() ? nullptr : n;
+  threadIdx = n->tid;
+}
+
 // Switches away from fiber f, which has set its waiting state (or kDone). Returns when f runs again.
 void suspend(Worker& w, Fiber* f) {
   if (!w.failed && !w.ready.empty()) {
     unsigned idx = pick_ready(w);
     Fiber* n = &w.fibers[idx];
     n->state = kRunning;
-    if (n == f) return;
-    t_cur = n;
-    threadIdx = n->tid;
+    if (n == f) {
+      switch_to(f);
+      return;
+    }
+    switch_to(n);
     sluice_emu_switch(&f->sp, n->sp);
   } else {
     t_cur = nullptr;
+    t_watch = nullptr;
     sluice_emu_switch(&f->sp, w.sched_sp);
   }
 }
 
-// Records an error for the block. In a fiber, abandons the block (never returns); in the scheduler
-// context, returns so the caller can stop.
-void block_fail(Worker& w, std::string msg) {
+// Records a finding and marks the block failed. In a fiber, abandons the block (never returns);
+// in the scheduler context, returns so the caller can stop.
+void block_fail(Worker& w, const char* kind, std::string msg, const char* file = nullptr, unsigned line = 0) {
   if (!w.failed) {
     w.failed = true;
-    w.error = std::move(msg);
+    report(w, kind, std::move(msg), 0, 0, file, line);
   }
   if (t_cur) {
     t_cur = nullptr;
+    t_watch = nullptr;
     sluice_emu_switch(&w.dead_sp, w.sched_sp);
     __builtin_unreachable();
   }
 }
 
-[[noreturn]] void fiber_fail(Worker& w, std::string msg) {
-  block_fail(w, std::move(msg));
+void complete_warp_op(Worker& w, unsigned warp, const PendingWarpOp& p);
+
+}  // namespace
+
+[[noreturn]] void fiber_fail(Worker& w, const char* kind, std::string msg, const char* file, unsigned line) {
+  block_fail(w, kind, std::move(msg), file, line);
   __builtin_unreachable();
 }
+
+namespace {
 
 extern "C" void sluice_emu_fiber_main(Fiber* f) {
   Worker& w = *t_worker;
@@ -458,16 +319,19 @@ extern "C" void sluice_emu_fiber_main(Fiber* f) {
     if (W.pend[i].mask & (1u << lane)) {
       unsigned first = static_cast<unsigned>(__builtin_ctz(W.pend[i].arrived));
       const Fiber& o = w.fibers[(f->linear & ~31u) + first];
-      fiber_fail(w, where(w) + format(" warp %u: %s(mask 0x%08x) at %s:%u names lane %u (%s), which exited without "
-                                      "executing it (lanes 0x%08x had arrived); a warp operation's mask must name "
-                                      "exactly the lanes that execute it",
-                                      f->linear >> 5, op_name(o.op), o.mask, o.file, o.line, lane,
-                                      thread_str(*f).c_str(), W.pend[i].arrived));
+      fiber_fail(w, "shuffle-mask",
+                 where(w) + format(" warp %u: %s(mask 0x%08x) at %s:%u names lane %u (%s), which exited without "
+                                   "executing it (lanes 0x%08x had arrived); a warp operation's mask must name "
+                                   "exactly the lanes that execute it",
+                                   f->linear >> 5, op_name(o.op), o.mask, o.file, o.line, lane,
+                                   thread_str(*f).c_str(), W.pend[i].arrived),
+                 o.file, o.line);
     }
   }
   if (!w.wg_arrived.empty() && w.wg_arrived[f->linear / 128] != 0) {
-    fiber_fail(w, where(w) + format(": %s exited while %u threads of warpgroup %u wait at emu_warpgroup_gather",
-                                    thread_str(*f).c_str(), w.wg_arrived[f->linear / 128], f->linear / 128));
+    fiber_fail(w, "shuffle-mask",
+               where(w) + format(": %s exited while %u threads of warpgroup %u wait at emu_warpgroup_gather",
+                                 thread_str(*f).c_str(), w.wg_arrived[f->linear / 128], f->linear / 128));
   }
   suspend(w, f);
   __builtin_trap();  // a finished fiber is never resumed
@@ -494,10 +358,12 @@ void complete_warp_op(Worker& w, unsigned warp, const PendingWarpOp& p) {
   for (unsigned m = mask; m; m &= m - 1) {
     const Fiber& l = w.fibers[base + static_cast<unsigned>(__builtin_ctz(m))];
     if (l.op != f0.op || l.size != f0.size) {
-      fiber_fail(w, where(w) + format(": lanes of warp %u reached different warp operations under mask 0x%08x: "
-                                      "lane %u at %s (%s:%u), lane %u at %s (%s:%u)",
-                                      warp, mask, f0.linear & 31, op_name(f0.op), f0.file, f0.line,
-                                      l.linear & 31, op_name(l.op), l.file, l.line));
+      fiber_fail(w, "shuffle-mask",
+                 where(w) + format(": lanes of warp %u reached different warp operations under mask 0x%08x: "
+                                   "lane %u at %s (%s:%u), lane %u at %s (%s:%u)",
+                                   warp, mask, f0.linear & 31, op_name(f0.op), f0.file, f0.line,
+                                   l.linear & 31, op_name(l.op), l.file, l.line),
+                 f0.file, f0.line);
     }
   }
   const unsigned size = f0.size;
@@ -547,7 +413,9 @@ void complete_warp_op(Worker& w, unsigned warp, const PendingWarpOp& p) {
       }
       break;
     }
-    case WarpOp::SyncWarp: break;
+    case WarpOp::SyncWarp:
+      if (w.race) race_syncwarp(w, warp, mask);
+      break;
     case WarpOp::Gather: {
       // Assemble the 32 values once, then one contiguous copy per lane.
       w.scratch.resize(static_cast<size_t>(size) * 32);
@@ -627,7 +495,8 @@ bool resolve_quiescence(Worker& w) {
     for (unsigned m = p.mask & ~p.arrived; m && listed < 4; m &= m - 1, ++listed) {
       msg += "; " + describe(w.fibers[wi * 32 + static_cast<unsigned>(__builtin_ctz(m))]);
     }
-    block_fail(w, msg + " (a warp operation's mask must name exactly the lanes that execute it)");
+    block_fail(w, "shuffle-mask", msg + " (a warp operation's mask must name exactly the lanes that execute it)", a.file,
+               a.line);
     return false;
   }
   for (unsigned g = 0; g < w.wg_arrived.size(); ++g) {
@@ -640,13 +509,14 @@ bool resolve_quiescence(Worker& w) {
         break;
       }
     }
-    block_fail(w, msg);
+    block_fail(w, "shuffle-mask", msg);
     return false;
   }
   for (unsigned id = 0; id < 16; ++id) {
     if (w.named[id].arrived == 0) continue;
-    block_fail(w, where(w) + format(": named barrier %u can never complete (%u of %u threads arrived)", id,
-                                    w.named[id].arrived, w.named[id].expected));
+    block_fail(w, "divergent-barrier",
+               where(w) + format(": named barrier %u can never complete (%u of %u threads arrived)", id,
+                                 w.named[id].arrived, w.named[id].expected));
     return false;
   }
   // Every live fiber waits at __syncthreads.
@@ -660,17 +530,20 @@ bool resolve_quiescence(Worker& w) {
     }
     if (!first) first = &f;
     if (f.file != first->file || f.line != first->line || f.arg != first->arg) {
-      block_fail(w, where(w) + format(": divergent __syncthreads: %s and %s", describe(*first).c_str(),
-                                      describe(f).c_str()));
+      block_fail(w, "divergent-barrier",
+                 where(w) + format(": divergent __syncthreads: %s and %s", describe(*first).c_str(), describe(f).c_str()),
+                 first->file, first->line);
       return false;
     }
     if (f.pred) ++count;
   }
   if (exited) {
-    block_fail(w, where(w) + format(": divergent __syncthreads: %u threads wait at the barrier at %s:%u, but %u "
-                                    "threads of the block exited without reaching it (e.g. %s); every thread of "
-                                    "the block must reach every barrier (no early return before a barrier)",
-                                    n - w.ndone, first->file, first->line, w.ndone, thread_str(*exited).c_str()));
+    block_fail(w, "divergent-barrier",
+               where(w) + format(": divergent __syncthreads: %u threads wait at the barrier at %s:%u, but %u "
+                                 "threads of the block exited without reaching it (e.g. %s); every thread of "
+                                 "the block must reach every barrier (no early return before a barrier)",
+                                 n - w.ndone, first->file, first->line, w.ndone, thread_str(*exited).c_str()),
+               first->file, first->line);
     return false;
   }
   const unsigned live = n;
@@ -680,6 +553,7 @@ bool resolve_quiescence(Worker& w) {
     case 3: w.bar_result = count != 0; break;
     default: w.bar_result = 0; break;
   }
+  if (w.race) race_barrier(w);
   for (unsigned i = 0; i < n; ++i) {
     w.fibers[i].state = kReady;
     w.ready.push_back(i);
@@ -693,7 +567,7 @@ unsigned long long fnv1a(const char* s) {
   return h;
 }
 
-// Runs one block to completion on the current worker. Returns false on error (w.error set).
+// Runs one block to completion on the current worker. Returns false on error.
 bool run_block(Worker& w, unsigned long long b) {
   const Launch& L = *w.L;
   w.block_linear = b;
@@ -725,6 +599,9 @@ bool run_block(Worker& w, unsigned long long b) {
   w.ndone = 0;
   w.spins = 0;
   w.failed = false;
+  w.race = L.race;
+  race_block_start(w);
+  async_block_start(w);
   for (;;) {
     if (w.failed) return false;
     if (w.ready.empty()) {
@@ -734,18 +611,19 @@ bool run_block(Worker& w, unsigned long long b) {
     }
     Fiber* f = &w.fibers[pick_ready(w)];
     f->state = kRunning;
-    t_cur = f;
-    threadIdx = f->tid;
+    switch_to(f);
     sluice_emu_switch(&w.sched_sp, f->sp);
     t_cur = nullptr;
+    t_watch = nullptr;
   }
 }
 
-std::string describe_fault(Worker& w) {
+std::string describe_fault(Worker& w, const char** kind) {
   const uintptr_t addr = w.fault_addr;
   std::string who = where(w);
   if (w.fault_fiber) who += " " + thread_str(*w.fault_fiber);
-  const char* kind = w.fault_write == 1 ? "write" : (w.fault_write == 0 ? "read" : "access");
+  const char* what = w.fault_write == 1 ? "write" : (w.fault_write == 0 ? "read" : "access");
+  *kind = "kernel-error";
   switch (w.fault_sig) {
     case SIGFPE: return who + ": arithmetic exception (integer division by zero or overflow)";
     case SIGILL: return who + ": illegal instruction (a trap or unreachable code was executed)";
@@ -757,70 +635,73 @@ std::string describe_fault(Worker& w) {
       return who + format(": fiber stack overflow (%zu KiB per thread): large local arrays?", kStackBytes / 1024);
     }
   }
-  uintptr_t dyn = reinterpret_cast<uintptr_t>(w.dyn_base);
-  if (dyn && addr + kPage >= dyn && addr < dyn + kDynRegion + kPage) {
-    long long off = static_cast<long long>(addr) - static_cast<long long>(dyn);
-    return who + format(": out-of-bounds dynamic shared memory %s at byte offset %lld (%zu bytes were requested at launch)",
-                        kind, off, w.L->dyn_bytes);
+  *kind = "out-of-bounds";
+  if (region_of(addr) || addr - g_arena_lo < g_arena_size) {
+    return who + ": out-of-bounds " + what + " at " + describe_address(w, addr, 1);
   }
-  {
-    std::lock_guard<std::mutex> g(g_alloc_mu);
-    if (const Alloc* a = find_alloc_locked(addr)) {
-      long long off = static_cast<long long>(addr) - reinterpret_cast<long long>(a->start);
-      return who + format(": out-of-bounds %s at byte offset %lld of allocation #%llu (%zu bytes)%s", kind, off, a->id,
-                          a->bytes, off < 0 ? ", before its start" : ", past its end");
-    }
-  }
-  if (addr < 65536) return who + format(": null pointer %s (address 0x%zx)", kind, static_cast<size_t>(addr));
+  if (addr < 65536) return who + format(": null pointer %s (address 0x%zx)", what, static_cast<size_t>(addr));
   return who + format(": invalid memory %s at address 0x%zx, which is in no emu allocation (freed memory, or a "
                       "pointer that did not come from sluice_emu_alloc)",
-                      kind, static_cast<size_t>(addr));
+                      what, static_cast<size_t>(addr));
 }
 
-// Runs job `widx` of launch L (blocks widx, widx + nworkers, ...) on the calling pool thread.
+// Runs job `widx` of launch L (blocks widx, widx + nworkers, ... of the launch order) on the
+// calling pool thread.
 void run_job(Worker& w, Launch* L, unsigned widx, unsigned nworkers) {
   w.L = L;
   w.failed = false;
-  w.error.clear();
   blockDim = dim3(L->block[0], L->block[1], L->block[2]);
   gridDim = dim3(L->grid[0], L->grid[1], L->grid[2]);
   const unsigned n = L->nthreads;
-  if (!w.dyn_region || !w.alt_ok || !acquire_stacks(w.stacks, n)) {
-    L->report(widx, format("kernel %s: out of memory for emulator stacks", L->kernel->name));
+  if (!w.shared_ok || !w.alt_ok || !acquire_stacks(w.stacks, n)) {
+    w.bidx = uint3{0, 0, 0};
+    report(w, "kernel-error", format("kernel %s: out of memory for emulator stacks or shared memory", L->kernel->name));
     return;
   }
   w.dyn_poison = round_up(L->dyn_bytes, kPage);
-  if (w.dyn_poison < kDynRegion) mprotect(w.dyn_base + w.dyn_poison, kDynRegion - w.dyn_poison, PROT_NONE);
+  shared_windows_set_dynamic(w.shared, L->dyn_bytes);
+  shared_windows_reset_static(w.shared);
   w.fibers.resize(n);
   for (unsigned i = 0; i < n; ++i) {
     Fiber& f = w.fibers[i];
-    f = Fiber{};
     f.stack = w.stacks[i];
     f.linear = i;
     f.tid = uint3{i % L->block[0], (i / L->block[0]) % L->block[1], i / (L->block[0] * L->block[1])};
+    f.state = kReady;
+    f.wgmma.clear();
   }
   w.warps.resize((n + 31) / 32);
   w.wg_arrived.assign(n % 128 == 0 ? n / 128 : 0, 0u);
+  w.ws.assign(w.warps.size(), 0);
+  w.lane_ws.assign(n, 0);
+  w.lane_sync_mask.assign(n, 0u);
+  w.last_oob_addr = 0;
   if (sigsetjmp(w.jb, 1) == 0) {
     w.catching = true;
-    for (unsigned long long b = widx; b < L->nblocks; b += nworkers) {
-      if (!run_block(w, b)) {
-        L->report(b, w.error);
-        break;
-      }
+    for (unsigned long long i = widx; i < L->nblocks; i += nworkers) {
+      const unsigned long long b = (i * L->order_mul + L->order_add) % L->nblocks;
+      if (!run_block(w, b)) break;
     }
     w.catching = false;
   } else {
     w.catching = false;
-    L->report(w.block_linear, describe_fault(w));
+    const char* kind = nullptr;
+    std::string msg = describe_fault(w, &kind);
+    // The checker reports an out-of-bounds access before it happens; the fault that follows is
+    // the same access.
+    if (!(w.fault_sig == SIGSEGV && w.last_oob_addr && w.fault_addr >= w.last_oob_addr &&
+          w.fault_addr < w.last_oob_addr + 64)) {
+      report(w, kind, std::move(msg));
+    }
   }
   t_cur = nullptr;
-  if (w.dyn_poison < kDynRegion) mprotect(w.dyn_base + w.dyn_poison, kDynRegion - w.dyn_poison, PROT_READ | PROT_WRITE);
+  t_watch = nullptr;
+  shared_windows_restore(w.shared);
 }
 
 // The host threads that run blocks: started on demand (up to the largest SLUICE_EMU_THREADS
 // asked for), shared by concurrent launches, alive for the rest of the process. Each keeps its
-// alternate signal stack, dynamic shared memory region (whose address kernels may cache in a
+// alternate signal stack, shared-memory windows (whose address kernels may cache in a
 // thread_local) and fiber stacks across launches. Which thread runs a job does not matter: a
 // job's blocks, and their schedules, depend only on the launch and the job index.
 struct Job {
@@ -840,7 +721,8 @@ Pool& pool() {
 }
 
 void pool_thread() {
-  Worker w;
+  Worker* wp = new Worker();  // lives as long as the thread (forever)
+  Worker& w = *wp;
   t_worker = &w;
   char* alt = map_region(kAltStackBytes);
   w.alt_ok = alt && mprotect(alt, kAltStackBytes, PROT_READ | PROT_WRITE) == 0;
@@ -850,8 +732,8 @@ void pool_thread() {
     ss.ss_size = kAltStackBytes;
     w.alt_ok = sigaltstack(&ss, nullptr) == 0;
   }
-  w.dyn_region = acquire_dyn();
-  if (w.dyn_region) w.dyn_base = reinterpret_cast<unsigned char*>(w.dyn_region + kPage);
+  w.shared_ok = shared_windows_init(w.shared, &w);
+  if (w.shared_ok) w.dyn_base = reinterpret_cast<unsigned char*>(w.shared.dyn.start);
   Pool& p = pool();
   for (;;) {
     Job j;
@@ -893,7 +775,8 @@ void on_fault(int sig, siginfo_t* si, void* uc) {
     w->fault_fiber = t_cur;
     siglongjmp(w->jb, 1);
   }
-  // Not ours: hand over to whatever was installed before (Rust's stack-overflow handler, ...).
+  // Not ours: hand over to whatever was installed before (Rust's stack-overflow handler, another
+  // copy of this runtime in a loaded `sluice emu check` module, ...).
   int slot = signal_slot(sig);
   const struct sigaction& old = g_old_actions[slot < 0 ? 0 : slot];
   if ((old.sa_flags & SA_SIGINFO) && old.sa_sigaction) {
@@ -931,17 +814,137 @@ unsigned worker_count() {
   return n;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Check policy: SLUICE_EMU_CHECKS = full (default) | bounds | off; SLUICE_EMU_RACE = all | off |
+// sample (default): with `sample`, race detection runs on launches 1, 2, 4, 8, 16, ... of each
+// kernel in the process (every launch under `sluice emu check`, which asks for it).
+// ---------------------------------------------------------------------------------------------
+int default_checks() {
+  static const int level = [] {
+    const char* e = std::getenv("SLUICE_EMU_CHECKS");
+    if (!e || !*e || std::strcmp(e, "full") == 0) return static_cast<int>(kChecksFull);
+    if (std::strcmp(e, "bounds") == 0) return static_cast<int>(kChecksBounds);
+    if (std::strcmp(e, "off") == 0) return static_cast<int>(kChecksOff);
+    std::fprintf(stderr, "sluice emu: SLUICE_EMU_CHECKS=%s is not full, bounds or off; using full\n", e);
+    return static_cast<int>(kChecksFull);
+  }();
+  return level;
+}
+
+enum class RacePolicy { All, Off, Sample };
+RacePolicy race_policy() {
+  static const RacePolicy p = [] {
+    const char* e = std::getenv("SLUICE_EMU_RACE");
+    if (!e || !*e || std::strcmp(e, "sample") == 0) return RacePolicy::Sample;
+    if (std::strcmp(e, "all") == 0) return RacePolicy::All;
+    if (std::strcmp(e, "off") == 0) return RacePolicy::Off;
+    std::fprintf(stderr, "sluice emu: SLUICE_EMU_RACE=%s is not all, off or sample; using sample\n", e);
+    return RacePolicy::Sample;
+  }();
+  return p;
+}
+
+bool race_for_launch(const sluice_emu_kernel* k) {
+  switch (race_policy()) {
+    case RacePolicy::All: return true;
+    case RacePolicy::Off: return false;
+    case RacePolicy::Sample: break;
+  }
+  static std::mutex mu;
+  static std::unordered_map<const sluice_emu_kernel*, unsigned long long> counts;
+  std::lock_guard<std::mutex> g(mu);
+  const unsigned long long c = ++counts[k];
+  return (c & (c - 1)) == 0;  // launches 1, 2, 4, 8, ...
+}
+
+// A block order for the launch: i -> (i * mul + add) mod n with mul coprime to n, drawn from the seed.
+void choose_block_order(Launch& L) {
+  const unsigned long long n = L.nblocks;
+  if (n <= 1) return;
+  unsigned long long s = L.seed ^ (L.name_hash * 0xd1b54a32d192ed03ull) ^ 0x5851f42d4c957f2dull;
+  L.order_add = splitmix(s) % n;
+  for (int tries = 0; tries < 64; ++tries) {
+    unsigned long long m = splitmix(s) % n;
+    if (m == 0) continue;
+    unsigned long long a = m, b = n;
+    while (b) {
+      unsigned long long t = a % b;
+      a = b;
+      b = t;
+    }
+    if (a == 1) {
+      L.order_mul = m;
+      return;
+    }
+  }
+  L.order_mul = 1;
+}
+
+std::atomic<unsigned long long> g_launch_serial{0};
+
 int fail_launch(char* err, size_t cap, const std::string& msg, int code) {
   if (err && cap) std::snprintf(err, cap, "%s", msg.c_str());
   return code;
 }
 
+// The object file holding code address pc and the address to give addr2line for it.
+struct CodeLocation {
+  const char* object = nullptr;
+  unsigned long long vaddr = 0;
+};
+CodeLocation locate_code(uintptr_t pc) {
+  struct Query {
+    uintptr_t pc;
+    CodeLocation out;
+  } q{pc, {}};
+  if (!pc) return {};
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* data) -> int {
+        Query& q = *static_cast<Query*>(data);
+        for (int i = 0; i < info->dlpi_phnum; ++i) {
+          const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+          if (ph.p_type != PT_LOAD) continue;
+          const uintptr_t lo = info->dlpi_addr + ph.p_vaddr;
+          if (q.pc >= lo && q.pc < lo + ph.p_memsz) {
+            static std::string exe = [] {
+              char buf[4096];
+              ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+              return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+            }();
+            q.out.object = (info->dlpi_name && *info->dlpi_name) ? info->dlpi_name : exe.c_str();
+            q.out.vaddr = q.pc - info->dlpi_addr;
+            return 1;
+          }
+        }
+        return 0;
+      },
+      &q);
+  return q.out;
+}
+
+void deliver(const Finding& f, sluice_emu_finding_fn fn, void* ctx) {
+  const CodeLocation a = locate_code(f.pc), b = locate_code(f.pc2);
+  sluice_emu_finding out{};
+  out.kind = f.kind.c_str();
+  out.message = f.message.c_str();
+  out.file = f.file;
+  out.line = f.line;
+  out.object = a.object;
+  out.vaddr = a.vaddr;
+  out.object2 = b.object;
+  out.vaddr2 = b.vaddr;
+  out.count = f.count;
+  fn(ctx, &out);
+}
+
 }  // namespace
+}  // namespace sluice_emu::rt
 
 // ---------------------------------------------------------------------------------------------
 // Intrinsics called from kernel code
 // ---------------------------------------------------------------------------------------------
 namespace sluice_emu {
+using namespace rt;
 
 static Worker& current_worker(const char* what) {
   Worker* w = t_worker;
@@ -960,26 +963,37 @@ void warp_op(WarpOp op, unsigned mask, const void* in, void* out, unsigned size,
   const unsigned wi = f->linear >> 5;
   Warp& W = w.warps[wi];
   const char* name = op_name(op);
+  const char* file = loc.file_name();
+  const unsigned line = loc.line();
   if (!(mask & (1u << lane))) {
-    fiber_fail(w, where(w) + format(" warp %u: %s calls %s with mask 0x%08x, which does not include its own lane %u (%s:%u)",
-                                    wi, thread_str(*f).c_str(), name, mask, lane, loc.file_name(), loc.line()));
+    fiber_fail(w, "shuffle-mask",
+               where(w) + format(" warp %u: %s calls %s with mask 0x%08x, which does not include its own lane %u (%s:%u)",
+                                 wi, thread_str(*f).c_str(), name, mask, lane, file, line),
+               file, line);
   }
   if (mask & ~W.exists) {
-    fiber_fail(w, where(w) + format(" warp %u: %s(mask 0x%08x) at %s:%u names lanes 0x%08x that do not exist "
-                                    "(the block has %u threads)",
-                                    wi, name, mask, loc.file_name(), loc.line(), mask & ~W.exists, w.L->nthreads));
+    fiber_fail(w, "shuffle-mask",
+               where(w) + format(" warp %u: %s(mask 0x%08x) at %s:%u names lanes 0x%08x that do not exist "
+                                 "(the block has %u threads)",
+                                 wi, name, mask, file, line, mask & ~W.exists, w.L->nthreads),
+               file, line);
   }
   if (mask & ~W.live) {
     unsigned gone = static_cast<unsigned>(__builtin_ctz(mask & ~W.live));
-    fiber_fail(w, where(w) + format(" warp %u: %s(mask 0x%08x) at %s:%u names lane %u, which has exited", wi, name,
-                                    mask, loc.file_name(), loc.line(), gone));
+    fiber_fail(w, "shuffle-mask",
+               where(w) + format(" warp %u: %s(mask 0x%08x) at %s:%u names lane %u, which has exited", wi, name, mask,
+                                 file, line, gone),
+               file, line);
   }
   if (op == WarpOp::Gather && W.exists != 0xffffffffu) {
-    fiber_fail(w, where(w) + format(" warp %u: emu_warp_gather at %s:%u needs a full warp", wi, loc.file_name(), loc.line()));
+    fiber_fail(w, "shuffle-mask", where(w) + format(" warp %u: emu_warp_gather at %s:%u needs a full warp", wi, file, line),
+               file, line);
   }
   if (op <= WarpOp::ShflXor && (width < 1 || width > 32 || (width & (width - 1)) != 0)) {
-    fiber_fail(w, where(w) + format(" warp %u: %s at %s:%u with width %d (must be a power of two <= 32)", wi, name,
-                                    loc.file_name(), loc.line(), width));
+    fiber_fail(w, "shuffle-mask",
+               where(w) + format(" warp %u: %s at %s:%u with width %d (must be a power of two <= 32)", wi, name, file,
+                                 line, width),
+               file, line);
   }
   w.spins = 0;
   f->op = op;
@@ -989,8 +1003,8 @@ void warp_op(WarpOp op, unsigned mask, const void* in, void* out, unsigned size,
   f->width = width;
   f->in = in;
   f->out = out;
-  f->file = loc.file_name();
-  f->line = loc.line();
+  f->file = file;
+  f->line = line;
   f->state = kWarp;
   unsigned i = 0;
   while (i < W.npend && W.pend[i].mask != mask) ++i;
@@ -1008,14 +1022,18 @@ void warpgroup_gather(const void* in, void* out, unsigned size, const std::sourc
   Worker& w = current_worker("emu_warpgroup_gather");
   Fiber* f = t_cur;
   if (w.wg_arrived.empty()) {
-    fiber_fail(w, where(w) + format(": emu_warpgroup_gather at %s:%u needs a multiple of 128 threads per block (has %u)",
-                                    loc.file_name(), loc.line(), w.L->nthreads));
+    fiber_fail(w, "shuffle-mask",
+               where(w) + format(": emu_warpgroup_gather at %s:%u needs a multiple of 128 threads per block (has %u)",
+                                 loc.file_name(), loc.line(), w.L->nthreads),
+               loc.file_name(), loc.line());
   }
   const unsigned g = f->linear / 128;
   for (unsigned t = g * 128; t < g * 128 + 128; ++t) {
     if (w.fibers[t].state == kDone) {
-      fiber_fail(w, where(w) + format(": emu_warpgroup_gather at %s:%u: %s of warpgroup %u has exited", loc.file_name(),
-                                      loc.line(), thread_str(w.fibers[t]).c_str(), g));
+      fiber_fail(w, "shuffle-mask",
+                 where(w) + format(": emu_warpgroup_gather at %s:%u: %s of warpgroup %u has exited", loc.file_name(),
+                                   loc.line(), thread_str(w.fibers[t]).c_str(), g),
+                 loc.file_name(), loc.line());
     }
   }
   w.spins = 0;
@@ -1030,8 +1048,9 @@ void warpgroup_gather(const void* in, void* out, unsigned size, const std::sourc
     for (unsigned t = g * 128; t < g * 128 + 128; ++t) {
       const Fiber& o = w.fibers[t];
       if (o.size != size) {
-        fiber_fail(w, where(w) + format(": emu_warpgroup_gather with different sizes (%u at %s:%u, %u at %s:%u)", size,
-                                        f->file, f->line, o.size, o.file, o.line));
+        fiber_fail(w, "shuffle-mask",
+                   where(w) + format(": emu_warpgroup_gather with different sizes (%u at %s:%u, %u at %s:%u)", size,
+                                     f->file, f->line, o.size, o.file, o.line));
       }
     }
     w.scratch.resize(static_cast<size_t>(size) * 128);
@@ -1062,14 +1081,18 @@ void named_barrier(unsigned id, unsigned count, const std::source_location& loc)
   Worker& w = current_worker("named barrier");
   Fiber* f = t_cur;
   if (id >= 16 || count == 0 || count % 32 != 0 || count > w.L->nthreads) {
-    fiber_fail(w, where(w) + format(": named barrier %u with %u threads at %s:%u (id must be < 16, count a multiple "
-                                    "of 32 and at most the block size %u)",
-                                    id, count, loc.file_name(), loc.line(), w.L->nthreads));
+    fiber_fail(w, "divergent-barrier",
+               where(w) + format(": named barrier %u with %u threads at %s:%u (id must be < 16, count a multiple "
+                                 "of 32 and at most the block size %u)",
+                                 id, count, loc.file_name(), loc.line(), w.L->nthreads),
+               loc.file_name(), loc.line());
   }
   NamedBarrier& nb = w.named[id];
   if (nb.arrived != 0 && nb.expected != count) {
-    fiber_fail(w, where(w) + format(": named barrier %u used with thread counts %u and %u (%s:%u)", id, nb.expected,
-                                    count, loc.file_name(), loc.line()));
+    fiber_fail(w, "divergent-barrier",
+               where(w) + format(": named barrier %u used with thread counts %u and %u (%s:%u)", id, nb.expected, count,
+                                 loc.file_name(), loc.line()),
+               loc.file_name(), loc.line());
   }
   nb.expected = count;
   w.spins = 0;
@@ -1079,6 +1102,9 @@ void named_barrier(unsigned id, unsigned count, const std::source_location& loc)
   f->state = kNamed;
   if (++nb.arrived == count) {
     nb = NamedBarrier{};
+    // A named barrier of the whole block orders memory like __syncthreads; one of part of the
+    // block is not modelled for race detection (see docs/emulator.md).
+    if (w.race && count == w.L->nthreads) race_barrier(w);
     for (unsigned i = 0; i < w.fibers.size(); ++i) {
       if (w.fibers[i].state == kNamed && w.fibers[i].arg == static_cast<int>(id)) {
         w.fibers[i].state = kReady;
@@ -1093,9 +1119,11 @@ void yield_now(const std::source_location& loc) {
   Worker& w = current_worker("emu_yield");
   Fiber* f = t_cur;
   if (++w.spins > (1ull << 22)) {
-    fiber_fail(w, where(w) + format(" %s: spin-wait at %s:%u made no progress: 4 M yields without any barrier, warp "
-                                    "operation or thread exit in the block (waiting for something no thread will do)",
-                                    thread_str(*f).c_str(), loc.file_name(), loc.line()));
+    fiber_fail(w, "kernel-error",
+               where(w) + format(" %s: spin-wait at %s:%u made no progress: 4 M yields without any barrier, warp "
+                                 "operation or thread exit in the block (waiting for something no thread will do)",
+                                 thread_str(*f).c_str(), loc.file_name(), loc.line()),
+               loc.file_name(), loc.line());
   }
   f->state = kReady;
   w.ready.push_back(f->linear);
@@ -1104,28 +1132,13 @@ void yield_now(const std::source_location& loc) {
 
 void fail(const char* what, const char* file, unsigned line) {
   Worker& w = current_worker(what);
-  fiber_fail(w, where(w) + format(" %s: %s at %s:%u", thread_str(*t_cur).c_str(), what, file, line));
+  fiber_fail(w, "kernel-error", where(w) + format(" %s: %s at %s:%u", thread_str(*t_cur).c_str(), what, file, line),
+             file, line);
 }
 
 unsigned live_lanes() {
   Worker& w = current_worker("__activemask");
   return w.warps[t_cur->linear >> 5].live;
-}
-
-void touch_shared(const volatile void* p, std::size_t bytes) {
-  Worker* w = t_worker;
-  if (!w) return;
-  for (auto& v : w->static_shared) {
-    if (v.p == p) {
-      if (v.block != w->block_serial) {
-        v.block = w->block_serial;
-        std::memset(const_cast<void*>(p), 0xff, bytes);
-      }
-      return;
-    }
-  }
-  w->static_shared.push_back(Worker::StaticShared{p, bytes, w->block_serial});
-  std::memset(const_cast<void*>(p), 0xff, bytes);
 }
 
 unsigned char* dynamic_shared_base() {
@@ -1143,43 +1156,11 @@ extern "C" void sluice_emu_assert_fail(const char* expr, const char* file, unsig
 // ---------------------------------------------------------------------------------------------
 // C ABI
 // ---------------------------------------------------------------------------------------------
-extern "C" void* sluice_emu_alloc(size_t bytes) {
-  if (bytes > (size_t{1} << 46)) return nullptr;
-  const size_t body = round_up(bytes, 256);
-  const size_t body_pages = round_up(body, kPage);
-  const size_t map_len = kFrontGuard + body_pages + kBackGuard;
-  char* m = map_region(map_len);
-  if (!m) return nullptr;
-  if (body_pages && mprotect(m + kFrontGuard, body_pages, PROT_READ | PROT_WRITE) != 0) {
-    munmap(m, map_len);
-    return nullptr;
-  }
-  Alloc a{};
-  a.map = m;
-  a.map_len = map_len;
-  a.start = m + kFrontGuard + body_pages - body;
-  a.bytes = bytes;
-  a.body = body;
-  std::memset(a.start, 0xff, bytes);
-  restore_canaries_locked(a);
-  std::lock_guard<std::mutex> g(g_alloc_mu);
-  a.id = g_alloc_next_id++;
-  g_allocs.emplace(reinterpret_cast<uintptr_t>(a.start), a);
-  return a.start;
-}
+using namespace sluice_emu::rt;
 
-extern "C" void sluice_emu_free(void* p) {
-  if (!p) return;
-  Alloc a{};
-  {
-    std::lock_guard<std::mutex> g(g_alloc_mu);
-    auto it = g_allocs.find(reinterpret_cast<uintptr_t>(p));
-    if (it == g_allocs.end()) return;
-    a = it->second;
-    g_allocs.erase(it);
-  }
-  munmap(a.map, a.map_len);
-}
+extern "C" void* sluice_emu_alloc(size_t bytes) { return global_alloc(bytes); }
+
+extern "C" void sluice_emu_free(void* p) { global_free(p); }
 
 extern "C" int sluice_emu_kernel_count(void) { return static_cast<int>(kernels().list.size()); }
 
@@ -1196,17 +1177,18 @@ extern "C" const char* sluice_emu_kernel_signature(const char* kernel) {
   return it == k.by_name.end() ? nullptr : it->second->signature;
 }
 
-extern "C" int sluice_emu_launch(const char* kernel, const unsigned grid[3], const unsigned block[3],
-                                 size_t dynamic_shared_bytes, void** params, unsigned long long seed, char* err,
-                                 size_t err_cap) {
+extern "C" int sluice_emu_launch_ex(const char* kernel, const unsigned grid[3], const unsigned block[3],
+                                    size_t dynamic_shared_bytes, void** params, unsigned long long seed,
+                                    const sluice_emu_options* opts, sluice_emu_finding_fn on_finding, void* ctx,
+                                    char* err, size_t err_cap) {
   if (err && err_cap) err[0] = '\0';
   if (!kernel || !grid || !block) return fail_launch(err, err_cap, "sluice_emu_launch: null argument", 1);
   const KernelIndex& idx = kernels();
   auto it = idx.by_name.find(std::string_view(kernel));
   if (it == idx.by_name.end()) {
     return fail_launch(err, err_cap,
-                       format("kernel %s is not in the emulator's kernel table (%zu kernels compiled from kernels/cuda)",
-                              kernel, idx.list.size()),
+                       format("kernel %s is not in the emulator's kernel table (%zu kernels compiled)", kernel,
+                              idx.list.size()),
                        1);
   }
   const sluice_emu_kernel* k = it->second;
@@ -1219,8 +1201,7 @@ extern "C" int sluice_emu_launch(const char* kernel, const unsigned grid[3], con
                        1);
   }
   if (grid[0] == 0 || grid[1] == 0 || grid[2] == 0 || grid[0] > 0x7fffffffu || grid[1] > 65535 || grid[2] > 65535) {
-    return fail_launch(err, err_cap,
-                       format("kernel %s: invalid grid (%u,%u,%u)", kernel, grid[0], grid[1], grid[2]), 1);
+    return fail_launch(err, err_cap, format("kernel %s: invalid grid (%u,%u,%u)", kernel, grid[0], grid[1], grid[2]), 1);
   }
   if (dynamic_shared_bytes > kMaxDynamicShared) {
     return fail_launch(err, err_cap,
@@ -1235,46 +1216,48 @@ extern "C" int sluice_emu_launch(const char* kernel, const unsigned grid[3], con
   for (unsigned i = 0; i < k->nparams; ++i) {
     if (!params[i]) return fail_launch(err, err_cap, format("kernel %s: params[%u] is null", kernel, i), 1);
   }
+  if (!arena_init()) return fail_launch(err, err_cap, "the emulator cannot reserve its address space", 1);
+
+  Launch L;
   // Every non-null pointer argument must point into (or one past) an emu allocation.
   std::vector<const void*> ptrs(k->nparams);
   std::vector<unsigned> ptr_index(k->nparams);
-  unsigned nptrs = k->pointer_args(params, ptrs.data());
+  const unsigned nptrs = k->pointer_args(params, ptrs.data());
   k->pointer_arg_index(ptr_index.data());
-  std::vector<uintptr_t> checked;  // starts of the allocations to check after the launch
-  std::vector<unsigned> checked_arg;
-  {
-    std::lock_guard<std::mutex> g(g_alloc_mu);
-    for (unsigned i = 0; i < nptrs; ++i) {
-      if (!ptrs[i]) continue;
-      uintptr_t p = reinterpret_cast<uintptr_t>(ptrs[i]);
-      const Alloc* a = find_alloc_locked(p);
-      uintptr_t s = a ? reinterpret_cast<uintptr_t>(a->start) : 0;
-      if (!a || p < s || p > s + a->bytes) {
-        return fail_launch(err, err_cap,
-                           format("kernel %s: pointer argument %u (%p) does not point into memory from "
-                                  "sluice_emu_alloc",
-                                  kernel, ptr_index[i], ptrs[i]),
-                           1);
-      }
-      if (std::find(checked.begin(), checked.end(), s) == checked.end()) {
-        checked.push_back(s);
-        checked_arg.push_back(ptr_index[i]);
-      }
+  for (unsigned i = 0; i < nptrs; ++i) {
+    if (!ptrs[i]) continue;
+    const uintptr_t p = reinterpret_cast<uintptr_t>(ptrs[i]);
+    Region* r = region_of(p);
+    if (!r || r->kind != RegionKind::Global || p < r->start || p > r->start + r->bytes) {
+      return fail_launch(err, err_cap,
+                         format("kernel %s: pointer argument %u (%p) does not point into memory from "
+                                "sluice_emu_alloc",
+                                kernel, ptr_index[i], ptrs[i]),
+                         1);
     }
+    L.pointer_args.emplace_back(r->start, ptr_index[i]);
   }
 
   install_signal_handlers();
-  Launch L;
   L.kernel = k;
   std::memcpy(L.grid, grid, sizeof L.grid);
   std::memcpy(L.block, block, sizeof L.block);
   L.dyn_bytes = dynamic_shared_bytes;
   L.params = params;
+  L.param_names = opts ? opts->param_names : nullptr;
   L.seed = seed;
   L.name_hash = fnv1a(k->name);
   L.nblocks = static_cast<unsigned long long>(grid[0]) * grid[1] * grid[2];
   L.nthreads = static_cast<unsigned>(nthreads);
-  const unsigned nworkers = static_cast<unsigned>(std::min<unsigned long long>(worker_count(), L.nblocks));
+  L.serial = ++g_launch_serial;
+  L.checks = (opts && opts->checks >= 0) ? std::min(opts->checks, static_cast<int>(kChecksFull)) : default_checks();
+  const int race_opt = opts ? opts->race : -1;
+  L.race = L.checks == kChecksFull && (race_opt >= 0 ? race_opt != 0 : race_for_launch(k));
+  choose_block_order(L);
+  // Race detection runs the blocks on one host thread, in the launch order: its records of
+  // global memory are then exact and its findings reproducible.
+  const unsigned nworkers =
+      L.race ? 1u : static_cast<unsigned>(std::min<unsigned long long>(worker_count(), L.nblocks));
   {
     Pool& p = pool();
     std::lock_guard<std::mutex> g(p.mu);
@@ -1296,20 +1279,34 @@ extern "C" int sluice_emu_launch(const char* kernel, const unsigned grid[3], con
     std::unique_lock<std::mutex> lk(L.mu);
     L.done.wait(lk, [&] { return L.pending == 0; });
   }
-  if (!L.error.empty()) return fail_launch(err, err_cap, L.error, 2);
+  for (Region* r : L.race_regions) clear_race_shadow(*r);
+  if (L.findings.empty()) return 0;
 
-  std::lock_guard<std::mutex> g(g_alloc_mu);
-  for (size_t i = 0; i < checked.size(); ++i) {
-    auto a = g_allocs.find(checked[i]);
-    if (a == g_allocs.end()) continue;
-    std::string bad = check_canaries_locked(a->second);
-    if (!bad.empty()) {
-      restore_canaries_locked(a->second);  // report each overwrite once
-      return fail_launch(err, err_cap,
-                         format("kernel %s wrote out of bounds: %s (pointer argument %u)", kernel, bad.c_str(),
-                                checked_arg[i]),
-                         3);
-    }
+  std::string text;
+  for (const Finding& f : L.findings) {
+    if (on_finding) deliver(f, on_finding, ctx);
+    if (!text.empty()) text += '\n';
+    text += f.kind + ": " + f.message;
+    if (f.file) text += format(" (%s:%u)", f.file, f.line);
+    if (f.count > 1) text += format(" [%llu times]", f.count);
   }
-  return 0;
+  if (L.dropped) {
+    std::string more = format("%llu more findings not shown", L.dropped);
+    if (on_finding) {
+      sluice_emu_finding extra{};
+      extra.kind = "more";
+      extra.message = more.c_str();
+      extra.count = L.dropped;
+      on_finding(ctx, &extra);
+    }
+    text += "\n" + more;
+  }
+  return fail_launch(err, err_cap, text, 2);
+}
+
+extern "C" int sluice_emu_launch(const char* kernel, const unsigned grid[3], const unsigned block[3],
+                                 size_t dynamic_shared_bytes, void** params, unsigned long long seed, char* err,
+                                 size_t err_cap) {
+  return sluice_emu_launch_ex(kernel, grid, block, dynamic_shared_bytes, params, seed, nullptr, nullptr, nullptr, err,
+                              err_cap);
 }

@@ -13,10 +13,16 @@
 //   * blocks run one at a time per host thread, several host threads in parallel.
 //
 // threadIdx/blockIdx/blockDim/gridDim are thread_local variables that the scheduler updates on every
-// switch, so they can be printed in a debugger. Static __shared__ is `thread_local` (one instance per
-// host thread = per running block; fibers never migrate between host threads). `extern __shared__`
-// dynamic shared memory is rewritten by build_emu.rs into a pointer to the host thread's dynamic
-// shared memory region (NaN-poisoned, 0xFF bytes, at every block start).
+// switch, so they can be printed in a debugger. Static block-scope `__shared__` variables are
+// rewritten by the emulator's build (kernels/src/emu/rewrite.rs) into references to storage in the
+// host thread's static shared window (static_shared below), with redzones between them for exact
+// bounds checks. `extern __shared__` dynamic shared memory becomes a pointer to the host thread's
+// dynamic shared window (NaN-poisoned, 0xFF bytes, at every block start).
+//
+// Memory checks: kernel code is compiled with GCC's ThreadSanitizer instrumentation (no sanitizer
+// runtime), so every load and store of shared-able memory calls the emulator's checker (kernels/emu/check.cpp): bounds to the byte, races,
+// reads of asynchronous results before their wait. The helpers below that touch memory on the
+// kernel's behalf (atomics, the Hopper/cp.async entry points) report their accesses explicitly.
 #ifndef SLUICE_EMU_H
 #define SLUICE_EMU_H
 
@@ -60,8 +66,10 @@
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 #define __grid_constant__
-// Block-scope `__shared__ T x[N];` becomes a block-scope thread_local (static storage per host
-// thread). `extern __shared__ T x[];` never reaches the compiler: build_emu.rs rewrites it.
+// Block-scope `__shared__ T x[N];` never reaches the compiler: the build rewrites it into a
+// reference to the static shared window (see static_shared). What is left (namespace-scope
+// `__shared__`) becomes a thread_local: one instance per host thread, not bounds-checked.
+// `extern __shared__ T x[];` is rewritten too (a pointer to the dynamic shared window).
 #define __shared__ thread_local
 #ifndef __restrict__
 #define __restrict__ __restrict
@@ -147,9 +155,43 @@ void yield_now(const std::source_location& loc);
 unsigned live_lanes();
 // Base of the dynamic shared memory of the host thread (stable for the host thread's lifetime).
 unsigned char* dynamic_shared_base();
-// Called (by code that build_emu.rs inserts) each time a thread passes the declaration of a
-// block-scope static __shared__ variable: the first call of each block fills it with 0xFF bytes.
-void touch_shared(const volatile void* p, std::size_t bytes);
+// Storage of a block-scope static __shared__ variable (code that the build inserts): `key` is the
+// address of a variable unique to the declaration (and template instantiation). Returns the
+// variable's address in the host thread's static shared window; the first call of each block fills
+// it with 0xFF bytes (NaN).
+void* static_shared_slot(const void* key, std::size_t bytes, std::size_t align, const char* name, const char* file,
+                         unsigned line);
+// Reports an atomic access of `size` bytes at p by the running thread to the checker (bounds;
+// atomics never race with atomics). `ra` is the return address of the atomic intrinsic.
+void atomic_access(const volatile void* p, unsigned size, const void* ra);
+
+// Asynchronous operations (kernels/emu/async.cpp), used by kernels/cuda/common/hopper.cuh and
+// cp_async.cuh. Their destinations become visible only when they complete; see docs/emulator.md.
+void mbarrier_init(void* bar, unsigned count, const std::source_location& loc);
+void mbarrier_expect_tx(void* bar, unsigned bytes, const std::source_location& loc);
+void mbarrier_arrive(void* bar, const std::source_location& loc);
+// True once the phase with parity `parity` has completed.
+bool mbarrier_test_wait(void* bar, unsigned parity, const std::source_location& loc);
+// Global -> shared copy completing (complete_tx) on mbarrier `bar`; visible when its phase completes.
+void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, void* bar, const std::source_location& loc);
+// cp.async of 4, 8 or 16 bytes; visible to the issuing thread after the cp_async_wait that covers
+// its commit group.
+void cp_async(void* dst, const void* src, unsigned bytes, const std::source_location& loc);
+void cp_async_commit(const std::source_location& loc);
+void cp_async_wait(int pending_groups, const std::source_location& loc);
+// wgmma: the accumulator value the next wgmma on `d` starts from (the newest pending result for d,
+// else d itself); then the issue of a result, which d receives at the wgmma_wait that covers its
+// commit group (d holds NaN until then).
+void wgmma_accumulator(const float* d, float* out, unsigned bytes);
+void wgmma_issue(float* d, const float* value, unsigned bytes, const std::source_location& loc);
+void wgmma_commit(const std::source_location& loc);
+void wgmma_wait(int pending_groups, const std::source_location& loc);
+
+template <class T, std::size_t Align>
+inline T& static_shared(const void* key, const char* name, const char* file, unsigned line) {
+  constexpr std::size_t a = Align > alignof(T) ? Align : alignof(T);
+  return *static_cast<T*>(static_shared_slot(key, sizeof(T), a, name, file, line));
+}
 
 }  // namespace sluice_emu
 
@@ -284,9 +326,10 @@ inline void emu_named_barrier(unsigned id, unsigned count,
 [[noreturn]] inline void __brkpt(std::source_location loc = std::source_location::current()) {
   sluice_emu::fail("__brkpt() called", loc.file_name(), loc.line());
 }
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+// Fences are real fences (blocks run on parallel host threads); not instrumented.
+__attribute__((no_sanitize_thread)) inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+__attribute__((no_sanitize_thread)) inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+__attribute__((no_sanitize_thread)) inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 // __nanosleep yields to the other threads of the block, so spin-wait loops make progress.
 inline void __nanosleep(unsigned, std::source_location loc = std::source_location::current()) {
   sluice_emu::yield_now(loc);
@@ -298,47 +341,45 @@ long long clock64();
 // ---------------------------------------------------------------------------------------------
 // Memory access hints: plain loads and stores on the host
 // ---------------------------------------------------------------------------------------------
-template <class T> inline T __ldg(const T* p) { return *p; }
-template <class T> inline T __ldca(const T* p) { return *p; }
-template <class T> inline T __ldcg(const T* p) { return *p; }
-template <class T> inline T __ldcs(const T* p) { return *p; }
-template <class T> inline T __ldlu(const T* p) { return *p; }
-template <class T> inline T __ldcv(const T* p) { return *p; }
-template <class T> inline void __stwb(T* p, T v) { *p = v; }
-template <class T> inline void __stcg(T* p, T v) { *p = v; }
-template <class T> inline void __stcs(T* p, T v) { *p = v; }
-template <class T> inline void __stwt(T* p, T v) { *p = v; }
+template <class T> __forceinline__ T __ldg(const T* p) { return *p; }
+template <class T> __forceinline__ T __ldca(const T* p) { return *p; }
+template <class T> __forceinline__ T __ldcg(const T* p) { return *p; }
+template <class T> __forceinline__ T __ldcs(const T* p) { return *p; }
+template <class T> __forceinline__ T __ldlu(const T* p) { return *p; }
+template <class T> __forceinline__ T __ldcv(const T* p) { return *p; }
+template <class T> __forceinline__ void __stwb(T* p, T v) { *p = v; }
+template <class T> __forceinline__ void __stcg(T* p, T v) { *p = v; }
+template <class T> __forceinline__ void __stcs(T* p, T v) { *p = v; }
+template <class T> __forceinline__ void __stwt(T* p, T v) { *p = v; }
 
 // ---------------------------------------------------------------------------------------------
 // Atomics. Fibers of one block never interleave inside an operation, but blocks run on parallel
 // host threads, so every atomic is a real std::atomic_ref operation.
 // ---------------------------------------------------------------------------------------------
-namespace sluice_emu {
-template <class T> inline std::atomic_ref<T> aref(T* p) { return std::atomic_ref<T>(*p); }
-template <class T, class F> inline T atomic_update(T* p, F f) {
-  auto a = aref(p);
-  T old = a.load(std::memory_order_relaxed);
-  while (!a.compare_exchange_weak(old, f(old), std::memory_order_seq_cst)) {
-  }
-  return old;
-}
-}  // namespace sluice_emu
-
+// The atomic intrinsics are out of line and not instrumented (no_sanitize_thread; they use the
+// compiler's __atomic builtins directly, since a call to std::atomic_ref would be instrumented):
+// each reports one atomic access to the checker with its caller's address, then does the
+// operation. Blocks run on parallel host threads, so every atomic is a real atomic operation.
+#define SLUICE_EMU_ATOMIC_FN __attribute__((noinline, no_sanitize_thread)) inline
+#define SLUICE_EMU_NOTE(p) sluice_emu::atomic_access(p, sizeof(*(p)), __builtin_return_address(0))
+// Compare-and-swap loop applying NEW (an expression of the old value `o`) to *p; returns the old value.
+#define SLUICE_EMU_CAS_LOOP(T, NEW)                                                               \
+  T o = __atomic_load_n(p, __ATOMIC_RELAXED);                                                     \
+  while (!__atomic_compare_exchange_n(p, &o, (NEW), true, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {   \
+  }                                                                                               \
+  return o;
 #define SLUICE_EMU_ATOMIC_INT(T)                                                                  \
-  inline T atomicAdd(T* p, T v) { return sluice_emu::aref(p).fetch_add(v); }                      \
-  inline T atomicSub(T* p, T v) { return sluice_emu::aref(p).fetch_sub(v); }                      \
-  inline T atomicExch(T* p, T v) { return sluice_emu::aref(p).exchange(v); }                      \
-  inline T atomicAnd(T* p, T v) { return sluice_emu::aref(p).fetch_and(v); }                      \
-  inline T atomicOr(T* p, T v) { return sluice_emu::aref(p).fetch_or(v); }                        \
-  inline T atomicXor(T* p, T v) { return sluice_emu::aref(p).fetch_xor(v); }                      \
-  inline T atomicMax(T* p, T v) {                                                                 \
-    return sluice_emu::atomic_update(p, [v](T o) { return o > v ? o : v; });                     \
-  }                                                                                               \
-  inline T atomicMin(T* p, T v) {                                                                 \
-    return sluice_emu::atomic_update(p, [v](T o) { return o < v ? o : v; });                     \
-  }                                                                                               \
-  inline T atomicCAS(T* p, T cmp, T v) {                                                          \
-    sluice_emu::aref(p).compare_exchange_strong(cmp, v);                                          \
+  SLUICE_EMU_ATOMIC_FN T atomicAdd(T* p, T v) { SLUICE_EMU_NOTE(p); return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); } \
+  SLUICE_EMU_ATOMIC_FN T atomicSub(T* p, T v) { SLUICE_EMU_NOTE(p); return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST); } \
+  SLUICE_EMU_ATOMIC_FN T atomicExch(T* p, T v) { SLUICE_EMU_NOTE(p); return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); } \
+  SLUICE_EMU_ATOMIC_FN T atomicAnd(T* p, T v) { SLUICE_EMU_NOTE(p); return __atomic_fetch_and(p, v, __ATOMIC_SEQ_CST); } \
+  SLUICE_EMU_ATOMIC_FN T atomicOr(T* p, T v) { SLUICE_EMU_NOTE(p); return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }  \
+  SLUICE_EMU_ATOMIC_FN T atomicXor(T* p, T v) { SLUICE_EMU_NOTE(p); return __atomic_fetch_xor(p, v, __ATOMIC_SEQ_CST); } \
+  SLUICE_EMU_ATOMIC_FN T atomicMax(T* p, T v) { SLUICE_EMU_NOTE(p); SLUICE_EMU_CAS_LOOP(T, o > v ? o : v) }          \
+  SLUICE_EMU_ATOMIC_FN T atomicMin(T* p, T v) { SLUICE_EMU_NOTE(p); SLUICE_EMU_CAS_LOOP(T, o < v ? o : v) }          \
+  SLUICE_EMU_ATOMIC_FN T atomicCAS(T* p, T cmp, T v) {                                            \
+    SLUICE_EMU_NOTE(p);                                                                           \
+    __atomic_compare_exchange_n(p, &cmp, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);           \
     return cmp;                                                                                   \
   }                                                                                               \
   inline T atomicAdd_block(T* p, T v) { return atomicAdd(p, v); }                                 \
@@ -351,21 +392,37 @@ SLUICE_EMU_ATOMIC_INT(unsigned int)
 SLUICE_EMU_ATOMIC_INT(long long)
 SLUICE_EMU_ATOMIC_INT(unsigned long long)
 #undef SLUICE_EMU_ATOMIC_INT
-inline unsigned short atomicCAS(unsigned short* p, unsigned short cmp, unsigned short v) {
-  sluice_emu::aref(p).compare_exchange_strong(cmp, v);
+SLUICE_EMU_ATOMIC_FN unsigned short atomicCAS(unsigned short* p, unsigned short cmp, unsigned short v) {
+  SLUICE_EMU_NOTE(p);
+  __atomic_compare_exchange_n(p, &cmp, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
   return cmp;
 }
-inline unsigned atomicInc(unsigned* p, unsigned lim) {
-  return sluice_emu::atomic_update(p, [lim](unsigned o) { return o >= lim ? 0u : o + 1u; });
+SLUICE_EMU_ATOMIC_FN unsigned atomicInc(unsigned* p, unsigned lim) {
+  SLUICE_EMU_NOTE(p);
+  SLUICE_EMU_CAS_LOOP(unsigned, o >= lim ? 0u : o + 1u)
 }
-inline unsigned atomicDec(unsigned* p, unsigned lim) {
-  return sluice_emu::atomic_update(p, [lim](unsigned o) { return (o == 0u || o > lim) ? lim : o - 1u; });
+SLUICE_EMU_ATOMIC_FN unsigned atomicDec(unsigned* p, unsigned lim) {
+  SLUICE_EMU_NOTE(p);
+  SLUICE_EMU_CAS_LOOP(unsigned, (o == 0u || o > lim) ? lim : o - 1u)
 }
 // Float atomics exist for completeness; sluice's determinism rule forbids them in reductions.
-inline float atomicAdd(float* p, float v) { return sluice_emu::aref(p).fetch_add(v); }
-inline double atomicAdd(double* p, double v) { return sluice_emu::aref(p).fetch_add(v); }
-inline float atomicExch(float* p, float v) { return sluice_emu::aref(p).exchange(v); }
+// They operate on the bits (the builtins take integers).
+#define SLUICE_EMU_FLOAT_RMW(F, U, NEW)                                                          \
+  SLUICE_EMU_NOTE(p);                                                                             \
+  U* q = reinterpret_cast<U*>(p);                                                                 \
+  U o = __atomic_load_n(q, __ATOMIC_RELAXED);                                                     \
+  for (;;) {                                                                                      \
+    F old = __builtin_bit_cast(F, o);                                                             \
+    U want = __builtin_bit_cast(U, static_cast<F>(NEW));                                          \
+    if (__atomic_compare_exchange_n(q, &o, want, true, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) return old; \
+  }
+SLUICE_EMU_ATOMIC_FN float atomicAdd(float* p, float v) { SLUICE_EMU_FLOAT_RMW(float, unsigned, old + v) }
+SLUICE_EMU_ATOMIC_FN double atomicAdd(double* p, double v) { SLUICE_EMU_FLOAT_RMW(double, unsigned long long, old + v) }
+SLUICE_EMU_ATOMIC_FN float atomicExch(float* p, float v) { SLUICE_EMU_FLOAT_RMW(float, unsigned, v) }
 inline float atomicAdd_block(float* p, float v) { return atomicAdd(p, v); }
+#undef SLUICE_EMU_FLOAT_RMW
+#undef SLUICE_EMU_CAS_LOOP
+#undef SLUICE_EMU_NOTE
 
 // ---------------------------------------------------------------------------------------------
 // Integer and bit intrinsics

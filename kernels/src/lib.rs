@@ -16,6 +16,7 @@ pub mod io;
 pub mod kernel_table;
 pub mod launch;
 pub mod ops;
+pub mod par;
 pub mod runner;
 pub mod tensor;
 pub mod testing;

@@ -7,9 +7,10 @@ use crate::device::{Backend, Device};
 use crate::dtype::{DType, Element};
 use crate::emu::EmuBuffer;
 use crate::error::{Error, Result};
+use crate::ops::gemm_small::PackedB;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// Host bytes, viewable as the tensor's element type: 8-byte aligned words (any dtype), or an
 /// f32 vector adopted without a copy by [`Tensor::from_f32_vec`] (F32 tensors only, so every
@@ -129,6 +130,10 @@ pub struct Tensor {
     shape: Vec<usize>,
     dtype: DType,
     storage: Storage,
+    /// The CPU GEMM's packed copy of this tensor as a right-hand operand, built on first use by
+    /// [`Tensor::packed_rhs`] and dropped by every method that changes the contents or the
+    /// shape (only host F32 tensors ever get one).
+    packed: OnceLock<Arc<PackedB>>,
 }
 
 /// The byte pattern that poisons fresh outputs: all-ones is NaN in f32 and bf16 and -1 in i32,
@@ -184,6 +189,7 @@ impl Tensor {
             shape: shape.to_vec(),
             dtype,
             storage,
+            packed: OnceLock::new(),
         })
     }
 
@@ -207,6 +213,7 @@ impl Tensor {
                 shape: shape.to_vec(),
                 dtype,
                 storage: Storage::Host(HostBuffer::from_bytes(bytes)),
+                packed: OnceLock::new(),
             });
         }
         let mut t = Self::poisoned(backend, shape, dtype)?;
@@ -245,6 +252,7 @@ impl Tensor {
                 shape: shape.to_vec(),
                 dtype: DType::F32,
                 storage: Storage::Host(HostBuffer::F32(data)),
+                packed: OnceLock::new(),
             }),
             _ => Self::from_slice(backend, shape, &data),
         }
@@ -279,6 +287,7 @@ impl Tensor {
     }
 
     fn write_bytes(&mut self, bytes: &[u8]) -> Result<()> {
+        self.packed = OnceLock::new();
         match &mut self.storage {
             Storage::Host(h) => h.as_bytes_mut().copy_from_slice(bytes),
             Storage::Emu(e) => e.as_bytes_mut().copy_from_slice(bytes),
@@ -376,6 +385,7 @@ impl Tensor {
             shape: shape.to_vec(),
             dtype: self.dtype,
             storage,
+            packed: OnceLock::new(),
         })
     }
 
@@ -393,6 +403,7 @@ impl Tensor {
             });
         }
         let range = self.byte_range("write_range", elem_offset, src.numel())?;
+        self.packed = OnceLock::new();
         match (&mut self.storage, &src.storage) {
             (Storage::Host(d), Storage::Host(s)) => {
                 par_copy(&mut d.as_bytes_mut()[range], s.as_bytes())
@@ -454,6 +465,29 @@ impl Tensor {
         }
     }
 
+    /// This host F32 tensor, viewed as `groups` stacked `[n, k]` matrices, packed as the
+    /// right-hand operand of the CPU small-row GEMM ([`crate::ops::gemm_small`]). Packed on the
+    /// first call and kept with the tensor (weights are multiplied many times); any change to
+    /// the contents or shape drops it. A request with other dimensions than the kept copy's is
+    /// packed afresh and not kept. `None` off the host or for other dtypes.
+    pub fn packed_rhs(&self, groups: usize, n: usize, k: usize) -> Option<Arc<PackedB>> {
+        let Storage::Host(h) = &self.storage else {
+            return None;
+        };
+        if self.dtype != DType::F32 || groups * n * k != self.numel() {
+            return None;
+        }
+        let data: &[f32] = bytemuck::cast_slice(h.as_bytes());
+        let kept = self
+            .packed
+            .get_or_init(|| Arc::new(PackedB::new(data, groups, n, k)));
+        if (kept.groups, kept.n, kept.k) == (groups, n, k) {
+            Some(kept.clone())
+        } else {
+            Some(Arc::new(PackedB::new(data, groups, n, k)))
+        }
+    }
+
     /// The elements in host memory (cpu and emu storage only).
     pub fn host_slice<T: Element>(&self) -> Result<&[T]> {
         self.expect_dtype("tensor", T::DTYPE)?;
@@ -468,6 +502,7 @@ impl Tensor {
     /// The elements in host memory, mutable (cpu and emu storage only).
     pub fn host_slice_mut<T: Element>(&mut self) -> Result<&mut [T]> {
         self.expect_dtype("tensor", T::DTYPE)?;
+        self.packed = OnceLock::new();
         let bytes = match &mut self.storage {
             Storage::Host(h) => h.as_bytes_mut(),
             Storage::Emu(e) => e.as_bytes_mut(),
@@ -531,6 +566,7 @@ impl Tensor {
             )));
         }
         self.shape = shape.to_vec();
+        self.packed = OnceLock::new();
         Ok(self)
     }
 

@@ -4,10 +4,11 @@
 
 use sluice_kernels::device::cuda_for_tests;
 use sluice_kernels::ops::moe::{
-    moe_backward, moe_backward_reference, moe_forward, moe_forward_reference, moe_route_reference,
-    moe_sort, moe_sort_reference, MoeConfig, MoeDims, MoeGradTensors, MoeOutput, ScoreFn,
+    moe_backward, moe_backward_reference, moe_backward_saved, moe_forward, moe_forward_reference,
+    moe_forward_saved, moe_route_reference, moe_sort, moe_sort_reference, MoeConfig, MoeDims,
+    MoeGradTensors, MoeOutput, ScoreFn,
 };
-use sluice_kernels::testing::{rel_norm, Rng, BF16_TOL, F32_TOL};
+use sluice_kernels::testing::{lost_outputs, rel_norm, Rng, BF16_TOL, F32_TOL};
 use sluice_kernels::{Backend, DType, Error, Tensor};
 
 // ---------------------------------------------------------------------------------------------
@@ -479,6 +480,12 @@ fn check_against_reference(got: &DevOut, c: &Case, dtype: DType, tol: f64, what:
     for (name, a, b) in pairs {
         let err = rel_norm(a, &widen(b));
         assert!(err <= tol, "{what}: {name} rel err {err:e}");
+        // The norm hides a few zeroed outputs; none may be.
+        assert_eq!(
+            lost_outputs(a, b),
+            0,
+            "{what}: {name} has exact zeros where the reference has none"
+        );
     }
 }
 
@@ -627,6 +634,68 @@ fn check_batch_invariance(b: &Backend, what: &str) {
             "{what}: dx of token {tok}"
         );
     }
+}
+
+#[test]
+fn cpu_packed_decode_path_equals_the_large_batch_path() {
+    // Up to 64 tokens the cpu forward multiplies by expert weights packed once and kept with
+    // the weight tensors (the decode path); more tokens go through the general GEMM. A token's
+    // y must be the same bits either way (the rollout engine decodes one token at a time, the
+    // learner sees 2048).
+    let c = case(130, 32, 24, 8, cfg(2, ScoreFn::Softmax, true), 19);
+    let full = run_device(&Backend::Cpu, &c, DType::F32);
+    let d = c.dims.d;
+    let u = upload(&Backend::Cpu, &c, DType::F32);
+    for tok in [0usize, 64, 129] {
+        let x = Tensor::from_slice(&Backend::Cpu, &[1, d], &c.x[tok * d..(tok + 1) * d]).unwrap();
+        let y = moe_forward(&Backend::Cpu, &x, &u.wr, &u.w1, &u.w3, &u.w2, c.cfg)
+            .unwrap()
+            .y
+            .to_vec::<f32>()
+            .unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&y),
+            bits(&full.y[tok * d..(tok + 1) * d]),
+            "token {tok}"
+        );
+    }
+}
+
+#[test]
+fn cpu_backward_from_saved_state_equals_recomputed() {
+    // The learner's cpu backward takes the forward's state instead of recomputing it: the same
+    // gradients bit for bit, and a state of other sizes is an error, not wrong gradients.
+    let c = case(70, 16, 12, 6, cfg(2, ScoreFn::Softmax, true), 20);
+    let b = Backend::Cpu;
+    let u = upload(&b, &c, DType::F32);
+    let (_, saved) = moe_forward_saved(&b, &u.x, &u.wr, &u.w1, &u.w3, &u.w2, c.cfg).unwrap();
+    assert!(saved.is_some(), "the cpu forward keeps its state");
+    let from_saved =
+        moe_backward_saved(&b, &u.x, &u.wr, &u.w1, &u.w3, &u.w2, &u.dy, c.cfg, saved).unwrap();
+    let recomputed = moe_backward(&b, &u.x, &u.wr, &u.w1, &u.w3, &u.w2, &u.dy, c.cfg).unwrap();
+    let v = |t: &Tensor| -> Vec<u32> {
+        t.to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    };
+    assert_eq!(v(&from_saved.dx), v(&recomputed.dx), "dx");
+    assert_eq!(
+        v(&from_saved.dw_router),
+        v(&recomputed.dw_router),
+        "dw_router"
+    );
+    assert_eq!(v(&from_saved.dw1), v(&recomputed.dw1), "dw1");
+    assert_eq!(v(&from_saved.dw3), v(&recomputed.dw3), "dw3");
+    assert_eq!(v(&from_saved.dw2), v(&recomputed.dw2), "dw2");
+    // A state from a call of another size.
+    let small = case(5, 16, 12, 6, cfg(2, ScoreFn::Softmax, true), 21);
+    let us = upload(&b, &small, DType::F32);
+    let (_, other) = moe_forward_saved(&b, &us.x, &us.wr, &us.w1, &us.w3, &us.w2, c.cfg).unwrap();
+    let err = moe_backward_saved(&b, &u.x, &u.wr, &u.w1, &u.w3, &u.w2, &u.dy, c.cfg, other);
+    assert!(matches!(err, Err(Error::Invalid(m)) if m.contains("saved forward state")));
 }
 
 #[test]

@@ -5,7 +5,8 @@
 //!
 //! The bf16 path (bf16 GEMM operands, f32 accumulation and f32 X) is checked the same way: its
 //! CPU reference against the f64 oracle (`NS_BF16_ORACLE_TOL`), its singular-value band, and emu
-//! / cuda against the bf16 CPU reference at `BF16_TOL`.
+//! / cuda against the bf16 CPU reference at `BF16_TOL`, with no output an exact zero where the
+//! reference is not (`lost_outputs`).
 //!
 //! Tolerances (relative norm): the iteration multiplies small singular values by up to
 //! a = 3.4445 per step, so the f32 rounding of each step is amplified by up to a^5 ~ 480 over
@@ -19,7 +20,7 @@ use sluice_kernels::ops::newton_schulz::{
     newton_schulz, newton_schulz_bf16, newton_schulz_bf16_reference, newton_schulz_reference,
     newton_schulz_with_precision, NsPrecision,
 };
-use sluice_kernels::testing::{rel_norm, Rng, BF16_TOL, F32_TOL};
+use sluice_kernels::testing::{lost_outputs, rel_norm, Rng, BF16_TOL, F32_TOL};
 use sluice_kernels::{Backend, DType, Error, Tensor};
 
 const NS_F32_TOL: f64 = 1e-4;
@@ -641,7 +642,8 @@ fn emu_bf16_case(n: usize, r: usize, c: usize, dtype: DType, steps: usize, seed:
         DType::BF16 => g.iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
         _ => g.clone(),
     };
-    let want = to64(&newton_schulz_bf16_reference(&gw, n, r, c, steps));
+    let want32 = newton_schulz_bf16_reference(&gw, n, r, c, steps);
+    let want = to64(&want32);
     let mut bits = Vec::new();
     for s in [1, 2] {
         let emu = Backend::emu_with_seed(s);
@@ -656,6 +658,11 @@ fn emu_bf16_case(n: usize, r: usize, c: usize, dtype: DType, steps: usize, seed:
         assert!(
             err <= BF16_TOL,
             "emu bf16 seed {s} {dtype} n={n} [{r},{c}] steps={steps}: rel err {err:e}"
+        );
+        assert_eq!(
+            lost_outputs(&got, &want32),
+            0,
+            "emu bf16 seed {s}: lost outputs"
         );
         bits.push(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
     }
@@ -732,7 +739,8 @@ fn cuda_bf16_matches_bf16_reference() {
             DType::BF16 => g.iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
             _ => g.clone(),
         };
-        let want = to64(&newton_schulz_bf16_reference(&gw, n, r, c, 5));
+        let want32 = newton_schulz_bf16_reference(&gw, n, r, c, 5);
+        let want = to64(&want32);
         let t = Tensor::from_f32_as(&gpu, &[n, r, c], dtype, &g).unwrap();
         let x1 = newton_schulz_bf16(&gpu, &t, 5)
             .unwrap()
@@ -747,6 +755,11 @@ fn cuda_bf16_matches_bf16_reference() {
         assert!(
             err <= BF16_TOL,
             "cuda bf16 {dtype} [{r},{c}]: rel err {err:e}"
+        );
+        assert_eq!(
+            lost_outputs(&x1, &want32),
+            0,
+            "cuda bf16 {dtype} [{r},{c}]: lost outputs"
         );
         let err64 = rel_norm(&x1, &oracle(&gw, n, r, c, 5));
         assert!(

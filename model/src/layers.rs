@@ -28,7 +28,9 @@ use sluice_kernels::ops::attention::{attention_backward_saved, attention_forward
 use sluice_kernels::ops::elementwise::{residual_add, transpose};
 use sluice_kernels::ops::embedding::{embedding, embedding_backward};
 use sluice_kernels::ops::gemm::gemm;
-use sluice_kernels::ops::moe::{moe_backward, moe_forward, MoeConfig, ScoreFn as MoeScoreFn};
+use sluice_kernels::ops::moe::{
+    moe_backward_saved, moe_forward_saved, MoeConfig, MoeSaved, ScoreFn as MoeScoreFn,
+};
 use sluice_kernels::ops::rmsnorm::{rmsnorm, rmsnorm_backward};
 use sluice_kernels::ops::rope::{rope, rope_backward};
 use sluice_kernels::ops::swiglu::{swiglu, swiglu_backward};
@@ -514,36 +516,62 @@ pub fn swiglu_ffn_backward(
     ))
 }
 
+/// What an MoE FFN keeps for the backward: the shared expert's state, and (on `cpu`) the
+/// routed experts' forward state, which saves the backward recomputing it (on `emu` and
+/// `cuda` the moe family's backward recomputes the forward, and `routed` is `None`).
+pub struct MoeFfnSaved {
+    pub shared: Option<SwigluSaved>,
+    pub routed: Option<MoeSaved>,
+}
+
 /// The routed experts (the moe family: router, top-k gates, stable expert sort, grouped SwiGLU,
-/// combine) plus the shared expert when there is one. Returns the shared expert's saved state.
+/// combine) plus the shared expert when there is one.
 pub fn moe_ffn(
     backend: &Backend,
     dims: &Dims,
     w: &MoeWeights,
     h: &Tensor,
-) -> Result<(Option<SwigluSaved>, Tensor)> {
-    let routed = moe_forward(backend, h, &w.router, &w.w1, &w.w3, &w.w2, dims.moe)?.y;
+) -> Result<(MoeFfnSaved, Tensor)> {
+    let (out, routed_saved) =
+        moe_forward_saved(backend, h, &w.router, &w.w1, &w.w3, &w.w2, dims.moe)?;
+    let routed = out.y;
     match &w.shared {
         Some(sw) => {
             let (saved, ys) = swiglu_ffn(backend, sw, h)?;
-            Ok((Some(saved), residual_add(backend, &routed, &ys)?))
+            let y = residual_add(backend, &routed, &ys)?;
+            Ok((
+                MoeFfnSaved {
+                    shared: Some(saved),
+                    routed: routed_saved,
+                },
+                y,
+            ))
         }
-        None => Ok((None, routed)),
+        None => Ok((
+            MoeFfnSaved {
+                shared: None,
+                routed: routed_saved,
+            },
+            routed,
+        )),
     }
 }
 
-/// The backward of [`moe_ffn`]. The routed experts keep nothing from the forward: the moe
-/// family's backward recomputes their forward. `h_t` (h^T) is needed only with a shared expert.
+/// The backward of [`moe_ffn`] from its saved state. `h_t` (h^T) is needed only with a shared
+/// expert.
 pub fn moe_ffn_backward(
     backend: &Backend,
     dims: &Dims,
     w: &MoeWeights,
     h: &Tensor,
     h_t: Option<&Tensor>,
-    shared: Option<SwigluSaved>,
+    saved: MoeFfnSaved,
     dy: &Tensor,
 ) -> Result<(Tensor, MoeWeights)> {
-    let g = moe_backward(backend, h, &w.router, &w.w1, &w.w3, &w.w2, dy, dims.moe)?;
+    let MoeFfnSaved { shared, routed } = saved;
+    let g = moe_backward_saved(
+        backend, h, &w.router, &w.w1, &w.w3, &w.w2, dy, dims.moe, routed,
+    )?;
     let (dh, shared_grads) = match (&w.shared, shared, h_t) {
         (Some(sw), Some(saved), Some(h_t)) => {
             let (dhs, sg) = swiglu_ffn_backward(backend, sw, h_t, saved, dy)?;
@@ -571,8 +599,8 @@ pub fn moe_ffn_backward(
 /// What a layer's FFN keeps for the backward.
 pub enum FfnSaved {
     Dense(SwigluSaved),
-    /// The shared expert's state (the routed experts recompute theirs).
-    Moe(Option<SwigluSaved>),
+    /// The shared expert's state and the routed experts' forward state.
+    Moe(MoeFfnSaved),
 }
 
 /// A layer's FFN (dense or MoE) on h = rmsnorm(x_mid) `[T, d]`.
@@ -610,7 +638,7 @@ pub fn ffn_backward(
             Ok((dh, FfnWeights::Dense(g)))
         }
         (FfnWeights::Moe(mw), FfnSaved::Moe(saved)) => {
-            let h_t = match saved {
+            let h_t = match saved.shared {
                 Some(_) => Some(transpose(backend, h)?),
                 None => None,
             };

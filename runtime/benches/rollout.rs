@@ -55,8 +55,62 @@ fn warmed(m: &Model, b: usize) -> Engine {
     e
 }
 
+/// This process's user and system CPU seconds so far (Linux: /proc/self/stat, 100 ticks per
+/// second; zeros elsewhere).
+fn cpu_times() -> (f64, f64) {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<f64> = rest
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    match f.as_slice() {
+        [u, s] => (u / 100.0, s / 100.0),
+        _ => (0.0, 0.0),
+    }
+}
+
+/// Median time of one decode step at batch `b` (`reps` fresh engines, 64 steps each), every
+/// run's time, and the user and system CPU seconds of the timed steps together.
+fn decode_step_ms(m: &Model, b: usize, reps: usize) -> (f64, Vec<f64>, (f64, f64)) {
+    let (mut user, mut sys) = (0.0, 0.0);
+    let mut runs: Vec<f64> = (0..reps)
+        .map(|_| {
+            let mut e = warmed(m, b);
+            let (u0, s0) = cpu_times();
+            let t = Instant::now();
+            for _ in 0..STEPS {
+                std::hint::black_box(e.step().expect("step"));
+            }
+            let ms = t.elapsed().as_secs_f64() * 1e3 / STEPS as f64;
+            let (u1, s1) = cpu_times();
+            (user, sys) = (user + u1 - u0, sys + s1 - s0);
+            ms
+        })
+        .collect();
+    let shown = runs.clone();
+    runs.sort_by(f64::total_cmp);
+    (runs[runs.len() / 2], shown, (user, sys))
+}
+
 fn decode(c: &mut Criterion) {
     let m = small();
+    // One JSON line per batch size from a plain timing loop (what scripts/compare-xla.sh reads;
+    // run the binary with a filter that matches no criterion bench to get only these).
+    // SLUICE_DECODE_BATCHES=64 (a comma list) times only those batch sizes.
+    let batches: Vec<usize> = std::env::var("SLUICE_DECODE_BATCHES")
+        .ok()
+        .map(|v| v.split(',').filter_map(|b| b.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![1, 4, 16, 64]);
+    for b in batches {
+        let (ms, runs, (user, sys)) = decode_step_ms(&m, b, 5);
+        println!(
+            "{{\"what\": \"decode\", \"form\": \"sluice\", \"batch\": {b}, \"ms\": {ms:.4}, \"runs_ms\": {runs:?}, \"user_s\": {user:.2}, \"sys_s\": {sys:.2}}}"
+        );
+    }
     let mut g = c.benchmark_group("rollout_decode_cpu_small");
     g.sample_size(10)
         .warm_up_time(Duration::from_millis(500))

@@ -14,6 +14,9 @@ pub struct PassRate {
     pub task: String,
     pub problems: usize,
     pub passed: usize,
+    /// The first problems' full token sequences and rewards (as many as asked for).
+    #[serde(default)]
+    pub transcripts: Vec<(Vec<crate::trajectory::TokenId>, f32)>,
 }
 
 impl PassRate {
@@ -37,6 +40,19 @@ pub fn pass_rate(
     seed: u64,
     sampling: SamplingParams,
     max_turns: u32,
+) -> Result<PassRate, EngineError> {
+    pass_rate_with(engine, task, problems, seed, sampling, max_turns, 0)
+}
+
+/// [`pass_rate`] that also keeps the transcripts of the first `keep` problems.
+pub fn pass_rate_with(
+    engine: &mut Engine,
+    task: &dyn Task,
+    problems: usize,
+    seed: u64,
+    sampling: SamplingParams,
+    max_turns: u32,
+    keep: usize,
 ) -> Result<PassRate, EngineError> {
     if !engine.is_empty() {
         return Err(EngineError::Invalid(
@@ -65,6 +81,7 @@ pub fn pass_rate(
         probs.push(p);
     }
     let mut passed = 0;
+    let mut kept: BTreeMap<usize, (Vec<crate::trajectory::TokenId>, f32)> = BTreeMap::new();
     let mut steps = 0u64;
     while !live.is_empty() {
         if !engine.has_work() {
@@ -115,19 +132,36 @@ pub fn pass_rate(
                 },
                 r => r,
             };
+            let mut ended = |tokens: Option<Vec<crate::trajectory::TokenId>>, reward: f32| {
+                if i < keep {
+                    let t = tokens.unwrap_or_default();
+                    kept.insert(i, (t, reward));
+                }
+            };
+            let single_tokens = |g: &[crate::trajectory::TokenId]| {
+                let mut t = probs[i].prompt.clone();
+                t.extend_from_slice(g);
+                t
+            };
             match reply {
                 Reply::End { reward, reason } => {
                     if reward > 0.0 {
                         passed += 1;
                     }
-                    if !single {
-                        engine.finish(handle, reward, reason)?;
+                    if single {
+                        ended(Some(single_tokens(&generated)), reward);
+                    } else {
+                        let s = engine.finish(handle, reward, reason)?;
+                        ended(Some(s.tokens), reward);
                     }
                 }
                 Reply::Observe(obs) => {
                     if single || turn + 1 >= max_turns {
-                        if !single {
-                            engine.finish(handle, 0.0, TerminalReason::Budget)?;
+                        if single {
+                            ended(Some(single_tokens(&generated)), 0.0);
+                        } else {
+                            let s = engine.finish(handle, 0.0, TerminalReason::Budget)?;
+                            ended(Some(s.tokens), 0.0);
                         }
                     } else if engine
                         .observe(handle, &obs, sampling.max_new_tokens)
@@ -135,7 +169,8 @@ pub fn pass_rate(
                     {
                         live.insert(handle, (i, turn + 1));
                     } else {
-                        engine.finish(handle, 0.0, TerminalReason::Budget)?;
+                        let s = engine.finish(handle, 0.0, TerminalReason::Budget)?;
+                        ended(Some(s.tokens), 0.0);
                     }
                 }
             }
@@ -145,5 +180,6 @@ pub fn pass_rate(
         task: name,
         problems,
         passed,
+        transcripts: kept.into_values().collect(),
     })
 }

@@ -196,6 +196,8 @@ pub struct BarrierView<'a> {
     pub engine_weights: &'a Publication,
     /// The stage's trace so far.
     pub trace: &'a Trace,
+    /// When the stage began on the run clock.
+    pub stage_began: Micros,
 }
 
 /// Why a stage stopped early.
@@ -629,7 +631,10 @@ pub struct Parts {
 /// Where a stage starts: the run clock, the totals so far (a resumed stage continues them),
 /// and the weights the engines hold.
 pub struct StageStart {
+    /// The run clock now.
     pub clock: Micros,
+    /// When the stage began on the run clock (earlier than `clock` for a resumed stage).
+    pub stage_began: Micros,
     pub totals: LearnerTotals,
     pub engine_weights: Arc<Publication>,
 }
@@ -779,7 +784,7 @@ impl<'a> Scheduler<'a> {
         let mut sched = Scheduler {
             cfg,
             clock: Clock::new(cfg.clock, start.clock),
-            stage_start: start.clock,
+            stage_start: start.stage_began.min(start.clock),
             wall_start: Instant::now(),
             timers: Timers::default(),
             replicas,
@@ -986,6 +991,7 @@ impl<'a> Scheduler<'a> {
                     totals: &self.totals,
                     engine_weights: &self.engine_weights,
                     trace: &self.trace,
+                    stage_began: self.stage_start,
                 })
                 .map_err(RunError::Observer)?;
         }

@@ -173,9 +173,11 @@ fn stop_conditions() {
     assert_eq!(reason, StopReason::StopSequence);
     assert_eq!(s.tokens[7..], gen[..end]);
     // Greedy log-probs are the temperature-1 log-probs of the argmax: the learner agrees.
+    let generated = full.loss_mask.iter().filter(|&&g| g).count();
+    assert!(generated > 0);
     let mut r = Results::new();
     r.insert(("s".into(), 0), *full);
-    assert_bit_identical(&m, &r, |_| true);
+    assert_eq!(assert_bit_identical(&m, &r, |_| true), generated);
 }
 
 #[test]
@@ -446,7 +448,8 @@ fn multi_turn_sessions_keep_their_kv_between_turns() {
     assert_eq!(eng.stats().kv.blocks_used, 0);
     let mut res = Results::new();
     res.insert(("mt".into(), 0), s);
-    assert_bit_identical(&m, &res, |_| true);
+    // Both turns' generated tokens: 3 and 2.
+    assert_eq!(assert_bit_identical(&m, &res, |_| true), 5);
 }
 
 #[test]

@@ -143,6 +143,7 @@ impl Setup {
         };
         let start = StageStart {
             clock: Micros(0),
+            stage_began: Micros(0),
             totals: LearnerTotals::new(),
             engine_weights: Arc::new(learner.publish().unwrap()),
         };

@@ -15,9 +15,17 @@
 //!   the new weights for the rest: no single-version learner forward reproduces them, so only
 //!   their recorded version (v1) and validity are checked.
 //!
+//! Temperatures other than 1: the sampler's log-prob is log_softmax(logits * (1/T)) (one f32
+//! multiply by 1/T); the learner scales each sequence's logits by its own 1/T the same way
+//! (`common::scale_rows_by_temperature`), with several temperatures in one engine batch.
+//!
 //! Devices: cpu, and emu (the engine on the emulator against the learner's training forward on
-//! the emulator, both running the CUDA kernels). CUDA: the same comparison runs where a GPU
+//! the emulator, both running the CUDA kernels): the small model's shapes with V = 2050 (the
+//! vectorised row paths of the sampler and the loss, many GEMM tiles), the learner packing every
+//! trajectory into one batch of more than 64 rows. CUDA: the same comparison runs where a GPU
 //! exists and prints that it skipped where not.
+//!
+//! Every test asserts a minimum number of tokens compared, so none passes by comparing nothing.
 
 mod common;
 
@@ -40,6 +48,16 @@ fn config(num_blocks: usize, block_size: usize, preempt: PreemptMode) -> EngineC
 
 /// Submit times: the request sharing a prompt prefix comes after the first has been prefilled.
 const SUBMIT: [u64; 5] = [0, 0, 1, 4, 2];
+
+/// Sampling temperatures given to the workload's jobs in turn: below, at and above 1, and one
+/// (0.3) whose 1/T = 3.3333333 is inexact in f32.
+const TEMPERATURES: [f32; 4] = [0.7, 1.0, 1.3, 0.3];
+
+fn set_temperatures(jobs: &mut [Job], temps: &[f32]) {
+    for (j, &t) in jobs.iter_mut().zip(temps.iter().cycle()) {
+        j.req.sampling.temperature = t;
+    }
+}
 
 #[test]
 fn engine_logps_equal_the_learner_bit_for_bit_small() {
@@ -85,8 +103,29 @@ fn preempted_sequences_still_match_the_learner() {
             st.preempted_recompute + st.preempted_swap > 0,
             "{mode:?}: nothing was preempted: {st:?}"
         );
-        assert_bit_identical(&m, &res, |_| true);
+        let n = assert_bit_identical(&m, &res, |_| true);
+        assert!(n > 100, "{mode:?}: only {n} tokens compared");
     }
+}
+
+/// Temperatures other than 1, several in one engine batch: the sampler's log-prob is
+/// log_softmax(logits * (1/T)); the learner scales each sequence's logits by its own 1/T with the
+/// same f32 multiply and must match bit for bit.
+#[test]
+fn tempered_sampling_matches_the_learner_bit_for_bit() {
+    let m = model(ModelConfig::small(), 3, &Backend::Cpu);
+    let mut jobs = workload(m.config.vocab, 11);
+    set_temperatures(&mut jobs, &TEMPERATURES);
+    let mut eng = engine(&m, Backend::Cpu, config(64, 4, PreemptMode::Recompute));
+    let res = drive(&mut eng, &jobs, &SUBMIT, |_, _| {});
+    let n = assert_bit_identical(&m, &res, |_| true);
+    let tempered: usize = res
+        .values()
+        .filter(|s| s.sampling.temperature != 1.0)
+        .map(|s| s.loss_mask.iter().filter(|&&g| g).count())
+        .sum();
+    assert!(n > 100, "only {n} tokens compared");
+    assert!(tempered > 50, "only {tempered} tokens sampled at T != 1");
 }
 
 #[test]
@@ -184,8 +223,21 @@ fn emu_engine_matches_its_full_sequence_recompute() {
     assert!(n >= 8, "only {n} tokens compared");
 }
 
-/// The engine on emu against the learner's training forward on emu (`forward::logits` on an
-/// emu arena: every op the emulated CUDA kernel), bit for bit.
+/// The small model's shapes (configs/model/small.toml: d_model 128, 4 layers, 8 experts) with
+/// its vocabulary widened from 64 to 2050: the sampler's and is_gate_loss's vectorised row path
+/// (full tiles of 2048 entries, 16-byte loads) runs with a tail of 2 and with odd rows misaligned,
+/// and the LM head's GEMM spans 33 column tiles of 64.
+fn small_wide_vocab() -> ModelConfig {
+    ModelConfig {
+        vocab: 2050,
+        ..ModelConfig::small()
+    }
+}
+
+/// The engine on emu against the learner's training forward on emu (`forward::logits_on` on an
+/// emu arena: every op the emulated CUDA kernel), bit for bit: the small model with V = 2050,
+/// temperatures 0.7, 1 and 1.3 mixed in the engine's batches, and the learner packing every
+/// trajectory into one batch of more than 64 rows (GEMM row tiles crossed).
 #[test]
 fn emu_engine_logps_equal_the_learner_on_emu() {
     check_engine_against_learner(Backend::emu_with_seed(1), "emu");
@@ -200,15 +252,36 @@ fn cuda_engine_logps_equal_the_learner_on_cuda() {
 }
 
 fn check_engine_against_learner(backend: Backend, what: &str) {
-    let m = model(ModelConfig::tiny(), 5, &backend);
+    let m = model(small_wide_vocab(), 5, &backend);
     let mut jobs = workload(m.config.vocab, 13);
     jobs.truncate(3);
     for j in &mut jobs {
-        j.req.sampling.max_new_tokens = 5;
+        j.req.sampling.max_new_tokens = 3;
         j.turns = j.turns.min(1);
     }
-    let mut eng = engine(&m, backend, config(64, 4, PreemptMode::Recompute));
-    let res = drive(&mut eng, &jobs, &[0, 0, 1], |_, _| {});
-    let n = assert_bit_identical_on(eng.backend(), &m, &res);
-    assert!(n >= 8, "{what}: only {n} tokens compared");
+    set_temperatures(&mut jobs, &TEMPERATURES[..3]);
+    // Each engine step is a whole model pass under the emulator: prompts prefilled in one step.
+    let cfg = EngineConfig {
+        max_batch_tokens: 128,
+        ..config(64, 4, PreemptMode::Recompute)
+    };
+    let mut eng = engine(&m, backend, cfg);
+    let res = drive(&mut eng, &jobs, &[0, 0, 0], |_, _| {});
+    let c = assert_bit_identical_on(eng.backend(), &m, &res, usize::MAX);
+    println!("{what}: {c:?}");
+    assert_eq!(c.batches, 1, "{what}: {c:?}");
+    assert!(
+        c.max_rows > 64,
+        "{what}: the packed batch must cross a GEMM row tile: {c:?}"
+    );
+    assert!(
+        c.tokens >= 24,
+        "{what}: only {} tokens compared: {c:?}",
+        c.tokens
+    );
+    assert!(
+        c.tempered_tokens >= 16,
+        "{what}: only {} tokens at T != 1: {c:?}",
+        c.tempered_tokens
+    );
 }

@@ -5,7 +5,7 @@
 //! configs/default.toml is the same file). A config file holds only the keys it changes: its
 //! sections are merged key by key into the defaults; `[[stage]]` replaces the default pipeline
 //! as a whole; `[tasks.NAME]` tables merge into the default task of that name, or define a new
-//! task (which then needs `kind`; its other keys default to `[tasks.arith]`'s). `--set
+//! task (which then needs `kind`; its other keys default to the first default task's). `--set
 //! section.key=value` overrides one key after the file (the value is read as TOML, or as a
 //! string when it is not valid TOML: `--set run.mode=sync`).
 //!
@@ -129,6 +129,8 @@ pub struct LossSection {
 pub struct OptimSection {
     pub muon_lr: f32,
     pub adamw_lr: f32,
+    pub rl_muon_lr: f32,
+    pub rl_adamw_lr: f32,
     pub clip_norm: f32,
     pub weight_decay: f32,
     pub sft_batch: usize,
@@ -153,7 +155,8 @@ pub struct TaskSection {
     pub target_share: f64,
     pub latency: LatencyModel,
     pub faults: FaultRates,
-    pub demo_tool_share: f64,
+    /// The kind's parameters (`digits`, `tool_fraction`, `wrong_call_fraction`, `items`).
+    pub options: crate::tasks::TaskOptions,
 }
 
 /// The whole resolved configuration.
@@ -303,12 +306,37 @@ fn merge_table(
     Ok(())
 }
 
-/// The task template: `[tasks.arith]` of the defaults.
+/// The task template: the first `[tasks.NAME]` table of the defaults.
 fn task_template(defaults: &Table) -> Table {
-    match defaults.get("tasks").and_then(|t| t.get("arith")) {
-        Some(Value::Table(t)) => t.clone(),
+    match defaults.get("tasks") {
+        Some(Value::Table(tasks)) => match tasks.values().next() {
+            Some(Value::Table(t)) => {
+                let mut t = t.clone();
+                // A kind's parameters are not inherited by a new task of another kind.
+                for k in ["digits", "tool_fraction", "wrong_call_fraction", "items"] {
+                    t.remove(k);
+                }
+                t
+            }
+            _ => Table::new(),
+        },
         _ => Table::new(),
     }
+}
+
+/// A task's optional keys: its kind's parameters (crate::tasks::TaskOptions), absent unless
+/// set; each kind rejects the ones it does not take.
+fn task_schema(template: &Table) -> Table {
+    let mut schema = template.clone();
+    for (k, v) in [
+        ("digits", Value::Integer(0)),
+        ("tool_fraction", Value::Float(0.0)),
+        ("wrong_call_fraction", Value::Float(0.0)),
+        ("items", Value::Integer(0)),
+    ] {
+        schema.entry(k).or_insert(v);
+    }
+    schema
 }
 
 /// Merges a user (or `--set`) table into the merged config.
@@ -373,7 +401,7 @@ fn merge_config(merged: &mut Table, defaults: &Table, user: Table) -> Result<(),
                         }
                         Some(_) => template.clone(),
                     };
-                    merge_table(&key, &mut base, &template, t)?;
+                    merge_table(&key, &mut base, &task_schema(&template), t)?;
                     all.insert(name, Value::Table(base));
                 }
                 merged.insert("tasks".into(), Value::Table(all));
@@ -528,6 +556,32 @@ impl<'a> Get<'a> {
 }
 
 const MAX: i64 = i64::MAX;
+
+/// The optional task parameters that are set (ranges are the task's to check).
+fn task_options(g: &Get<'_>) -> Result<crate::tasks::TaskOptions, ConfigError> {
+    let int = |k: &str| -> Result<Option<u32>, ConfigError> {
+        match g.t.get(k) {
+            None => Ok(None),
+            Some(_) => Ok(Some(g.int(k, 0, u32::MAX as i64)? as u32)),
+        }
+    };
+    let frac = |k: &str| -> Result<Option<f64>, ConfigError> {
+        match g.t.get(k) {
+            None => Ok(None),
+            Some(_) => Ok(Some(g.float(
+                k,
+                |x| (0.0..=1.0).contains(&x),
+                "in [0, 1]",
+            )?)),
+        }
+    };
+    Ok(crate::tasks::TaskOptions {
+        digits: int("digits")?,
+        tool_fraction: frac("tool_fraction")?,
+        wrong_call_fraction: frac("wrong_call_fraction")?,
+        items: int("items")?,
+    })
+}
 
 fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
     let run = Get::section(&table, "run")?;
@@ -688,6 +742,8 @@ fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
     let optim_s = OptimSection {
         muon_lr: optim.float("muon_lr", |x| x > 0.0, "> 0")? as f32,
         adamw_lr: optim.float("adamw_lr", |x| x > 0.0, "> 0")? as f32,
+        rl_muon_lr: optim.float("rl_muon_lr", |x| x > 0.0, "> 0")? as f32,
+        rl_adamw_lr: optim.float("rl_adamw_lr", |x| x > 0.0, "> 0")? as f32,
         clip_norm: optim.float("clip_norm", |x| x >= 0.0, ">= 0 (0: no clipping)")? as f32,
         weight_decay: optim.float("weight_decay", |x| x >= 0.0, ">= 0")? as f32,
         sft_batch: optim.int("sft_batch", 1, 1 << 20)? as usize,
@@ -830,11 +886,7 @@ fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
             target_share: g.float("target_share", |x| x >= 0.0, ">= 0")?,
             latency,
             faults,
-            demo_tool_share: g.float(
-                "demo_tool_share",
-                |x| (0.0..=1.0).contains(&x),
-                "in [0, 1]",
-            )?,
+            options: task_options(&g)?,
             name,
         });
     }

@@ -3,7 +3,11 @@
 pub mod bench_cmd;
 pub mod config;
 pub mod delta_cmd;
+pub mod emu_cmd;
+pub mod eval_cmd;
 pub mod kernel_cmd;
 pub mod progress;
+pub mod report;
 pub mod sft_cmd;
+pub mod tasks;
 pub mod train_cmd;

@@ -84,6 +84,25 @@ enum Command {
         #[arg(long = "set", value_name = "KEY=VALUE")]
         sets: Vec<String>,
     },
+    /// A checkpoint's pass rate on a task's held-out problems, greedy and sampled.
+    Eval {
+        /// The checkpoint (final.safetensors or a checkpoint of a run folder).
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// The task's name in the config.
+        #[arg(long)]
+        task: String,
+        /// Held-out problems (default: rollout.eval_problems of the config).
+        #[arg(long)]
+        samples: Option<usize>,
+        /// The config defining the task (default: the run folder's config.toml, else the
+        /// defaults).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Print this many transcripts per mode.
+        #[arg(long, default_value_t = 0)]
+        show: usize,
+    },
     /// Config helpers.
     Config {
         /// Print every setting with its default and a comment (configs/default.toml).
@@ -94,6 +113,11 @@ enum Command {
     Delta {
         #[command(subcommand)]
         command: sluice_trainer::delta_cmd::DeltaCommand,
+    },
+    /// The CUDA emulator as a checker: `sluice emu check FILE.cu --kernel NAME ...`.
+    Emu {
+        #[command(subcommand)]
+        command: sluice_trainer::emu_cmd::EmuCommand,
     },
     /// Supervised training on the synthetic digit-reversal task with Muon + AdamW: progress,
     /// metrics.jsonl, held-out accuracy and a checkpoint with the optimizer state.
@@ -271,6 +295,28 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Command::Eval {
+            checkpoint,
+            task,
+            samples,
+            config,
+            show,
+        } => {
+            let opts = sluice_trainer::eval_cmd::EvalOptions {
+                checkpoint,
+                task,
+                samples,
+                config,
+                show,
+            };
+            match sluice_trainer::eval_cmd::run_eval(&opts, &mut std::io::stdout()) {
+                Ok(_) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(if e.is_bad_input() { 2 } else { 1 })
+                }
+            }
+        }
         Command::Config { print_defaults } => {
             if print_defaults {
                 print!("{}", sluice_trainer::config::DEFAULTS);
@@ -286,6 +332,9 @@ fn main() -> ExitCode {
                 Err(e) => fail(&e),
             }
         }
+        Command::Emu {
+            command: sluice_trainer::emu_cmd::EmuCommand::Check(args),
+        } => sluice_trainer::emu_cmd::check(&args),
         Command::Devices => {
             println!("cpu: available ({} threads)", rayon_threads());
             println!("emu: available (CUDA kernels on the CPU; SLUICE_EMU_SEED sets the schedule)");

@@ -30,9 +30,9 @@ use sluice_runtime::engine::{Engine, EngineConfig};
 use sluice_runtime::env::{Split, Task};
 use sluice_runtime::eval::{pass_rate, PassRate};
 use sluice_runtime::hash::{hash_str, mix64};
-use sluice_runtime::learner::{Learner, LearnerConfig, StepReport};
-use sluice_runtime::metrics::Trace;
-use sluice_runtime::orchestrator::{Orchestrator, RolloutPolicy, TaskSpec};
+use sluice_runtime::learner::{Learner, LearnerConfig, Publication, StepReport};
+use sluice_runtime::metrics::{LearnerTotals, Trace};
+use sluice_runtime::orchestrator::{Orchestrator, OrchestratorState, RolloutPolicy, TaskSpec};
 use sluice_runtime::system::{
     run_stage, BarrierView, Parts, StageConfig, StageObserver, StageStart,
 };
@@ -103,14 +103,7 @@ pub struct TrainSummary {
 
 /// Builds the task of a config section (the model's vocabulary bounds the token ids).
 pub fn make_task(t: &TaskSection, vocab: usize) -> Result<Arc<dyn Task>, String> {
-    use sluice_runtime::env::synthetic::{Lookup, Recall};
-    match t.kind.as_str() {
-        "recall" => Ok(Arc::new(Recall::new(&t.name, vocab, 3).map_err(|e| e.0)?)),
-        "lookup" => Ok(Arc::new(Lookup::new(&t.name, vocab).map_err(|e| e.0)?)),
-        other => Err(format!(
-            "{other:?} is not a task kind of this build (kinds: recall, lookup)"
-        )),
-    }
+    crate::tasks::make(&t.kind, &t.name, vocab, &t.options)
 }
 
 /// Everything resolved before anything is written.
@@ -132,12 +125,26 @@ fn plan(o: &TrainOptions) -> Result<Plan, TrainError> {
     if let Some(s) = o.seed {
         sets.push(format!("run.seed={s}"));
     }
-    if o.resume.is_some() {
-        return Err(TrainError::Input(
-            "--resume: resuming a run is not available in this build".into(),
-        ));
-    }
-    let cfg = config::load(o.config.as_deref(), &sets)?;
+    let cfg = match &o.resume {
+        Some(dir) => {
+            if o.config.is_some() || !sets.is_empty() || o.out.is_some() {
+                return Err(TrainError::Input(
+                    "--resume continues a run with its own config.toml: --config, --set, \
+                     --device, --mode, --seed and --out cannot be combined with it"
+                        .into(),
+                ));
+            }
+            let file = dir.join("config.toml");
+            if !file.is_file() {
+                return Err(TrainError::Input(format!(
+                    "--resume {}: no config.toml there (not a run folder)",
+                    dir.display()
+                )));
+            }
+            config::load(Some(&file), &[])?
+        }
+        None => config::load(o.config.as_deref(), &sets)?,
+    };
     let model_cfg = ModelConfig::from_file(&cfg.model.config).map_err(|e| {
         TrainError::Config(ConfigError {
             key: "model.config".into(),
@@ -162,10 +169,11 @@ fn plan(o: &TrainOptions) -> Result<Plan, TrainError> {
         })?;
         tasks.insert(t.name.clone(), task);
     }
-    let out = o
-        .out
-        .clone()
-        .unwrap_or_else(|| PathBuf::from("runs").join(&cfg.run.name));
+    let out = match (&o.resume, &o.out) {
+        (Some(dir), _) => dir.clone(),
+        (None, Some(out)) => out.clone(),
+        (None, None) => PathBuf::from("runs").join(&cfg.run.name),
+    };
     Ok(Plan {
         cfg,
         model_cfg,
@@ -216,7 +224,144 @@ pub fn weights_sha256(model: &Model) -> Result<String, TrainError> {
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
+/// What a checkpoint holds besides the weights (checkpoints/NAME/state.json): enough to
+/// continue the run exactly where it stopped (see [`run_train`] on resume).
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+struct RunState {
+    /// Bumped when this layout changes.
+    format: u32,
+    /// The stage to run next, or to continue when `rl` is set.
+    next_stage: usize,
+    /// An RL stage stopped at a barrier.
+    rl: Option<RlProgress>,
+    /// The RL learner's version (its optimizer steps over all RL stages).
+    rl_version: u64,
+    /// The run clock at the start of the stage in progress (or the next one).
+    clock: Micros,
+    /// RL learner steps of finished stages.
+    learner_steps: u64,
+    stage_times: Vec<(String, f64)>,
+    pass_before: BTreeMap<String, PassRate>,
+    rl_totals: Option<RlTotals>,
+    /// Spans of finished stages.
+    trace: Trace,
+    /// Lines of metrics.jsonl written so far (a resumed run cuts the file back to these).
+    metrics_lines: u64,
+}
+
+/// An RL stage stopped at a barrier.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct RlProgress {
+    /// The run clock at the barrier.
+    now: Micros,
+    /// When the stage began on the run clock.
+    stage_began: Micros,
+    buffer: DataBuffer,
+    orchestrator: OrchestratorState,
+    totals: LearnerTotals,
+    /// The version of the weights the engines hold (rollout.safetensors).
+    engine_version: u64,
+    /// The stage's spans so far.
+    trace: Trace,
+    /// Seconds the stage ran before the barrier.
+    stage_seconds: f64,
+}
+
+const STATE_FORMAT: u32 = 1;
+
+/// Writes a checkpoint folder atomically: everything goes to a temporary folder first, which
+/// is renamed into place only when complete (a run killed mid-write leaves the previous
+/// checkpoints intact and the temporary folder ignored).
+fn write_checkpoint(
+    dir: &Path,
+    name: &str,
+    write: impl FnOnce(&Path) -> Result<(), String>,
+    state: &RunState,
+) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let tmp = dir.join(format!(".tmp-{name}"));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
+    write(&tmp)?;
+    let text = serde_json::to_string(state).map_err(|e| format!("state.json: {e}"))?;
+    sluice_model::checkpoint::write_atomic(&tmp.join("state.json"), text.as_bytes())
+        .map_err(|e| format!("state.json: {e}"))?;
+    let fin = dir.join(name);
+    let _ = std::fs::remove_dir_all(&fin);
+    std::fs::rename(&tmp, &fin).map_err(|e| format!("{}: {e}", fin.display()))?;
+    // The rename is durable once the folder's entry is.
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// The newest complete checkpoint of a run folder (names sort in run order).
+fn latest_checkpoint(out: &Path) -> Result<Option<PathBuf>, TrainError> {
+    let dir = out.join("checkpoints");
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return Ok(None);
+    };
+    let mut names: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| !n.starts_with('.'))
+                && p.join("state.json").is_file()
+        })
+        .collect();
+    names.sort();
+    Ok(names.pop())
+}
+
+fn read_state(ck: &Path) -> Result<RunState, TrainError> {
+    let p = ck.join("state.json");
+    let text = std::fs::read_to_string(&p)
+        .map_err(|e| TrainError::Input(format!("{}: {e}", p.display())))?;
+    let st: RunState = serde_json::from_str(&text)
+        .map_err(|e| TrainError::Input(format!("{}: not a run state: {e}", p.display())))?;
+    if st.format != STATE_FORMAT {
+        return Err(TrainError::Input(format!(
+            "{}: state format {} (this build reads {STATE_FORMAT})",
+            p.display(),
+            st.format
+        )));
+    }
+    Ok(st)
+}
+
+/// Cuts metrics.jsonl back to its first `lines` lines (a resumed run rewrites the rest).
+fn truncate_lines(path: &Path, lines: u64) -> Result<std::fs::File, TrainError> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let kept: String = text
+        .lines()
+        .take(lines as usize)
+        .map(|l| format!("{l}\n"))
+        .collect();
+    if (kept.lines().count() as u64) < lines {
+        return Err(TrainError::Input(format!(
+            "{}: has fewer lines than its checkpoint recorded ({lines}); the run folder was \
+             changed by hand",
+            path.display()
+        )));
+    }
+    std::fs::write(path, kept).map_err(|e| run_err(format!("{}: {e}", path.display())))?;
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(path)
+        .map_err(|e| run_err(format!("{}: {e}", path.display())))
+}
+
 /// Runs `sluice train`; progress goes to `out` (stdout in the CLI).
+///
+/// With `--resume runs/NAME` the run continues from its newest checkpoint: the config is the
+/// folder's config.toml; weights, optimizer state, the engines' weights, the data buffer, the
+/// orchestrator's counters, the learner's totals and the run clock are restored, and
+/// metrics.jsonl is cut back to the checkpoint. Checkpoints are taken at barriers (no
+/// trajectory in flight) and every random choice is keyed, so on the virtual clock (replay) a
+/// resumed run ends with exactly the weights an uninterrupted one does.
 pub fn run_train(o: &TrainOptions, out: &mut dyn Write) -> Result<TrainSummary, TrainError> {
     let p = plan(o)?;
     let cfg = &p.cfg;
@@ -226,23 +371,45 @@ pub fn run_train(o: &TrainOptions, out: &mut dyn Write) -> Result<TrainSummary, 
             message: e.to_string(),
         })
     })?;
-    prepare_folder(&p.out)?;
-    let write = |name: &str, text: &str| -> Result<(), TrainError> {
-        let path = p.out.join(name);
-        std::fs::write(&path, text).map_err(|e| run_err(format!("{}: {e}", path.display())))
-    };
-    write("config.toml", &cfg.to_toml())?;
     let metrics_path = p.out.join("metrics.jsonl");
-    let mut metrics = std::fs::File::create(&metrics_path)
-        .map_err(|e| run_err(format!("{}: {e}", metrics_path.display())))?;
+    let (state, resume_from, mut metrics) = match &o.resume {
+        Some(_) => {
+            let Some(ck) = latest_checkpoint(&p.out)? else {
+                return Err(TrainError::Input(format!(
+                    "--resume {}: the run has no checkpoint yet (run.checkpoint_every)",
+                    p.out.display()
+                )));
+            };
+            let st = read_state(&ck)?;
+            let file = truncate_lines(&metrics_path, st.metrics_lines)?;
+            (st, Some(ck), file)
+        }
+        None => {
+            prepare_folder(&p.out)?;
+            std::fs::write(p.out.join("config.toml"), cfg.to_toml())
+                .map_err(|e| run_err(format!("config.toml: {e}")))?;
+            let file = std::fs::File::create(&metrics_path)
+                .map_err(|e| run_err(format!("{}: {e}", metrics_path.display())))?;
+            (
+                RunState {
+                    format: STATE_FORMAT,
+                    ..RunState::default()
+                },
+                None,
+                file,
+            )
+        }
+    };
     let start = Instant::now();
-    let mut model = match &cfg.model.init {
-        Some(init) => Model::from_checkpoint(init, &backend).map_err(run_err)?,
-        None => Model::new(p.model_cfg.clone(), &backend).map_err(run_err)?,
+    let mut model = match (&resume_from, &cfg.model.init) {
+        (Some(ck), _) => Model::from_checkpoint(&ck.join("learner.safetensors"), &backend)
+            .map_err(|e| TrainError::Input(format!("resume: {e}")))?,
+        (None, Some(init)) => Model::from_checkpoint(init, &backend).map_err(run_err)?,
+        (None, None) => Model::new(p.model_cfg.clone(), &backend).map_err(run_err)?,
     };
     let _ = writeln!(
         out,
-        "sluice train: {} ({} parameters) on {}, {} mode{}, {} stage(s); run folder {}",
+        "sluice train: {} ({} parameters) on {}, {} mode{}, {} stage(s); run folder {}{}",
         cfg.model.config.display(),
         model.layout().param_count(),
         cfg.run.device,
@@ -253,7 +420,11 @@ pub fn run_train(o: &TrainOptions, out: &mut dyn Write) -> Result<TrainSummary, 
             ""
         },
         cfg.stages.len(),
-        p.out.display()
+        p.out.display(),
+        match &resume_from {
+            Some(ck) => format!(", resumed from {}", ck.display()),
+            None => String::new(),
+        }
     );
     let mut ctx = RunContext {
         cfg,
@@ -261,25 +432,38 @@ pub fn run_train(o: &TrainOptions, out: &mut dyn Write) -> Result<TrainSummary, 
         out_dir: &p.out,
         metrics: &mut metrics,
         progress: out,
-        trace: Trace::default(),
-        clock: Micros(0),
-        rl_version: 0,
-        stage_times: Vec::new(),
-        pass_before: BTreeMap::new(),
+        state,
+        resume_from,
         pass_after: BTreeMap::new(),
-        rl_totals: None,
-        learner_steps: 0,
     };
-    for (i, stage) in cfg.stages.iter().enumerate() {
+    for i in ctx.state.next_stage..cfg.stages.len() {
+        let stage = &cfg.stages[i];
         let t0 = Instant::now();
+        let before = ctx.state.rl.as_ref().map_or(0.0, |r| r.stage_seconds);
         model = match stage.kind {
             StageKind::Sft => ctx.sft_stage(i, model, &backend)?,
-            StageKind::Rl => ctx.rl_stage(i, model, &backend)?,
+            StageKind::Rl => ctx.rl_stage(i, model)?,
         };
-        ctx.stage_times.push((
+        ctx.state.stage_times.push((
             format!("{}#{i}", stage.kind.as_str()),
-            t0.elapsed().as_secs_f64(),
+            before + t0.elapsed().as_secs_f64(),
         ));
+        ctx.state.next_stage = i + 1;
+        ctx.state.rl = None;
+        ctx.resume_from = None;
+        // A checkpoint at every stage end (the next stage starts from it on resume).
+        let st = ctx.state.clone();
+        let m = &model;
+        write_checkpoint(
+            &p.out.join("checkpoints"),
+            &format!("{i:03}-end"),
+            |dir| {
+                m.save(&dir.join("learner.safetensors"))
+                    .map_err(|e| format!("checkpoint: {e}"))
+            },
+            &st,
+        )
+        .map_err(run_err)?;
     }
     // Held-out pass rates at the end of the run.
     let final_tasks: Vec<String> = cfg
@@ -289,23 +473,85 @@ pub fn run_train(o: &TrainOptions, out: &mut dyn Write) -> Result<TrainSummary, 
         .flat_map(|s| s.tasks.iter().cloned())
         .collect();
     if !final_tasks.is_empty() {
-        let rates = ctx.evaluate(&model, &final_tasks)?;
-        ctx.pass_after = rates;
+        ctx.pass_after = ctx.evaluate(&model, &final_tasks)?;
     }
     let final_path = p.out.join("final.safetensors");
     model.save(&final_path).map_err(run_err)?;
     let sha = weights_sha256(&model)?;
     let summary = ctx.summary(&sha, start.elapsed().as_secs_f64());
+    let write = |name: &str, text: &str| -> Result<(), TrainError> {
+        let path = p.out.join(name);
+        sluice_model::checkpoint::write_atomic(&path, text.as_bytes())
+            .map_err(|e| run_err(format!("{}: {e}", path.display())))
+    };
     write(
         "summary.json",
         &serde_json::to_string_pretty(&summary).map_err(run_err)?,
     )?;
     write(
         "trace.json",
-        &serde_json::to_string(&ctx.trace.to_chrome_json()).map_err(run_err)?,
+        &serde_json::to_string(&ctx.state.trace.to_chrome_json()).map_err(run_err)?,
     )?;
+    // Plots from the metrics, with the held-out pass rates at the first RL stage's start and
+    // at the end of the last one.
+    // The charts are of the RL stages (supervised lines carry only a loss).
+    let lines: Vec<Value> = crate::report::plots::read_metrics(&metrics_path)
+        .map_err(run_err)?
+        .into_iter()
+        .filter(|l| l["stage"].as_str().is_some_and(|s| s.starts_with("rl#")))
+        .collect();
+    let rl_stages: Vec<usize> = cfg
+        .stages
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.kind == StageKind::Rl)
+        .map(|(i, _)| i)
+        .collect();
+    let mut pass = Vec::new();
+    if let (Some(&first), Some(&last)) = (rl_stages.first(), rl_stages.last()) {
+        for (name, r) in &ctx.state.pass_before {
+            pass.push(crate::report::plots::PassPoint {
+                task: name.clone(),
+                stage: format!("rl#{first}"),
+                step: 0,
+                pass_rate: r.rate(),
+            });
+        }
+        for (name, r) in &ctx.pass_after {
+            pass.push(crate::report::plots::PassPoint {
+                task: name.clone(),
+                stage: format!("rl#{last}"),
+                step: cfg.stages[last].steps,
+                pass_rate: r.rate(),
+            });
+        }
+    }
+    let targets: BTreeMap<String, f64> = cfg
+        .tasks
+        .iter()
+        .map(|t| (t.name.clone(), t.target_share))
+        .collect();
+    let total_target: f64 = targets.values().sum::<f64>().max(1e-12);
+    let targets = targets
+        .into_iter()
+        .map(|(k, v)| (k, v / total_target))
+        .collect();
+    let plots =
+        crate::report::plots::write_all(&p.out, &lines, &targets, &pass).map_err(run_err)?;
     let table = ctx.summary_table(&summary);
     let _ = writeln!(ctx.progress, "{table}");
+    let names: Vec<String> = plots
+        .iter()
+        .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().to_string()))
+        .collect();
+    if !names.is_empty() {
+        let _ = writeln!(ctx.progress, "plots: {}", names.join(", "));
+    }
+    let _ = writeln!(
+        ctx.progress,
+        "trace: open {} in https://ui.perfetto.dev (or chrome://tracing)",
+        p.out.join("trace.json").display()
+    );
     Ok(TrainSummary {
         out_dir: p.out.clone(),
         summary,
@@ -318,20 +564,14 @@ struct RunContext<'a> {
     out_dir: &'a Path,
     metrics: &'a mut std::fs::File,
     progress: &'a mut dyn Write,
-    trace: Trace,
-    /// The run clock at the end of the last RL stage.
-    clock: Micros,
-    /// The RL learner's version (optimizer steps over RL stages).
-    rl_version: u64,
-    stage_times: Vec<(String, f64)>,
-    pass_before: BTreeMap<String, PassRate>,
+    state: RunState,
+    /// The checkpoint this process resumed from, until its stage is done.
+    resume_from: Option<PathBuf>,
     pass_after: BTreeMap<String, PassRate>,
-    rl_totals: Option<RlTotals>,
-    learner_steps: u64,
 }
 
 /// What the RL stages added up to (for summary.json).
-#[derive(Default)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 struct RlTotals {
     samples: u64,
     accepted_tokens: u64,
@@ -352,15 +592,21 @@ struct RlTotals {
 
 impl RunContext<'_> {
     fn line(&mut self, v: &Value) -> Result<(), TrainError> {
+        self.state.metrics_lines += 1;
         writeln!(self.metrics, "{v}").map_err(|e| run_err(format!("metrics.jsonl: {e}")))
     }
 
-    fn optim_config(&self, schedule: LrSchedule) -> OptimConfig {
-        let mut c =
-            OptimConfig::with_lrs(self.cfg.optim.muon_lr, self.cfg.optim.adamw_lr, schedule);
-        c.clip_norm = (self.cfg.optim.clip_norm > 0.0).then_some(self.cfg.optim.clip_norm);
-        c.muon.weight_decay = self.cfg.optim.weight_decay;
-        c.adamw.weight_decay = self.cfg.optim.weight_decay;
+    /// The optimizer of a stage: the supervised or the RL learning rates.
+    fn optim_config(&self, kind: StageKind, schedule: LrSchedule) -> OptimConfig {
+        let o = &self.cfg.optim;
+        let (muon, adamw) = match kind {
+            StageKind::Sft => (o.muon_lr, o.adamw_lr),
+            StageKind::Rl => (o.rl_muon_lr, o.rl_adamw_lr),
+        };
+        let mut c = OptimConfig::with_lrs(muon, adamw, schedule);
+        c.clip_norm = (o.clip_norm > 0.0).then_some(o.clip_norm);
+        c.muon.weight_decay = o.weight_decay;
+        c.adamw.weight_decay = o.weight_decay;
         c
     }
 
@@ -377,11 +623,14 @@ impl RunContext<'_> {
         let opt = Optimizer::new(
             backend,
             model.layout().clone(),
-            self.optim_config(LrSchedule::WarmupCosine {
-                warmup,
-                total: steps,
-                min_ratio: 0.1,
-            }),
+            self.optim_config(
+                StageKind::Sft,
+                LrSchedule::WarmupCosine {
+                    warmup,
+                    total: steps,
+                    min_ratio: 0.1,
+                },
+            ),
         )
         .map_err(run_err)?;
         let mut state = opt.new_state(backend).map_err(run_err)?;
@@ -502,7 +751,7 @@ impl RunContext<'_> {
             backend,
             &model.config,
             &model.params,
-            WeightVersion(self.rl_version),
+            WeightVersion(self.state.rl_version),
             self.engine_config(),
         )
         .map_err(run_err)?;
@@ -547,18 +796,15 @@ impl RunContext<'_> {
         }
     }
 
-    /// One RL stage: held-out pass rates first (on the first RL stage), then the system.
-    fn rl_stage(
-        &mut self,
-        index: usize,
-        model: Model,
-        backend: &Backend,
-    ) -> Result<Model, TrainError> {
+    /// One RL stage: held-out pass rates first (on the first RL stage), then the system; or
+    /// its continuation from the checkpoint this process resumed from.
+    fn rl_stage(&mut self, index: usize, model: Model) -> Result<Model, TrainError> {
         let cfg = self.cfg;
         let stage = &cfg.stages[index];
-        if self.pass_before.is_empty() {
-            self.pass_before = self.evaluate(&model, &stage.tasks)?;
-            for (name, r) in &self.pass_before {
+        let resume = self.state.rl.clone();
+        if self.state.pass_before.is_empty() && resume.is_none() {
+            self.state.pass_before = self.evaluate(&model, &stage.tasks)?;
+            for (name, r) in &self.state.pass_before {
                 let _ = writeln!(
                     self.progress,
                     "  held-out pass rate before RL: {name} {:.1}% ({}/{})",
@@ -568,6 +814,25 @@ impl RunContext<'_> {
                 );
             }
         }
+        // The engines' weights: the model's (a new stage), or what they held at the barrier.
+        let learner_backend = Backend::open(cfg.run.device).map_err(run_err)?;
+        let (engine_params, engine_version) = match (&resume, &self.resume_from) {
+            (Some(r), Some(ck)) => {
+                let (_, arena) = sluice_model::checkpoint::load_new(
+                    &ck.join("rollout.safetensors"),
+                    &learner_backend,
+                )
+                .map_err(|e| TrainError::Input(format!("resume: {e}")))?;
+                (arena, r.engine_version)
+            }
+            _ => (
+                model
+                    .params
+                    .cast_copy(&learner_backend, sluice_kernels::DType::F32)
+                    .map_err(run_err)?,
+                self.state.rl_version,
+            ),
+        };
         let mut engines = Vec::with_capacity(cfg.rollout.replicas);
         for _ in 0..cfg.rollout.replicas {
             let b = Backend::open(cfg.run.device).map_err(run_err)?;
@@ -575,19 +840,17 @@ impl RunContext<'_> {
                 Engine::new(
                     b,
                     &model.config,
-                    &model.params,
-                    WeightVersion(self.rl_version),
+                    &engine_params,
+                    WeightVersion(engine_version),
                     self.engine_config(),
                 )
                 .map_err(run_err)?,
             );
         }
-        let learner_backend = Backend::open(cfg.run.device).map_err(run_err)?;
-        let _ = backend;
-        let learner = Learner::new(
+        let mut learner = Learner::new(
             learner_backend,
             model,
-            self.optim_config(LrSchedule::Constant),
+            self.optim_config(StageKind::Rl, LrSchedule::Constant),
             LearnerConfig {
                 loss: sluice_kernels::ops::is_gate_loss::GateParams {
                     mode: cfg.loss.mode,
@@ -600,9 +863,15 @@ impl RunContext<'_> {
                 adv_eps: 1e-6,
                 micro_batch_tokens: cfg.loss.micro_batch_tokens,
             },
-            self.rl_version,
+            self.state.rl_version,
         )
         .map_err(run_err)?;
+        if let (Some(_), Some(ck)) = (&resume, &self.resume_from) {
+            // Weights and optimizer state at the barrier.
+            learner
+                .load(&ck.join("learner.safetensors"), self.state.rl_version)
+                .map_err(|e| TrainError::Input(format!("resume: {e}")))?;
+        }
         let total_share: f64 = stage
             .tasks
             .iter()
@@ -635,14 +904,24 @@ impl RunContext<'_> {
             max_turns: cfg.rollout.max_turns,
             share_correction: cfg.rollout.share_correction,
             seed: cfg.run.seed,
-            vocab: self.cfg_vocab(&engines),
+            vocab: learner.model().config.vocab,
             max_observation_tokens: 256,
         };
-        let orch = Orchestrator::new(specs, policy, 0).map_err(run_err)?;
-        let buffer = DataBuffer::new(BufferConfig {
+        let mut orch = Orchestrator::new(specs, policy, 0).map_err(run_err)?;
+        let mut buffer = DataBuffer::new(BufferConfig {
             group_size: cfg.buffer.group_size,
             tau: cfg.buffer.tau,
         });
+        let mut totals = LearnerTotals::new();
+        let mut stage_trace = Trace::default();
+        let mut clock = self.state.clock;
+        if let Some(r) = &resume {
+            orch.restore(r.orchestrator.clone()).map_err(run_err)?;
+            buffer = r.buffer.clone();
+            totals = r.totals.clone();
+            stage_trace = r.trace.clone();
+            clock = r.now;
+        }
         let sc = StageConfig {
             name: format!("rl#{index}"),
             mode: cfg.run.mode,
@@ -661,19 +940,29 @@ impl RunContext<'_> {
             sync: cfg.sync_options(self.out_dir),
             health: cfg.health(),
         };
-        let task_names: Vec<String> = stage.tasks.clone();
+        let engine_weights = Arc::new(Publication {
+            version: WeightVersion(engine_version),
+            params: Arc::new(engine_params),
+        });
+        let start = StageStart {
+            clock,
+            stage_began: resume.as_ref().map_or(clock, |r| r.stage_began),
+            totals,
+            engine_weights,
+        };
+        let mut base = self.state.clone();
+        base.next_stage = index;
         let mut obs = RlObserver {
             metrics: &mut *self.metrics,
             progress: Progress::new(&format!("rl #{index}"), stage.steps, cfg.run.log_every),
             out: &mut *self.progress,
-            tasks: task_names,
+            tasks: stage.tasks.clone(),
             checkpoints: self.out_dir.join("checkpoints"),
-            error: None,
-        };
-        let start = StageStart {
-            clock: self.clock,
-            totals: sluice_runtime::metrics::LearnerTotals::new(),
-            engine_weights: Arc::new(learner.publish().map_err(run_err)?),
+            base,
+            stage_index: index,
+            stage_trace: stage_trace.clone(),
+            started: Instant::now(),
+            seconds_before: resume.as_ref().map_or(0.0, |r| r.stage_seconds),
         };
         let (parts, _orch, _buffer, report) = run_stage(
             &sc,
@@ -693,6 +982,7 @@ impl RunContext<'_> {
                 report.learner.zero_lag_tokens
             ),
         );
+        self.state.metrics_lines = obs.base.metrics_lines;
         if report.learner.zero_lag_mismatch_tokens > 0 {
             let _ = writeln!(
                 self.progress,
@@ -701,27 +991,36 @@ impl RunContext<'_> {
                 report.learner.zero_lag_mismatch_tokens
             );
         }
-        self.clock = self.clock.plus(report.elapsed);
-        self.rl_version = parts.learner.version().0;
-        self.learner_steps += report.learner.steps;
-        self.trace.spans.extend(report.trace.spans.iter().cloned());
-        let t = self.rl_totals.get_or_insert_with(RlTotals::default);
-        t.samples += report.learner.samples;
-        t.accepted_tokens += report.learner.accepted_tokens;
+        // report.elapsed runs from the stage's beginning (before any resume).
+        self.state.clock = resume
+            .as_ref()
+            .map_or(clock, |r| r.stage_began)
+            .plus(report.elapsed);
+        self.state.rl_version = parts.learner.version().0;
+        self.state.learner_steps += report.learner.steps;
+        self.state.trace.spans.extend(stage_trace.spans);
+        self.state
+            .trace
+            .spans
+            .extend(report.trace.spans.iter().cloned());
+        let t = self.state.rl_totals.get_or_insert_with(RlTotals::default);
+        let l = &report.learner;
+        t.samples += l.samples;
+        t.accepted_tokens += l.accepted_tokens;
         t.sampled_tokens += report.rollout.sampled_tokens;
         t.finished_generated += report.rollout.finished_generated_tokens;
-        t.zero_lag += report.learner.zero_lag_tokens;
-        t.zero_lag_mismatch += report.learner.zero_lag_mismatch_tokens;
+        t.zero_lag += l.zero_lag_tokens;
+        t.zero_lag_mismatch += l.zero_lag_mismatch_tokens;
         t.buffer_in += report.buffer.trajectories_in;
         t.stale += report.buffer.stale_dropped;
         t.env += report.buffer.env_dropped;
         t.dup += report.buffer.duplicated;
         t.released += report.buffer.trajectories_released;
-        t.elapsed_s += report.elapsed.secs();
+        t.elapsed_s = self.state.clock.secs();
         t.engine_busy_s += report.rollout.engine_busy.secs();
         t.learner_busy_s += report.rollout.learner_busy.secs();
         for (name, target, _) in &report.tasks {
-            let groups = report.learner.per_task.get(name).map_or(0, |x| x.groups);
+            let groups = l.per_task.get(name).map_or(0, |x| x.groups);
             let e = t.shares.entry(name.clone()).or_insert((*target, 0));
             e.0 = *target;
             e.1 += groups;
@@ -730,16 +1029,13 @@ impl RunContext<'_> {
         Ok(model)
     }
 
-    fn cfg_vocab(&self, engines: &[Engine]) -> usize {
-        engines.first().map_or(0, |e| e.model_config().vocab)
-    }
-
     fn summary(&self, sha: &str, wall_s: f64) -> Value {
-        let t = self.rl_totals.as_ref();
+        let t = self.state.rl_totals.as_ref();
         let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
         let total_groups: u64 = t.map_or(0, |t| t.shares.values().map(|s| s.1).sum());
         let mut tasks = serde_json::Map::new();
         let names: Vec<String> = self
+            .state
             .pass_before
             .keys()
             .chain(t.map(|t| t.shares.keys()).into_iter().flatten())
@@ -756,7 +1052,7 @@ impl RunContext<'_> {
                 json!({
                     "target_share": target,
                     "learner_share": ratio(groups, total_groups),
-                    "pass_rate_before": self.pass_before.get(&name).map(PassRate::rate),
+                    "pass_rate_before": self.state.pass_before.get(&name).map(PassRate::rate),
                     "pass_rate_after": self.pass_after.get(&name).map(PassRate::rate),
                 }),
             );
@@ -764,7 +1060,7 @@ impl RunContext<'_> {
         let elapsed = t.map_or(0.0, |t| t.elapsed_s).max(1e-9);
         json!({
             "final_weights_sha256": sha,
-            "learner_steps": self.learner_steps,
+            "learner_steps": self.state.learner_steps,
             "samples_trained": t.map_or(0, |t| t.samples),
             "wall_s": wall_s,
             "rl_time_s": t.map_or(0.0, |t| t.elapsed_s),
@@ -778,7 +1074,7 @@ impl RunContext<'_> {
             "zero_lag_mismatch_tokens": t.map_or(0, |t| t.zero_lag_mismatch),
             "engine_busy": t.map_or(0.0, |t| t.engine_busy_s / elapsed / self.cfg.rollout.replicas as f64),
             "learner_busy": t.map_or(0.0, |t| t.learner_busy_s / elapsed),
-            "stage_seconds": self.stage_times.iter().map(|(n, s)| (n.clone(), json!(s))).collect::<serde_json::Map<_, _>>(),
+            "stage_seconds": self.state.stage_times.iter().map(|(n, s)| (n.clone(), json!(s))).collect::<serde_json::Map<_, _>>(),
             "tasks": tasks,
         })
     }
@@ -825,7 +1121,7 @@ impl RunContext<'_> {
             s["zero_lag_tokens"],
         );
         let _ = write!(t, "\ntime per stage:");
-        for (n, secs) in &self.stage_times {
+        for (n, secs) in &self.state.stage_times {
             let _ = write!(t, "  {n} {secs:.1}s");
         }
         let _ = write!(
@@ -844,12 +1140,19 @@ struct RlObserver<'a> {
     out: &'a mut dyn Write,
     tasks: Vec<String>,
     checkpoints: PathBuf,
-    error: Option<String>,
+    /// The run state at the stage's start (a barrier's checkpoint adds the stage's progress).
+    base: RunState,
+    stage_index: usize,
+    /// Spans of this stage from before a resume.
+    stage_trace: Trace,
+    started: Instant,
+    seconds_before: f64,
 }
 
 impl StageObserver for RlObserver<'_> {
     fn on_step(&mut self, line: &Value, _report: &StepReport) -> Result<(), String> {
         writeln!(self.metrics, "{line}").map_err(|e| format!("metrics.jsonl: {e}"))?;
+        self.base.metrics_lines += 1;
         let step = line["step"].as_u64().unwrap_or(0);
         let mut msg = String::new();
         for t in &self.tasks {
@@ -868,14 +1171,42 @@ impl StageObserver for RlObserver<'_> {
     }
 
     fn on_barrier(&mut self, view: &BarrierView<'_>) -> Result<(), String> {
-        let dir = self
-            .checkpoints
-            .join(format!("step-{:06}", view.learner.version().0));
-        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-        view.learner
-            .save(&dir.join("learner.safetensors"))
-            .map_err(|e| format!("checkpoint: {e}"))?;
-        let _ = &self.error;
-        Ok(())
+        let _ = self.metrics.sync_data();
+        let mut trace = self.stage_trace.clone();
+        trace.spans.extend(view.trace.spans.iter().cloned());
+        let mut state = self.base.clone();
+        state.rl_version = view.learner.version().0;
+        state.rl = Some(RlProgress {
+            now: view.now,
+            stage_began: view.stage_began,
+            buffer: view.buffer.clone(),
+            orchestrator: view.orchestrator.state().map_err(|e| e.to_string())?,
+            totals: view.totals.clone(),
+            engine_version: view.engine_weights.version.0,
+            trace,
+            stage_seconds: self.seconds_before + self.started.elapsed().as_secs_f64(),
+        });
+        let name = format!("{:03}-{:09}", self.stage_index, view.totals.steps);
+        let learner = view.learner;
+        let config = learner.model().config.clone();
+        let engine = view.engine_weights;
+        write_checkpoint(
+            &self.checkpoints,
+            &name,
+            |dir| {
+                learner
+                    .save(&dir.join("learner.safetensors"))
+                    .map_err(|e| format!("checkpoint: {e}"))?;
+                sluice_model::checkpoint::save_with_meta(
+                    &dir.join("rollout.safetensors"),
+                    &config,
+                    &engine.params,
+                    &[],
+                    &[("version", engine.version.0.to_string())],
+                )
+                .map_err(|e| format!("checkpoint: {e}"))
+            },
+            &state,
+        )
     }
 }

@@ -399,3 +399,66 @@ fn a_replica_killed_mid_run_is_restarted_and_the_run_completes() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_resumed_replay_run_ends_with_the_same_weights() {
+    let dir = scratch("resume");
+    let cfg = short_config(&dir);
+    let full = dir.join("full");
+    let args = |out: &Path| {
+        vec![
+            "train".to_string(),
+            "--config".into(),
+            cfg.to_str().unwrap().into(),
+            "--set".into(),
+            "run.replay=true".into(),
+            "--set".into(),
+            "run.checkpoint_every=4".into(),
+            "--out".into(),
+            out.to_str().unwrap().into(),
+        ]
+    };
+    let a = args(&full);
+    run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let mut cks: Vec<String> = std::fs::read_dir(full.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    cks.sort();
+    // Stage ends (sft, rl) and the RL barriers at learner steps 4 and 8.
+    assert_eq!(
+        cks,
+        ["000-end", "001-000000004", "001-000000008", "001-end"],
+        "checkpoints"
+    );
+    // The state a run killed right after its step-4 checkpoint leaves behind: later
+    // checkpoints and the final files never written, a half-written checkpoint folder.
+    let cut = dir.join("cut");
+    let status = Command::new("cp")
+        .args(["-r", full.to_str().unwrap(), cut.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    for gone in ["001-000000008", "001-end"] {
+        std::fs::remove_dir_all(cut.join("checkpoints").join(gone)).unwrap();
+    }
+    for f in ["summary.json", "trace.json", "final.safetensors"] {
+        std::fs::remove_file(cut.join(f)).unwrap();
+    }
+    let half = cut.join("checkpoints/.tmp-001-000000008");
+    std::fs::create_dir_all(&half).unwrap();
+    std::fs::write(half.join("learner.safetensors"), b"partial").unwrap();
+    let text = run_ok(&["train", "--resume", cut.to_str().unwrap()]);
+    assert!(text.contains("resumed from"), "{text}");
+    assert!(text.contains("001-000000004"), "{text}");
+    assert_eq!(
+        summary(&cut)["final_weights_sha256"],
+        summary(&full)["final_weights_sha256"],
+        "the resumed run ended with other weights"
+    );
+    assert_eq!(metrics_without_wall(&cut), metrics_without_wall(&full));
+    // Resuming a run with bad options is refused.
+    let o = sluice(&["train", "--resume", cut.to_str().unwrap(), "--seed", "3"]);
+    assert_eq!(o.status.code(), Some(2));
+    let _ = std::fs::remove_dir_all(&dir);
+}

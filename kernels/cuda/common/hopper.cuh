@@ -20,19 +20,23 @@
 //   the GPU. Under the emulator shared memory is ordinary host memory, so these helpers take the
 //   block's dynamic shared-memory base (`smem_base`) and store offsets from it instead; on the
 //   GPU the argument is ignored.
-// - wgmma runs synchronously when issued (each thread computes its own accumulator fragment from
-//   shared memory); commit/wait/fence are no-ops. Products are exact; the 16 products of one
-//   k16 step are added one at a time in ascending k, which may differ from the tensor cores'
-//   internal order in the last bits (as for mma.sync, see mma.cuh).
-// - A bulk copy completes when issued (memcpy, then complete_tx on its mbarrier). The emulated
-//   mbarrier is not atomic: emulated threads of a block switch only at barriers, warp
-//   collectives and yields, so its read-modify-writes cannot interleave. A wait spins with
-//   emu_yield() until the other threads' arrivals complete the phase.
+// - Every one of them is asynchronous under the emulator as on the GPU (kernels/emu/async.cpp):
+//   a bulk copy's destination is written when the mbarrier phase it signals completes, and a
+//   wgmma's accumulator receives its result at the wgmma_wait covering its commit group (it holds
+//   NaN in between). Reading either earlier is an `async-read-before-wait` finding. The mbarrier
+//   state lives in the emulator (keyed by the barrier's address); a wait spins with emu_yield()
+//   until the other threads' arrivals complete the phase.
+// - wgmma is computed when issued (each thread its own accumulator fragment, reading the operands
+//   from shared memory through the checker). Products are exact; the 16 products of one k16 step
+//   are added one at a time in ascending k, which may differ from the tensor cores' internal
+//   order in the last bits (as for mma.sync, see mma.cuh).
 #pragma once
 
 #include <stdint.h>
 #ifdef SLUICE_EMU
 #include <string.h>
+#include <source_location>
+#define SLUICE_HOPPER_LOC std::source_location loc = std::source_location::current()
 #endif
 
 #if defined(SLUICE_EMU) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)
@@ -57,26 +61,12 @@ __device__ __forceinline__ uint32_t smem_addr(const void* smem_base, const void*
 
 // ---- mbarrier -------------------------------------------------------------------------------
 
-#ifdef SLUICE_EMU
-namespace emu_hopper {
-// The emulated barrier in its 8 bytes: word 0 = expected arrivals (high 16) | pending (low 16);
-// word 1 = phase parity (bit 31) | outstanding transaction bytes (bits 0-30).
-inline void complete_if_done(uint32_t* w) {
-    if ((w[0] & 0xffffu) == 0 && (w[1] & 0x7fffffffu) == 0) {
-        w[0] = (w[0] & 0xffff0000u) | (w[0] >> 16);
-        w[1] ^= 0x80000000u;
-    }
-}
-}  // namespace emu_hopper
-#endif
-
 // One thread initialises; every thread then needs a __syncthreads (after fence_mbarrier_init).
-__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
 #ifdef SLUICE_EMU
-    uint32_t* w = reinterpret_cast<uint32_t*>(bar);
-    w[0] = (arrivals << 16) | arrivals;
-    w[1] = 0;
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals, SLUICE_HOPPER_LOC) {
+    ::sluice_emu::mbarrier_init(bar, arrivals, loc);
 #else
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
     const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(a), "r"(arrivals));
 #endif
@@ -90,11 +80,11 @@ __device__ __forceinline__ void fence_mbarrier_init() {
 }
 
 // Raises the transaction bytes the current phase waits for (before this thread's copies).
-__device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes) {
 #ifdef SLUICE_EMU
-    uint32_t* w = reinterpret_cast<uint32_t*>(bar);
-    w[1] += bytes;
+__device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes, SLUICE_HOPPER_LOC) {
+    ::sluice_emu::mbarrier_expect_tx(bar, bytes, loc);
 #else
+__device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes) {
     const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
     asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(a), "r"(bytes)
                  : "memory");
@@ -103,25 +93,24 @@ __device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes
 
 // This thread's arrival (release semantics: its earlier shared-memory writes are visible to a
 // thread whose wait observes the phase complete).
-__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
 #ifdef SLUICE_EMU
-    uint32_t* w = reinterpret_cast<uint32_t*>(bar);
-    w[0] -= 1;
-    emu_hopper::complete_if_done(w);
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar, SLUICE_HOPPER_LOC) {
+    ::sluice_emu::mbarrier_arrive(bar, loc);
 #else
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
     const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(a) : "memory");
 #endif
 }
 
 // Waits until the phase with parity `parity` has completed.
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
 #ifdef SLUICE_EMU
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity, SLUICE_HOPPER_LOC) {
     // Spin with a yield so the other emulated threads of the block can arrive (the emulator
     // reports a wait that no thread will ever end as a hung spin-wait).
-    const volatile uint32_t* w = reinterpret_cast<const volatile uint32_t*>(bar);
-    while ((w[1] >> 31) == parity) emu_yield();
+    while (!::sluice_emu::mbarrier_test_wait(bar, parity, loc)) emu_yield(loc);
 #else
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
     const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
     asm volatile(
         "{\n"
@@ -139,14 +128,13 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
 
 // Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) and signals `bar` with
 // complete_tx(bytes). The issuing thread must have added `bytes` with mbarrier_expect_tx first.
+#ifdef SLUICE_EMU
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes,
+                                              uint64_t* bar, SLUICE_HOPPER_LOC) {
+    ::sluice_emu::bulk_copy_g2s(dst, src, bytes, bar, loc);
+#else
 __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes,
                                               uint64_t* bar) {
-#ifdef SLUICE_EMU
-    memcpy(dst, src, bytes);
-    uint32_t* w = reinterpret_cast<uint32_t*>(bar);
-    w[1] -= bytes;
-    emu_hopper::complete_if_done(w);
-#else
     const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
     const uint32_t b = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
     asm volatile(
@@ -177,18 +165,23 @@ __device__ __forceinline__ void wgmma_fence() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #endif
 }
+#ifdef SLUICE_EMU
+__device__ __forceinline__ void wgmma_commit(SLUICE_HOPPER_LOC) { ::sluice_emu::wgmma_commit(loc); }
+// Waits until at most N committed wgmma groups of this thread are pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait(SLUICE_HOPPER_LOC) {
+    ::sluice_emu::wgmma_wait(N, loc);
+}
+#else
 __device__ __forceinline__ void wgmma_commit() {
-#ifndef SLUICE_EMU
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
 }
 // Waits until at most N committed wgmma groups of this warp are pending.
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
-#ifndef SLUICE_EMU
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-#endif
 }
+#endif
 
 #ifdef SLUICE_EMU
 namespace emu_hopper {
@@ -211,25 +204,33 @@ inline float smem_bf16(const void* smem_base, uint64_t desc, int row, int k) {
 // swizzle), f32 accumulators in registers. All 128 threads of the warpgroup must call it.
 // Fragment of D: warp w = (threadIdx.x % 128) / 32 holds rows 16w..16w+15; with g = lane/4,
 // t = lane%4, d[4j + 0, 1] = D[16w + g][8j + 2t, +1], d[4j + 2, 3] = D[16w + g + 8][8j + 2t, +1].
+#ifdef SLUICE_EMU
 __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a,
                                                       uint64_t desc_b, int scale_d,
-                                                      const void* smem_base) {
-#ifdef SLUICE_EMU
+                                                      const void* smem_base, SLUICE_HOPPER_LOC) {
     const int wt = threadIdx.x & 127;
     const int warp = wt / 32, lane = wt % 32, g = lane / 4, t = lane % 4;
+    // The accumulator this wgmma starts from: the newest pending result on d, else d (read by
+    // the emulator, so that chaining wgmmas before their wait is not a premature read).
+    float in[64], out[64];
+    ::sluice_emu::wgmma_accumulator(d, in, sizeof in);
     for (int j = 0; j < 16; ++j) {
         for (int e = 0; e < 4; ++e) {
             const int row = 16 * warp + g + (e >= 2 ? 8 : 0);
             const int col = 8 * j + 2 * t + (e & 1);
-            float acc = scale_d ? d[4 * j + e] : 0.0f;
+            float acc = scale_d ? in[4 * j + e] : 0.0f;
             for (int k = 0; k < 16; ++k) {
                 acc = fmaf(emu_hopper::smem_bf16(smem_base, desc_a, row, k),
                            emu_hopper::smem_bf16(smem_base, desc_b, col, k), acc);
             }
-            d[4 * j + e] = acc;
+            out[4 * j + e] = acc;
         }
     }
+    ::sluice_emu::wgmma_issue(d, out, sizeof out, loc);
 #else
+__device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a,
+                                                      uint64_t desc_b, int scale_d,
+                                                      const void* smem_base) {
     (void)smem_base;
     asm volatile(
         "{\n"

@@ -5,6 +5,9 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "common/cp_async.cuh"
+#include "common/hopper.cuh"
+
 namespace emutest {
 
 // Block sum of a grid-stride slice; `racy` leaves out the barrier between the tree levels' reads
@@ -106,8 +109,10 @@ extern "C" __global__ void emutest_dyn_shared_poison(float* __restrict__ out) {
   float* f = reinterpret_cast<float*>(raw);
   if (threadIdx.x == 0) f[1] = 2.0f;
   __syncthreads();
-  out[blockIdx.x * 2 + 0] = f[0];  // never written: NaN
-  out[blockIdx.x * 2 + 1] = f[1];
+  if (threadIdx.x == 0) {
+    out[blockIdx.x * 2 + 0] = f[0];  // never written: NaN
+    out[blockIdx.x * 2 + 1] = f[1];
+  }
 }
 
 // PLANTED BUG: writes one element past the end of out (n elements).
@@ -116,7 +121,7 @@ extern "C" __global__ void emutest_oob_write(float* __restrict__ out, int n) {
   if (i <= n) out[i] = 1.0f;
 }
 
-// PLANTED BUG: reads 4096 elements past the end of x.
+// PLANTED BUG: reads 4096 elements past the end of x (far past: the redzone faults too).
 extern "C" __global__ void emutest_oob_read(const float* __restrict__ x, float* __restrict__ out, int n) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) out[i] = x[i + 4096];
@@ -125,7 +130,7 @@ extern "C" __global__ void emutest_oob_read(const float* __restrict__ x, float* 
 // PLANTED BUG: only half of the block reaches the barrier.
 extern "C" __global__ void emutest_divergent_barrier(float* __restrict__ out) {
   if (threadIdx.x < 16) {
-    __syncthreads();
+    __syncthreads();  // PLANTED BUG: half the block waits here
   }
   out[threadIdx.x] = 1.0f;
 }
@@ -140,7 +145,7 @@ extern "C" __global__ void emutest_early_exit_barrier(float* __restrict__ out) {
 // PLANTED BUG: full-warp mask but only lanes 0..15 execute the shuffle.
 extern "C" __global__ void emutest_bad_shuffle_mask(float* __restrict__ out) {
   float v = (float)threadIdx.x;
-  if (threadIdx.x % 32 < 16) v = __shfl_down_sync(0xffffffffu, v, 1);
+  if (threadIdx.x % 32 < 16) v = __shfl_down_sync(0xffffffffu, v, 1);  // PLANTED BUG: full mask, half the lanes
   out[threadIdx.x] = v;
 }
 
@@ -186,16 +191,154 @@ extern "C" __global__ void emutest_static_shared_poison(float* __restrict__ out)
 }
 
 // Spin-wait on a flag in shared memory set by another thread: emu_yield/__nanosleep let it run.
+// The flag is accessed with atomics (plain or volatile accesses would be a race).
 extern "C" __global__ void emutest_spin_wait(int* __restrict__ out, int never) {
   __shared__ int flag;
   if (threadIdx.x == 0) flag = 0;
   __syncthreads();
   if (threadIdx.x == 37) {
-    volatile int* f = &flag;
-    *f = never ? 0 : 42;
+    atomicExch(&flag, never ? 0 : 42);
   } else {
-    volatile int* f = &flag;
-    while (*f == 0) __nanosleep(100);
+    while (atomicAdd(&flag, 0) == 0) __nanosleep(100);
   }
+  __syncthreads();
   out[threadIdx.x] = flag;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The sanitizer's planted bugs (kernels/tests/emu_planted.rs and tests/emu_check_cmd.rs, which
+// has its own copy in a file outside the project). Each PLANTED BUG line is the one the finding
+// must name.
+// ---------------------------------------------------------------------------------------------
+
+// PLANTED BUG: thread n-1 reads x[n], one element past the end of x (n floats).
+extern "C" __global__ void emutest_tail_read(const float* __restrict__ x, float* __restrict__ out, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = x[i] + x[i + 1];  // PLANTED BUG: tail read
+}
+
+// PLANTED BUG: thread 0 writes s[32] of a 32-float static shared array.
+extern "C" __global__ void emutest_static_shared_overflow(float* __restrict__ out) {
+  __shared__ float s[32];
+  __shared__ float after[32];
+  s[threadIdx.x] = (float)threadIdx.x;
+  after[threadIdx.x] = 0.0f;
+  if (threadIdx.x == 0) s[32] = -1.0f;  // PLANTED BUG: one past the array
+  __syncthreads();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = s[threadIdx.x] + after[threadIdx.x];
+}
+
+// PLANTED BUG (when sync == 0): each thread reads its neighbour's shared slot without the
+// __syncthreads between the writes and the reads.
+extern "C" __global__ void emutest_missing_barrier(const float* __restrict__ x, float* __restrict__ out, int sync) {
+  __shared__ float s[64];
+  s[threadIdx.x] = x[threadIdx.x];
+  if (sync) __syncthreads();
+  out[threadIdx.x] = s[(threadIdx.x + 1) % blockDim.x];  // PLANTED BUG: read of a neighbour's write
+}
+
+// PLANTED BUG (when atomic == 0): every block adds its value to total[0] with a plain
+// read-modify-write: updates of other blocks are lost.
+extern "C" __global__ void emutest_lost_update(const int* __restrict__ x, int* __restrict__ total, int atomic) {
+  if (threadIdx.x != 0) return;
+  if (atomic) {
+    atomicAdd(total, x[blockIdx.x]);
+  } else {
+    total[0] += x[blockIdx.x];  // PLANTED BUG: non-atomic update shared by all blocks
+  }
+}
+
+// Lanes exchange values through shared memory: with __syncwarp between the write and the read
+// (sync != 0) this is correct; without it, a race inside the warp.
+extern "C" __global__ void emutest_warp_exchange(float* __restrict__ out, int sync) {
+  __shared__ float s[32];
+  const int lane = threadIdx.x;
+  s[lane] = (float)(lane * 3);
+  if (sync) __syncwarp();
+  out[lane] = s[31 - lane];
+}
+
+// Dynamic shared memory is bounded by the bytes requested at launch, to the byte: thread 0 reads
+// the float just past them.
+extern "C" __global__ void emutest_dyn_shared_overflow(float* __restrict__ out, int n) {
+  extern __shared__ float dyn[];
+  dyn[threadIdx.x] = 1.0f;
+  __syncthreads();
+  if (threadIdx.x == 0) out[0] = dyn[n];  // PLANTED BUG: n floats were requested
+}
+
+// Records the order in which blocks run (an atomic ticket): the seed shuffles it.
+extern "C" __global__ void emutest_block_order(int* __restrict__ order, int* __restrict__ ticket) {
+  if (threadIdx.x == 0) order[atomicAdd(ticket, 1)] = (int)blockIdx.x;
+}
+
+// wgmma m64n128k16 on A = 1 (64x16) and B (128x16) with B[n][k] = n: D[m][n] = 16 n. With
+// early != 0 the accumulator is read before wgmma_wait (PLANTED BUG). One warpgroup.
+extern "C" __global__ void emutest_wgmma(float* __restrict__ out, int early) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x;
+  // K-major, no swizzle: element (row, k) at (row/8)*128 + (row%8)*16 + (k/8)*LBO + (k%8)*2,
+  // LBO = rows*16 (A: 64 rows, B: 128 rows).
+  unsigned char* a = smem;
+  unsigned char* b = smem + 64 * 16 * 2;
+  for (int e = tid; e < 64 * 16; e += 128) {
+    const int row = e / 16, k = e % 16;
+    const __nv_bfloat16 v = __float2bfloat16(1.0f);
+    *reinterpret_cast<__nv_bfloat16*>(a + (row / 8) * 128 + (row % 8) * 16 + (k / 8) * 1024 + (k % 8) * 2) = v;
+  }
+  for (int e = tid; e < 128 * 16; e += 128) {
+    const int row = e / 16, k = e % 16;
+    const __nv_bfloat16 v = __float2bfloat16((float)row);
+    *reinterpret_cast<__nv_bfloat16*>(b + (row / 8) * 128 + (row % 8) * 16 + (k / 8) * 2048 + (k % 8) * 2) = v;
+  }
+  sluice::fence_proxy_async_shared();
+  __syncthreads();
+  float acc[64];
+  for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+  const uint64_t da = sluice::wgmma_desc(sluice::smem_addr(smem, a), 1024, 128);
+  const uint64_t db = sluice::wgmma_desc(sluice::smem_addr(smem, b), 2048, 128);
+  sluice::wgmma_fence();
+  sluice::wgmma_m64n128k16_bf16(acc, da, db, 1, smem);
+  float first = 0.0f;
+  if (early) first = acc[0];  // PLANTED BUG: accumulator read before wgmma_wait
+  sluice::wgmma_commit();
+  sluice::wgmma_wait<0>();
+  if (!early) first = acc[0];
+  out[tid] = first;
+}
+
+// A bulk copy of n floats (n * 4 a multiple of 16) into shared memory, completing on an
+// mbarrier. With early != 0 thread 0 reads the destination before the barrier's phase completes
+// (PLANTED BUG).
+extern "C" __global__ void emutest_bulk_copy(const float* __restrict__ src, float* __restrict__ out, int n, int early) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem);
+  float* dst = reinterpret_cast<float*>(smem + 128);
+  if (threadIdx.x == 0) {
+    sluice::mbarrier_init(bar, blockDim.x);
+    sluice::fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    sluice::mbarrier_expect_tx(bar, (uint32_t)n * 4);
+    sluice::bulk_copy_g2s(dst, src, (uint32_t)n * 4, bar);
+    if (early) out[n] = dst[0];  // PLANTED BUG: bulk-copy destination read before its barrier
+  }
+  sluice::mbarrier_arrive(bar);
+  sluice::mbarrier_wait(bar, 0);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = dst[i] * 2.0f;
+}
+
+// cp.async of 16 bytes per thread into shared memory; with early != 0 the thread reads its
+// destination before cp_async_wait (PLANTED BUG). Then a barrier and a neighbour's read.
+extern "C" __global__ void emutest_cp_async(const float4* __restrict__ src, float* __restrict__ out, int early) {
+  __shared__ __align__(16) float4 tile[64];
+  sluice::cp_async_16(&tile[threadIdx.x], &src[threadIdx.x]);
+  sluice::cp_async_commit();
+  float first = 0.0f;
+  if (early) first = tile[threadIdx.x].x;  // PLANTED BUG: cp.async destination read before its wait
+  sluice::cp_async_wait<0>();
+  __syncthreads();
+  const float4 v = tile[(threadIdx.x + 1) % blockDim.x];
+  out[threadIdx.x] = v.x + v.y + v.z + v.w + first;
 }

@@ -22,9 +22,9 @@ use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
+use crate::par;
 use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
 use crate::tensor::Tensor;
-use rayon::prelude::*;
 
 /// Keys per online-softmax step (the warp size: lane j of the warp owns key j of a chunk).
 pub const KEY_CHUNK: usize = 32;
@@ -40,7 +40,10 @@ const WARPS: usize = 4;
 pub struct RowState {
     m: f32,
     l: f32,
-    acc: Vec<f32>,
+    /// The running sum of the first `d` dims (on the stack: one state per attended row, so a
+    /// heap allocation each was a measurable part of a decode step).
+    acc: [f32; MAX_HEAD_DIM],
+    d: usize,
 }
 
 /// Defines `$name`, which runs `$body_fn` compiled with hardware FMA (and AVX2 vectors) when the
@@ -94,13 +97,38 @@ fn tree_sum32(x: &[f32; KEY_CHUNK]) -> f32 {
     t[0]
 }
 
+/// Keys whose dot products run interleaved (independent FMA chains hide the FMA latency).
+const DOT_LANES: usize = 8;
+
+/// `out[jj] = dot_fma(q, keys[jj])` for the DOT_LANES keys, interleaved: each key's own chain is
+/// d ascending from 0, so the bits are those of [`dot_fma`]. Every key holds `q.len()` values.
+#[inline(always)]
+fn dots8(q: &[f32], keys: &[&[f32]; DOT_LANES]) -> [f32; DOT_LANES] {
+    let d = q.len();
+    assert!(
+        keys.iter().all(|k| k.len() == d),
+        "dots8: every key must hold D values"
+    );
+    let mut acc = [0.0f32; DOT_LANES];
+    for (dd, &qd) in q.iter().enumerate() {
+        for jj in 0..DOT_LANES {
+            // SAFETY: dd < d = keys[jj].len() (asserted above).
+            let kv = unsafe { *keys[jj].get_unchecked(dd) };
+            acc[jj] = qd.mul_add(kv, acc[jj]);
+        }
+    }
+    acc
+}
+
 impl RowState {
-    /// The state before any key: m = -inf, l = 0, acc = 0 (D values).
+    /// The state before any key: m = -inf, l = 0, acc = 0 (D values, D <= MAX_HEAD_DIM).
     pub fn new(d: usize) -> Self {
+        assert!(d <= MAX_HEAD_DIM, "RowState: head dim {d} > {MAX_HEAD_DIM}");
         RowState {
             m: f32::NEG_INFINITY,
             l: 0.0,
-            acc: vec![0.0; d],
+            acc: [0.0; MAX_HEAD_DIM],
+            d,
         }
     }
 
@@ -110,21 +138,18 @@ impl RowState {
         let n = keys.len();
         debug_assert!((1..=KEY_CHUNK).contains(&n) && values.len() == n);
         let mut s = [f32::NEG_INFINITY; KEY_CHUNK];
-        // Eight keys' dot products interleaved (independent FMA chains hide the FMA latency);
-        // each key's own chain is still d ascending from 0, so the bits are those of dot_fma.
+        // Eight keys' dot products at a time (a short last group is padded with the first key of
+        // the chunk, whose extra results are dropped).
         let mut j0 = 0;
         while j0 < n {
-            let m = 8.min(n - j0);
-            let mut acc = [0.0f32; 8];
-            for (dd, &qd) in q.iter().enumerate() {
-                for jj in 0..m {
-                    acc[jj] = qd.mul_add(keys[j0 + jj][dd], acc[jj]);
-                }
-            }
+            let m = DOT_LANES.min(n - j0);
+            let group: [&[f32]; DOT_LANES] =
+                std::array::from_fn(|jj| &keys[if jj < m { j0 + jj } else { 0 }][..q.len()]);
+            let acc = dots8(q, &group);
             for jj in 0..m {
                 s[j0 + jj] = acc[jj] * scale;
             }
-            j0 += 8;
+            j0 += DOT_LANES;
         }
         let cm = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
         let m_new = self.m.max(cm);
@@ -140,13 +165,14 @@ impl RowState {
         let csum = tree_sum32(&p);
         self.l = self.l.mul_add(alpha, csum);
         self.m = m_new;
-        for a in self.acc.iter_mut() {
+        let acc = &mut self.acc[..self.d];
+        for a in acc.iter_mut() {
             *a *= alpha;
         }
         // Per output dim the updates run over j ascending, as in the kernel (the loop nest is
         // swapped for the cache; each dim's sequence of operations is the same).
         for (pj, vj) in p.iter().zip(values) {
-            for (a, &x) in self.acc.iter_mut().zip(vj.iter()) {
+            for (a, &x) in acc.iter_mut().zip(vj.iter()) {
                 *a = pj.mul_add(x, *a);
             }
         }
@@ -155,7 +181,7 @@ impl RowState {
     /// Writes out[d] = acc[d] / l; returns the row's logsumexp m + ln(l).
     #[inline(always)]
     pub fn finish(&self, out: &mut [f32]) -> f32 {
-        for (o, &a) in out.iter_mut().zip(&self.acc) {
+        for (o, &a) in out.iter_mut().zip(&self.acc[..self.d]) {
             *o = a / self.l;
         }
         self.m + self.l.ln()
@@ -295,6 +321,15 @@ fn sequence_of(cu: &[i32], t: usize) -> (usize, usize) {
     (cu[b] as usize, cu[b + 1] as usize)
 }
 
+/// The length of the longest sequence of a varlen batch (what a row's work is sized by).
+fn longest_sequence(cu: &[i32]) -> usize {
+    cu.windows(2)
+        .map(|w| (w[1] - w[0]).max(0) as usize)
+        .max()
+        .unwrap_or(0)
+        .max(1)
+}
+
 /// The keys query `t` sees: the start of its sequence and how many keys.
 fn key_range(cu: &[i32], t: usize, causal: bool) -> (usize, usize) {
     let (s0, s1) = sequence_of(cu, t);
@@ -328,25 +363,23 @@ pub fn attention_forward_reference(
         )));
     }
     let group = h / hkv;
-    out.par_chunks_mut(d)
-        .zip(lse.par_iter_mut())
-        .enumerate()
-        .for_each(|(r, (o, l))| {
-            let (tok, head) = (r / h, r % h);
-            let g = head / group;
-            let (s0, n) = key_range(cu_seqlens, tok, causal);
-            let qr = &q[r * d..(r + 1) * d];
-            *l = attend_row(
-                qr,
-                n,
-                scale,
-                |j| {
-                    let row = ((s0 + j) * hkv + g) * d;
-                    (&k[row..row + d], &v[row..row + d])
-                },
-                o,
-            );
-        });
+    let keys = longest_sequence(cu_seqlens);
+    par::rows2_mut(out, d, lse, 1, 2 * d * keys, |r, o, l| {
+        let (tok, head) = (r / h, r % h);
+        let g = head / group;
+        let (s0, n) = key_range(cu_seqlens, tok, causal);
+        let qr = &q[r * d..(r + 1) * d];
+        l[0] = attend_row(
+            qr,
+            n,
+            scale,
+            |j| {
+                let row = ((s0 + j) * hkv + g) * d;
+                (&k[row..row + d], &v[row..row + d])
+            },
+            o,
+        );
+    });
     Ok(())
 }
 
@@ -391,7 +424,6 @@ pub fn attention_backward_reference(
         .map(|r| dot_fma(&dout[r * d..(r + 1) * d], &out[r * d..(r + 1) * d]))
         .collect();
 
-    // dq: one row per (token, head); keys ascending.
     let ctx = BwdCtx {
         q,
         k,
@@ -404,16 +436,123 @@ pub fn attention_backward_reference(
         dout,
         delta: &delta,
     };
-    dq.par_chunks_mut(d)
-        .enumerate()
-        .for_each(|(r, dqr)| dq_row(&ctx, r, dqr));
-
-    // dk, dv: one row per (token, kv head); heads of the group ascending, queries ascending.
-    dk.par_chunks_mut(d)
-        .zip(dv.par_chunks_mut(d))
-        .enumerate()
-        .for_each(|(r, (dkr, dvr))| dkdv_row(&ctx, r, dkr, dvr));
+    let sequences = cu_seqlens.len() - 1;
+    if sequences >= 2 * par::threads() {
+        backward_by_sequence(&ctx, dq, dk, dv);
+    } else {
+        backward_by_row(&ctx, dq, dk, dv);
+    }
     Ok(())
+}
+
+/// The backward with one task per row of dq and per row of dk/dv: each (query, key) pair's
+/// P and dS are computed twice (once for dq, once for dk/dv). Used when there are too few
+/// sequences to keep every thread busy with [`backward_by_sequence`]; the bits are the same.
+fn backward_by_row(c: &BwdCtx<'_>, dq: &mut [f32], dk: &mut [f32], dv: &mut [f32]) {
+    let AttnDims { h, hkv, d, .. } = c.dims;
+    let keys = longest_sequence(c.cu_seqlens);
+    // dq: one row per (token, head); keys ascending.
+    par::rows_mut(dq, d, 3 * d * keys, |r, dqr| dq_row(c, r, dqr));
+    // dk, dv: one row per (token, kv head); heads of the group ascending, queries ascending.
+    par::rows2_mut(dk, d, dv, d, 3 * d * keys * (h / hkv), |r, dkr, dvr| {
+        dkdv_row(c, r, dkr, dvr)
+    });
+}
+
+/// The backward with one task per sequence: each (query, key) pair's P and dS computed once
+/// and used for dq, dk and dv together, the dot products eight keys at a time. Every sum keeps
+/// THE ORDER of [`backward_by_row`] (dq: keys ascending; dk, dv: heads of the group ascending,
+/// then queries ascending), and P, dP are the same products (an FMA is symmetric in its two
+/// factors), so the bits are the same.
+fn backward_by_sequence(c: &BwdCtx<'_>, dq: &mut [f32], dk: &mut [f32], dv: &mut [f32]) {
+    use rayon::prelude::*;
+    let AttnDims { h, hkv, d, .. } = c.dims;
+    let cu = c.cu_seqlens;
+    let mut tasks = Vec::with_capacity(cu.len() - 1);
+    let (mut rq, mut rk, mut rv) = (dq, dk, dv);
+    for w in cu.windows(2) {
+        let (s0, s1) = (w[0] as usize, w[1] as usize);
+        let (a, q_rest) = rq.split_at_mut((s1 - s0) * h * d);
+        let (b, k_rest) = rk.split_at_mut((s1 - s0) * hkv * d);
+        let (e, v_rest) = rv.split_at_mut((s1 - s0) * hkv * d);
+        (rq, rk, rv) = (q_rest, k_rest, v_rest);
+        tasks.push((s0, s1, a, b, e));
+    }
+    let longest = longest_sequence(cu);
+    let per_seq = 4 * d * h * longest * longest;
+    let run = |(s0, s1, a, b, e): (usize, usize, &mut [f32], &mut [f32], &mut [f32])| {
+        sequence_backward(c, s0, s1, a, b, e)
+    };
+    if par::pieces(tasks.len(), per_seq) > 1 {
+        tasks.into_par_iter().for_each(run);
+    } else {
+        tasks.into_iter().for_each(run);
+    }
+}
+
+fma_dispatch! {
+    fn sequence_backward<'a,>(c: &BwdCtx<'a>, s0: usize, s1: usize, dq: &mut [f32], dk: &mut [f32], dv: &mut [f32]) -> () = sequence_backward_body;
+}
+
+/// dq, dk, dv of the tokens s0..s1 of one sequence (the rows of that sequence only).
+#[inline(always)]
+fn sequence_backward_body(
+    c: &BwdCtx<'_>,
+    s0: usize,
+    s1: usize,
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+) {
+    let AttnDims { h, hkv, d, .. } = c.dims;
+    let group = h / hkv;
+    dq.fill(0.0);
+    dk.fill(0.0);
+    dv.fill(0.0);
+    for g in 0..hkv {
+        for head in g * group..(g + 1) * group {
+            for i in s0..s1 {
+                let qi = i * h + head;
+                let qr = &c.q[qi * d..(qi + 1) * d];
+                let dor = &c.dout[qi * d..(qi + 1) * d];
+                let (lse, delta) = (c.lse[qi], c.delta[qi]);
+                let j_end = if c.causal { i + 1 } else { s1 };
+                let dqr = &mut dq[((i - s0) * h + head) * d..((i - s0) * h + head + 1) * d];
+                let kv_row = |j: usize| (j * hkv + g) * d;
+                let mut j = s0;
+                while j < j_end {
+                    let m = DOT_LANES.min(j_end - j);
+                    let lane = |jj: usize| kv_row(if jj < m { j + jj } else { j });
+                    let keys: [&[f32]; DOT_LANES] =
+                        std::array::from_fn(|jj| &c.k[lane(jj)..lane(jj) + d]);
+                    let vals: [&[f32]; DOT_LANES] =
+                        std::array::from_fn(|jj| &c.v[lane(jj)..lane(jj) + d]);
+                    let qk = dots8(qr, &keys);
+                    let dpv = dots8(dor, &vals);
+                    for jj in 0..m {
+                        let p = (qk[jj] * c.scale - lse).exp();
+                        let ds = p * (dpv[jj] - delta);
+                        for (a, &x) in dqr.iter_mut().zip(keys[jj]) {
+                            *a = ds.mul_add(x, *a);
+                        }
+                        let kr = ((j + jj - s0) * hkv + g) * d;
+                        let (dvr, dkr) = (&mut dv[kr..kr + d], &mut dk[kr..kr + d]);
+                        for ((a, b), (&x, &y)) in dvr.iter_mut().zip(dkr).zip(dor.iter().zip(qr)) {
+                            *a = p.mul_add(x, *a);
+                            *b = ds.mul_add(y, *b);
+                        }
+                    }
+                    j += DOT_LANES;
+                }
+            }
+        }
+    }
+    for a in dq.iter_mut() {
+        *a *= c.scale;
+    }
+    for b in dk.iter_mut() {
+        *b *= c.scale;
+    }
 }
 
 /// The inputs of the backward's row routines.
@@ -979,3 +1118,68 @@ pub static BACKWARD_SPEC: OpSpec = OpSpec {
     ],
     run: run_backward,
 };
+
+#[cfg(test)]
+mod backward_paths {
+    use super::*;
+    use crate::testing::Rng;
+
+    /// The per-sequence backward must give the per-row backward's bits (the public reference
+    /// picks one by the number of sequences, so both must agree).
+    #[test]
+    fn by_sequence_equals_by_row_bit_for_bit() {
+        let mut rng = Rng::new(5);
+        for (causal, cu) in [
+            (true, vec![0i32, 1, 18, 18, 45, 46]),
+            (false, vec![0, 17, 20, 53]),
+        ] {
+            let t = *cu.last().unwrap() as usize;
+            let dims = AttnDims {
+                t,
+                h: 4,
+                hkv: 2,
+                d: 17,
+            };
+            let (nq, nk) = (t * 4 * 17, t * 2 * 17);
+            let (q, k, v) = (
+                rng.normal_vec(nq, 1.0),
+                rng.normal_vec(nk, 1.0),
+                rng.normal_vec(nk, 1.0),
+            );
+            let dout = rng.normal_vec(nq, 1.0);
+            let (mut out, mut lse) = (vec![f32::NAN; nq], vec![f32::NAN; t * 4]);
+            attention_forward_reference(&q, &k, &v, &cu, dims, causal, 0.3, &mut out, &mut lse)
+                .unwrap();
+            let delta: Vec<f32> = (0..t * 4)
+                .map(|r| dot_fma(&dout[r * 17..(r + 1) * 17], &out[r * 17..(r + 1) * 17]))
+                .collect();
+            let ctx = BwdCtx {
+                q: &q,
+                k: &k,
+                v: &v,
+                cu_seqlens: &cu,
+                dims,
+                causal,
+                scale: 0.3,
+                lse: &lse,
+                dout: &dout,
+                delta: &delta,
+            };
+            let mut a = (vec![f32::NAN; nq], vec![f32::NAN; nk], vec![f32::NAN; nk]);
+            let mut b = (vec![f32::NAN; nq], vec![f32::NAN; nk], vec![f32::NAN; nk]);
+            backward_by_row(&ctx, &mut a.0, &mut a.1, &mut a.2);
+            backward_by_sequence(&ctx, &mut b.0, &mut b.1, &mut b.2);
+            for (name, x, y) in [("dq", &a.0, &b.0), ("dk", &a.1, &b.1), ("dv", &a.2, &b.2)] {
+                assert!(x.iter().all(|v| v.is_finite()), "{name}: unwritten rows");
+                let same = x
+                    .iter()
+                    .zip(y.iter())
+                    .all(|(p, q)| p.to_bits() == q.to_bits());
+                assert!(
+                    same,
+                    "{name} differs between the two paths (causal {causal})"
+                );
+            }
+        }
+    }
+}

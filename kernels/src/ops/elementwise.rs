@@ -20,10 +20,10 @@ use crate::device::Backend;
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
+use crate::par;
 use crate::runner::{OpCall, OpOutputs, OpSpec, TensorSpec};
 use crate::tensor::Tensor;
 use half::bf16;
-use rayon::prelude::*;
 
 /// Threads per block of every model-op kernel with a block reduction (fixed: the reduction
 /// order, and so the bits, must not depend on anything but the row length).
@@ -109,9 +109,10 @@ pub(crate) fn as_i32(name: &str, what: &str, v: usize) -> Result<i32> {
     })
 }
 
-/// An f32 result computed on the host, as a tensor on `backend` (cpu here).
-pub(crate) fn host_tensor(backend: &Backend, shape: &[usize], data: &[f32]) -> Result<Tensor> {
-    Tensor::from_slice(backend, shape, data)
+/// A CPU reference's result as a tensor: on `cpu` the vector becomes the tensor's storage (no
+/// copy); elsewhere it is uploaded.
+pub(crate) fn host_tensor(backend: &Backend, shape: &[usize], data: Vec<f32>) -> Result<Tensor> {
+    Tensor::from_f32_vec(backend, shape, data)
 }
 
 /// A rank-2 tensor's `[rows, cols]`, or an error naming it and the expected form.
@@ -134,7 +135,7 @@ pub(crate) fn expect_shape(name: &str, t: &Tensor, shape: &[usize], why: &str) -
 /// y = a + b elementwise.
 pub fn residual_add_reference(a: &[f32], b: &[f32]) -> Result<Vec<f32>> {
     check_len("b", b, a.len(), "the length of `a`")?;
-    Ok(a.par_iter().zip(b).map(|(x, y)| x + y).collect())
+    Ok(par::map_collect(a.len(), 1, |i| a[i] + b[i]))
 }
 
 /// Row softmax of x[rows, n] (max-subtracted; sums in ascending column order).
@@ -144,15 +145,14 @@ pub fn softmax_reference(x: &[f32], rows: usize, n: usize) -> Result<Vec<f32>> {
     if n == 0 {
         return Ok(y);
     }
-    y.par_chunks_mut(n)
-        .zip(x.par_chunks(n))
-        .for_each(|(yr, xr)| {
-            let m = xr.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let sum: f32 = xr.iter().map(|&v| (v - m).exp()).sum();
-            for (o, &v) in yr.iter_mut().zip(xr) {
-                *o = (v - m).exp() / sum;
-            }
-        });
+    par::rows_mut(&mut y, n, 24 * n, |row, yr| {
+        let xr = &x[row * n..(row + 1) * n];
+        let m = xr.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f32 = xr.iter().map(|&v| (v - m).exp()).sum();
+        for (o, &v) in yr.iter_mut().zip(xr) {
+            *o = (v - m).exp() / sum;
+        }
+    });
     Ok(y)
 }
 
@@ -169,14 +169,13 @@ pub fn softmax_backward_reference(
     if n == 0 {
         return Ok(dx);
     }
-    dx.par_chunks_mut(n)
-        .zip(y.par_chunks(n).zip(dy.par_chunks(n)))
-        .for_each(|(o, (yr, dyr))| {
-            let dot: f32 = yr.iter().zip(dyr).map(|(&a, &b)| b * a).sum();
-            for ((o, &a), &b) in o.iter_mut().zip(yr).zip(dyr) {
-                *o = a * (b - dot);
-            }
-        });
+    par::rows_mut(&mut dx, n, 3 * n, |row, o| {
+        let (yr, dyr) = (&y[row * n..(row + 1) * n], &dy[row * n..(row + 1) * n]);
+        let dot: f32 = yr.iter().zip(dyr).map(|(&a, &b)| b * a).sum();
+        for ((o, &a), &b) in o.iter_mut().zip(yr).zip(dyr) {
+            *o = a * (b - dot);
+        }
+    });
     Ok(dx)
 }
 
@@ -196,21 +195,19 @@ pub fn transpose_reference<T: Element>(x: &[T], rows: usize, cols: usize) -> Res
         return Ok(y);
     }
     // Each task owns TILE rows of y (= TILE columns of x).
-    y.par_chunks_mut(TILE * rows)
-        .enumerate()
-        .for_each(|(cb, out)| {
-            let c0 = cb * TILE;
-            let cw = out.len() / rows;
-            for r0 in (0..rows).step_by(TILE) {
-                let r1 = (r0 + TILE).min(rows);
-                for c in 0..cw {
-                    let dst = &mut out[c * rows + r0..c * rows + r1];
-                    for (i, d) in dst.iter_mut().enumerate() {
-                        *d = x[(r0 + i) * cols + c0 + c];
-                    }
+    par::rows_mut(&mut y, TILE * rows, TILE * rows, |cb, out| {
+        let c0 = cb * TILE;
+        let cw = out.len() / rows;
+        for r0 in (0..rows).step_by(TILE) {
+            let r1 = (r0 + TILE).min(rows);
+            for c in 0..cw {
+                let dst = &mut out[c * rows + r0..c * rows + r1];
+                for (i, d) in dst.iter_mut().enumerate() {
+                    *d = x[(r0 + i) * cols + c0 + c];
                 }
             }
-        });
+        }
+    });
     Ok(y)
 }
 
@@ -254,7 +251,7 @@ pub fn softmax(backend: &Backend, x: &Tensor) -> Result<Tensor> {
         Backend::Cpu => host_tensor(
             backend,
             x.shape(),
-            &softmax_reference(&x.to_f32_vec()?, rows, n)?,
+            softmax_reference(&x.f32_data()?, rows, n)?,
         ),
         _ => {
             let y = Tensor::poisoned(backend, x.shape(), DType::F32)?;
@@ -286,7 +283,7 @@ pub fn softmax_backward(backend: &Backend, y: &Tensor, dy: &Tensor) -> Result<Te
         Backend::Cpu => host_tensor(
             backend,
             y.shape(),
-            &softmax_backward_reference(&y.to_f32_vec()?, &dy.to_f32_vec()?, rows, n)?,
+            softmax_backward_reference(&y.f32_data()?, &dy.f32_data()?, rows, n)?,
         ),
         _ => {
             let dx = Tensor::poisoned(backend, y.shape(), DType::F32)?;

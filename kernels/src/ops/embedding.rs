@@ -20,9 +20,9 @@ use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
+use crate::par;
 use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
 use crate::tensor::Tensor;
-use rayon::prelude::*;
 
 /// Threads per block of embedding_backward_* (its grid is (V, ceil(d / 128))).
 const BACKWARD_THREADS: usize = 128;
@@ -85,12 +85,10 @@ pub fn embedding_reference(
     validate_tokens(tokens, vocab)?;
     let mut out = vec![0.0f32; tokens.len() * d];
     if d > 0 {
-        out.par_chunks_mut(d)
-            .zip(tokens.par_iter())
-            .for_each(|(o, &tok)| {
-                let v = tok as usize;
-                o.copy_from_slice(&table[v * d..(v + 1) * d]);
-            });
+        par::rows_mut(&mut out, d, d, |row, o| {
+            let v = tokens[row] as usize;
+            o.copy_from_slice(&table[v * d..(v + 1) * d]);
+        });
     }
     Ok(out)
 }
@@ -113,7 +111,8 @@ pub fn embedding_backward_reference(
     let (order, offsets) = counting_sort(tokens, vocab)?;
     let mut dtable = vec![0.0f32; vocab * d];
     if d > 0 {
-        dtable.par_chunks_mut(d).enumerate().for_each(|(v, row)| {
+        let per_row = (tokens.len() * d).div_ceil(vocab.max(1));
+        par::rows_mut(&mut dtable, d, per_row, |v, row| {
             for &t in &order[offsets[v] as usize..offsets[v + 1] as usize] {
                 let src = &dout[t as usize * d..(t as usize + 1) * d];
                 for (o, s) in row.iter_mut().zip(src) {
@@ -140,7 +139,7 @@ pub fn embedding(backend: &Backend, table: &Tensor, tokens: &Tensor) -> Result<T
     let t = host_tokens.len();
     if let Backend::Cpu = backend {
         let out = embedding_reference(&table.f32_data()?, &host_tokens, vocab, d)?;
-        return host_tensor(backend, &[t, d], &out);
+        return host_tensor(backend, &[t, d], out);
     }
     let out = Tensor::poisoned(backend, &[t, d], DType::F32)?;
     let n = t * d;
@@ -184,7 +183,7 @@ pub fn embedding_backward(
     let d = dout.shape()[1];
     if let Backend::Cpu = backend {
         let dtable = embedding_backward_reference(&dout.f32_data()?, &host_tokens, vocab, d)?;
-        return host_tensor(backend, &[vocab, d], &dtable);
+        return host_tensor(backend, &[vocab, d], dtable);
     }
     let (order, offsets) = counting_sort(&host_tokens, vocab)?;
     let dtable = Tensor::poisoned(backend, &[vocab, d], DType::F32)?;

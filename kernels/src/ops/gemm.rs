@@ -17,6 +17,7 @@
 //!   yet, so it is used only when `SLUICE_GEMM_PATH=wgmma` is set (or [`GemmPath::Wgmma`] is
 //!   asked for); scripts/gpu-check tests it so the first GPU run can verify it.
 
+pub use super::gemm_small::{gemm_packed_into, PackedB};
 use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -24,7 +25,6 @@ use crate::launch::{blocks_for, Launch};
 use crate::runner::{OpCall, OpOutputs, OpSpec, TensorSpec};
 use crate::tensor::Tensor;
 use half::bf16;
-use rayon::prelude::*;
 
 // ---------------------------------------------------------------------------------------------
 // CPU reference
@@ -55,47 +55,115 @@ pub fn gemm_reference_into(a: &[f32], b: &[f32], c: &mut [f32], m: usize, n: usi
         c.fill(0.0);
         return;
     }
-    // Rows split into panels over rayon's threads, each panel one single-threaded sgemm: a
+    // Rows split into panels over the pool's threads, each panel one single-threaded sgemm: a
     // row's arithmetic does not depend on which panel it is in (see above), so this keeps batch
     // invariance, and it scales better than matrixmultiply's own pool (measured in
     // docs/perf/gemm.md). Panels are multiples of 8 rows (the micro-kernel's height) and small
-    // products stay on one thread.
-    let threads = rayon::current_num_threads().max(1);
-    let work = m * n * k;
-    let panels = if work < (1 << 21) {
+    // products stay on the calling thread. B^T is the k x n view of row-major B[n,k] (row
+    // stride 1, column stride k).
+    gemm_strided_into(m, n, k, (a, k, 1), (b, 1, k), c);
+}
+
+/// C[m,n] = A · B in f32 for operands given by strides: element (i, kk) of A at
+/// `a[i * rsa + kk * csa]`, element (kk, j) of B at `b[kk * rsb + j * csb]`; C row-major,
+/// overwritten. The same arithmetic as [`gemm_reference_into`] (matrixmultiply packs either
+/// layout into the same panels, so a product computed from a transposed view has the bits of
+/// the product of the transposed copy): what lets the MoE backward skip its transposes.
+///
+/// # Panics
+/// If a stride reaches past the end of a slice (a caller bug).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_strided_into(
+    m: usize,
+    n: usize,
+    k: usize,
+    (a, rsa, csa): (&[f32], usize, usize),
+    (b, rsb, csb): (&[f32], usize, usize),
+    c: &mut [f32],
+) {
+    assert_eq!(
+        c.len(),
+        m * n,
+        "gemm_strided_into: c must hold m*n elements"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        c.fill(0.0);
+        return;
+    }
+    let last = |r: usize, rs: usize, cols: usize, cs: usize| (r - 1) * rs + (cols - 1) * cs;
+    assert!(
+        last(m, rsa, k, csa) < a.len(),
+        "gemm_strided_into: A out of bounds"
+    );
+    assert!(
+        last(k, rsb, n, csb) < b.len(),
+        "gemm_strided_into: B out of bounds"
+    );
+    // Row panels over the pool as in gemm_reference_into (a row's bits do not depend on its
+    // panel).
+    let rows_per_panel = panel_rows(m, n, k);
+    crate::par::chunks_mut(c, n * rows_per_panel, 1 << 30, |r0_panel, c_panel| {
+        let r0 = r0_panel * rows_per_panel;
+        let rows = c_panel.len() / n;
+        // SAFETY: the asserts above bound every index matrixmultiply forms: A's rows r0..r0+rows
+        // (< m) and columns < k through (rsa, csa), B's k x n window through (rsb, csb), and C's
+        // panel (rows x n, row-major, a &mut slice aliasing neither input). beta = 0: C is not
+        // read.
+        unsafe {
+            matrixmultiply::sgemm(
+                rows,
+                k,
+                n,
+                1.0,
+                a.as_ptr().add(r0 * rsa),
+                rsa as isize,
+                csa as isize,
+                b.as_ptr(),
+                rsb as isize,
+                csb as isize,
+                0.0,
+                c_panel.as_mut_ptr(),
+                n as isize,
+                1,
+            );
+        }
+    });
+}
+
+/// Rows per thread panel of a product (multiples of 8; the whole of M when small).
+fn panel_rows(m: usize, n: usize, k: usize) -> usize {
+    let threads = crate::par::threads();
+    let panels = if m * n * k < (1 << 21) {
         1
     } else {
         threads.min(m.div_ceil(8))
     };
-    let rows_per_panel = m.div_ceil(panels).div_ceil(8) * 8;
-    c.par_chunks_mut(rows_per_panel * n)
-        .zip(a.par_chunks(rows_per_panel * k))
-        .for_each(|(c_panel, a_panel)| {
-            let rows = a_panel.len() / k;
-            // SAFETY: the asserts above make every index matrixmultiply forms from (rows, k, n)
-            // and the strides in bounds: A's panel is rows x k row-major (row stride k, column
-            // stride 1); B^T is the k x n view of row-major B[n,k] (row stride 1, column stride
-            // k); C's panel is rows x n row-major. With beta = 0, C need not be initialised, and
-            // it aliases neither input (a &mut slice).
-            unsafe {
-                matrixmultiply::sgemm(
-                    rows,
-                    k,
-                    n,
-                    1.0,
-                    a_panel.as_ptr(),
-                    k as isize,
-                    1,
-                    b.as_ptr(),
-                    1,
-                    k as isize,
-                    0.0,
-                    c_panel.as_mut_ptr(),
-                    n as isize,
-                    1,
-                );
-            }
-        });
+    m.div_ceil(panels).div_ceil(8) * 8
+}
+
+/// Products with at most this many rows of A use the packed small-row GEMM
+/// ([`gemm_packed_into`]; same bits as [`gemm_reference_into`]) when B is a host F32 tensor.
+pub const SMALL_M: usize = 64;
+/// ... and K at most this (longer K streams the packed panels from further out in the cache
+/// than matrixmultiply's blocking does).
+const SMALL_MAX_K: usize = 1024;
+
+/// The packed form of `b` (`groups` stacked [n, k] matrices) when a product with `m` rows of A
+/// should take the small-row path: `b` a host F32 tensor, `m <= SMALL_M`, `k <= SMALL_MAX_K`.
+pub fn small_rows_rhs(
+    b: &Tensor,
+    groups: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Option<std::sync::Arc<PackedB>> {
+    if m == 0 || m > SMALL_M || n == 0 || k == 0 || k > SMALL_MAX_K {
+        return None;
+    }
+    b.packed_rhs(groups, n, k)
 }
 
 /// C[m,n] = A[m,k] · B[n,k]^T in f32. See [`gemm_reference_into`].
@@ -325,6 +393,16 @@ fn dims_fit_i32(dims: &[(&str, usize)]) -> Result<()> {
     Ok(())
 }
 
+/// A fresh F32 output: poisoned on emu and cuda (a kernel that misses an element shows as
+/// NaN); zeros on cpu, where the reference writes every element and the poison pass was only
+/// a second write of the whole output (fresh zero pages cost no pass at all).
+fn output(backend: &Backend, shape: &[usize]) -> Result<Tensor> {
+    match backend {
+        Backend::Cpu => Tensor::zeros(backend, shape, DType::F32),
+        _ => Tensor::poisoned(backend, shape, DType::F32),
+    }
+}
+
 /// C[M,N] = A[M,K] · B[N,K]^T. `a` and `b` are both F32 or both BF16; C is F32.
 pub fn gemm(backend: &Backend, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     gemm_with_path(backend, a, b, GemmPath::from_env()?)
@@ -333,7 +411,7 @@ pub fn gemm(backend: &Backend, a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// [`gemm`] with the bf16 kernel chosen explicitly (tests run both paths side by side).
 pub fn gemm_with_path(backend: &Backend, a: &Tensor, b: &Tensor, path: GemmPath) -> Result<Tensor> {
     let (m, n, _) = plain_dims(a, b)?;
-    let mut c = Tensor::poisoned(backend, &[m, n], DType::F32)?;
+    let mut c = output(backend, &[m, n])?;
     gemm_into_with_path(backend, a, b, &mut c, path)?;
     Ok(c)
 }
@@ -407,7 +485,7 @@ pub fn gemm_batched_with_path(
         ));
     }
     let n = b.shape()[b.shape().len() - 2];
-    let mut c = Tensor::poisoned(backend, &[batch, m, n], DType::F32)?;
+    let mut c = output(backend, &[batch, m, n])?;
     batched(backend, a, b, &mut c, batch, m, n, k, shared_b, path)?;
     Ok(c)
 }
@@ -431,8 +509,22 @@ fn batched(
     match backend {
         Backend::Cpu => {
             let af = a.f32_data()?;
-            let bf = b.f32_data()?;
             let c = c.host_slice_mut::<f32>()?;
+            if batch == 1 || shared_b {
+                if let Some(pb) = small_rows_rhs(b, 1, m, n, k) {
+                    for i in 0..batch {
+                        gemm_packed_into(
+                            &af[i * m * k..(i + 1) * m * k],
+                            &pb,
+                            0,
+                            &mut c[i * m * n..(i + 1) * m * n],
+                            m,
+                        );
+                    }
+                    return Ok(());
+                }
+            }
+            let bf = b.f32_data()?;
             for i in 0..batch {
                 let bi = if shared_b { 0 } else { i };
                 if m * n > 0 {
@@ -541,9 +633,13 @@ pub fn gemm_grouped_with_path(
             let af = a.f32_data()?;
             let bf = b_stack.f32_data()?;
             let mut c = vec![0.0f32; rows * n];
+            let largest = bounds.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+            let packed = small_rows_rhs(b_stack, groups, largest, n, k);
             for g in 0..groups {
                 let (r0, r1) = (bounds[g], bounds[g + 1]);
-                if r1 > r0 && n > 0 {
+                if let (Some(pb), true) = (&packed, r1 > r0) {
+                    gemm_packed_into(&af[r0 * k..r1 * k], pb, g, &mut c[r0 * n..r1 * n], r1 - r0);
+                } else if r1 > r0 && n > 0 {
                     gemm_reference_into(
                         &af[r0 * k..r1 * k],
                         &bf[g * n * k..(g + 1) * n * k],

@@ -43,16 +43,20 @@
 //! [`MoeOutput::aux_loss`] and adds its gradient in [`moe_backward`].
 
 use super::elementwise::{softmax, softmax_backward_reference, softmax_reference};
-use super::gemm::{gemm, gemm_grouped, gemm_grouped_reference, gemm_reference};
-use super::swiglu::{swiglu, swiglu_backward, swiglu_backward_reference, swiglu_reference};
+use super::gemm::{
+    gemm, gemm_grouped, gemm_packed_into, gemm_reference, gemm_reference_into, gemm_strided_into,
+    small_rows_rhs, PackedB,
+};
+use super::swiglu::{swiglu, swiglu_backward, swiglu_backward_reference, swiglu_reference_into};
 use super::topk::{topk, topk_reference, MAX_E, MAX_K};
 use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
+use crate::par;
 use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
 use crate::tensor::Tensor;
-use rayon::prelude::*;
+use std::sync::Arc;
 
 // ---------------------------------------------------------------------------------------------
 // Configuration
@@ -188,9 +192,27 @@ pub fn moe_route_reference(
     dims: MoeDims,
     cfg: MoeConfig,
 ) -> MoeRouting {
+    route(x, w_router, None, dims, cfg)
+}
+
+/// [`moe_route_reference`], the router product from `packed` when given (same bits).
+fn route(
+    x: &[f32],
+    w_router: &[f32],
+    packed: Option<&PackedB>,
+    dims: MoeDims,
+    cfg: MoeConfig,
+) -> MoeRouting {
     let MoeDims { t, d, e, .. } = dims;
     let k = cfg.k;
-    let logits = gemm_reference(x, w_router, t, e, d);
+    let logits = match packed {
+        Some(pb) => {
+            let mut l = vec![0.0f32; t * e];
+            gemm_packed_into(x, pb, 0, &mut l, t);
+            l
+        }
+        None => gemm_reference(x, w_router, t, e, d),
+    };
     let probs = match cfg.score_fn {
         ScoreFn::Softmax => {
             softmax_reference(&logits, t, e).expect("moe_route_reference: logits are [T,E]")
@@ -267,6 +289,7 @@ struct ForwardState {
     y: Vec<f32>,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn forward_state(
     x: &[f32],
     w_router: &[f32],
@@ -275,34 +298,28 @@ fn forward_state(
     w2: &[f32],
     dims: MoeDims,
     cfg: MoeConfig,
+    packed: Option<&MoePacked>,
 ) -> ForwardState {
     let MoeDims { t, d, f, .. } = dims;
     let k = cfg.k;
-    let routing = moe_route_reference(x, w_router, dims, cfg);
+    let routing = route(x, w_router, packed.map(|p| &*p.router), dims, cfg);
     let n = t * k;
     let mut xs = vec![0.0f32; n * d];
-    xs.par_chunks_mut(d.max(1))
-        .zip(&routing.perm)
-        .for_each(|(row, &slot)| {
-            let tok = slot as usize / k;
-            row.copy_from_slice(&x[tok * d..(tok + 1) * d]);
-        });
-    let a = gemm_grouped_reference(&xs, w1, &routing.offsets, f, d);
-    let b = gemm_grouped_reference(&xs, w3, &routing.offsets, f, d);
-    let h = swiglu_reference(&a, &b).expect("moe: a and b are [N,f]");
-    let ye = gemm_grouped_reference(&h, w2, &routing.offsets, d, f);
+    par::rows_mut(&mut xs, d.max(1), d, |p, row| {
+        let tok = routing.perm[p] as usize / k;
+        row.copy_from_slice(&x[tok * d..(tok + 1) * d]);
+    });
+    let [a, b, h, ye] = experts_forward(&xs, [w1, w3, w2], packed, &routing.offsets, d, f);
     let mut y = vec![0.0f32; t * d];
-    y.par_chunks_mut(d.max(1))
-        .enumerate()
-        .for_each(|(tok, row)| {
-            for j in 0..k {
-                let g = routing.gate[tok * k + j];
-                let p = routing.pos[tok * k + j] as usize;
-                for (o, &v) in row.iter_mut().zip(&ye[p * d..(p + 1) * d]) {
-                    *o += g * v;
-                }
+    par::rows_mut(&mut y, d.max(1), 2 * k * d, |tok, row| {
+        for j in 0..k {
+            let g = routing.gate[tok * k + j];
+            let p = routing.pos[tok * k + j] as usize;
+            for (o, &v) in row.iter_mut().zip(&ye[p * d..(p + 1) * d]) {
+                *o += g * v;
             }
-        });
+        }
+    });
     ForwardState {
         routing,
         xs,
@@ -311,6 +328,108 @@ fn forward_state(
         h,
         ye,
         y,
+    }
+}
+
+/// One expert's share of [`experts_forward`]: its segment (rows `r0..r0 + rows` of the sorted
+/// rows) and its slices of the four outputs.
+struct ExpertTask<'a> {
+    g: usize,
+    r0: usize,
+    rows: usize,
+    a: &'a mut [f32],
+    b: &'a mut [f32],
+    h: &'a mut [f32],
+    ye: &'a mut [f32],
+}
+
+/// Every expert's SwiGLU FFN on its segment of the sorted rows `xs` [N,d]: a = xs W1_e^T,
+/// b = xs W3_e^T (both [N,f]), h = silu(a) * b, ye = h W2_e^T [N,d]. One task per expert (all
+/// four steps of a segment in one task, so a call forks and joins the pool once, not once per
+/// product), in parallel when the call is large enough; every row's arithmetic is the plain
+/// references', so the bits do not depend on the grouping.
+fn experts_forward(
+    xs: &[f32],
+    [w1, w3, w2]: [&[f32]; 3],
+    packed: Option<&MoePacked>,
+    offsets: &[i32],
+    d: usize,
+    f: usize,
+) -> [Vec<f32>; 4] {
+    use rayon::prelude::*;
+    let n = *offsets.last().unwrap_or(&0) as usize;
+    let (mut a, mut b, mut h, mut ye) = (
+        vec![0.0f32; n * f],
+        vec![0.0f32; n * f],
+        vec![0.0f32; n * f],
+        vec![0.0f32; n * d],
+    );
+    if n == 0 || d == 0 || f == 0 {
+        return [a, b, h, ye];
+    }
+    // Split the four outputs at the segment bounds: one set of disjoint slices per expert.
+    let mut tasks: Vec<ExpertTask<'_>> = Vec::with_capacity(offsets.len() - 1);
+    let (mut ra, mut rb, mut rh, mut ry) = (&mut a[..], &mut b[..], &mut h[..], &mut ye[..]);
+    for (g, w) in offsets.windows(2).enumerate() {
+        let rows = (w[1] - w[0]) as usize;
+        let (a, ta) = std::mem::take(&mut ra).split_at_mut(rows * f);
+        let (b, tb) = std::mem::take(&mut rb).split_at_mut(rows * f);
+        let (h, th) = std::mem::take(&mut rh).split_at_mut(rows * f);
+        let (ye, ty) = std::mem::take(&mut ry).split_at_mut(rows * d);
+        (ra, rb, rh, ry) = (ta, tb, th, ty);
+        if rows > 0 {
+            let r0 = w[0] as usize;
+            tasks.push(ExpertTask {
+                g,
+                r0,
+                rows,
+                a,
+                b,
+                h,
+                ye,
+            });
+        }
+    }
+    let product =
+        |src: &[f32], w: &[f32], pb: Option<&PackedB>, g, out: &mut [f32], rows, nn, kk| match pb {
+            Some(pb) => gemm_packed_into(src, pb, g, out, rows),
+            None => gemm_reference_into(src, &w[g * nn * kk..(g + 1) * nn * kk], out, rows, nn, kk),
+        };
+    let run = |t: ExpertTask<'_>| {
+        let x = &xs[t.r0 * d..(t.r0 + t.rows) * d];
+        product(x, w1, packed.map(|p| &*p.w1), t.g, t.a, t.rows, f, d);
+        product(x, w3, packed.map(|p| &*p.w3), t.g, t.b, t.rows, f, d);
+        swiglu_reference_into(t.a, t.b, t.h).expect("moe: a, b and h are one segment");
+        product(t.h, w2, packed.map(|p| &*p.w2), t.g, t.ye, t.rows, d, f);
+    };
+    if tasks.len() > 1 && par::pieces(n, 3 * d * f) > 1 {
+        tasks.into_par_iter().with_max_len(1).for_each(run);
+    } else {
+        tasks.into_iter().for_each(run);
+    }
+    [a, b, h, ye]
+}
+
+/// The expert weights packed for the small-row GEMM ([`crate::ops::gemm_small`]), taken from
+/// (and cached on) the weight tensors: what a decode step's MoE layer multiplies by.
+pub struct MoePacked {
+    router: Arc<PackedB>,
+    w1: Arc<PackedB>,
+    w3: Arc<PackedB>,
+    w2: Arc<PackedB>,
+}
+
+impl MoePacked {
+    /// The packed weights when a call of `t` tokens should use them (host F32 weights, and few
+    /// enough rows per expert: `t <= SMALL_M`, so no segment can exceed it).
+    fn for_call(inp: &Inputs<'_>) -> Option<MoePacked> {
+        let MoeDims { t, d, f, e } = inp.dims;
+        Some(MoePacked {
+            router: small_rows_rhs(inp.w_router, 1, t, e, d)?,
+            w1: small_rows_rhs(inp.w1, e, t, f, d)?,
+            w3: small_rows_rhs(inp.w3, e, t, f, d)?,
+            w2: small_rows_rhs(inp.w2, e, t, d, f)?,
+        })
     }
 }
 
@@ -341,8 +460,23 @@ pub fn moe_forward_reference(
     dims: MoeDims,
     cfg: MoeConfig,
 ) -> MoeForwardOut {
+    moe_forward_packed(x, w_router, w1, w3, w2, dims, cfg, None)
+}
+
+/// [`moe_forward_reference`] with the expert products from packed weights when given.
+#[allow(clippy::too_many_arguments)]
+fn moe_forward_packed(
+    x: &[f32],
+    w_router: &[f32],
+    w1: &[f32],
+    w3: &[f32],
+    w2: &[f32],
+    dims: MoeDims,
+    cfg: MoeConfig,
+    packed: Option<&MoePacked>,
+) -> MoeForwardOut {
     check_lengths(x, w_router, w1, w3, w2, None, dims);
-    let s = forward_state(x, w_router, w1, w3, w2, dims, cfg);
+    let s = forward_state(x, w_router, w1, w3, w2, dims, cfg, packed);
     MoeForwardOut {
         y: s.y,
         topk_idx: s.routing.idx,
@@ -390,27 +524,9 @@ pub struct MoeGrads {
     pub dw2: Vec<f32>,
 }
 
-/// `[batch, rows, cols]` -> `[batch, cols, rows]`.
-fn transpose_batched(src: &[f32], batch: usize, rows: usize, cols: usize) -> Vec<f32> {
-    let mut dst = vec![0.0f32; src.len()];
-    if rows * cols == 0 {
-        return dst;
-    }
-    dst.par_chunks_mut(rows * cols)
-        .zip(src.par_chunks(rows * cols))
-        .for_each(|(o, s)| {
-            for r in 0..rows {
-                for c in 0..cols {
-                    o[c * rows + r] = s[r * cols + c];
-                }
-            }
-        });
-    debug_assert_eq!(dst.len(), batch * rows * cols);
-    dst
-}
-
 /// out[g] = P_g^T · Q_g over the rows of segment g (P [N,p], Q [N,q], out [G,p,q]): the weight
-/// gradient of a grouped linear layer, as one GEMM per segment over the transposed segments.
+/// gradient of a grouped linear layer, one GEMM per segment reading the segments through
+/// transposed strides (the bits of a GEMM of transposed copies; no copies made).
 fn segment_wgrad_reference(
     pm: &[f32],
     qm: &[f32],
@@ -423,14 +539,44 @@ fn segment_wgrad_reference(
     if p * q == 0 {
         return out;
     }
-    out.par_chunks_mut(p * q).enumerate().for_each(|(g, o)| {
+    let rows = *offsets.last().unwrap_or(&0) as usize;
+    let per_group = p * q * rows.div_ceil(groups.max(1));
+    par::rows_mut(&mut out, p * q, per_group, |g, o| {
         let (r0, r1) = (offsets[g] as usize, offsets[g + 1] as usize);
-        let n = r1 - r0;
-        let pt = transpose_batched(&pm[r0 * p..r1 * p], 1, n, p);
-        let qt = transpose_batched(&qm[r0 * q..r1 * q], 1, n, q);
-        o.copy_from_slice(&gemm_reference(&pt, &qt, p, q, n));
+        gemm_strided_into(
+            p,
+            q,
+            r1 - r0,
+            (&pm[r0 * p..r1 * p], 1, p),
+            (&qm[r0 * q..r1 * q], q, 1),
+            o,
+        );
     });
     out
+}
+
+/// The grouped product with weights as stored: rows `offsets[g]..offsets[g+1]` of `a` [N,k]
+/// times `w[g]`, a row-major `[k, n]` matrix (the backward's `dY · W`, with no transposed
+/// copy of W).
+fn grouped_kn(a: &[f32], w: &[f32], offsets: &[i32], n: usize, k: usize) -> Vec<f32> {
+    let bounds: Vec<usize> = offsets.iter().map(|&o| o as usize).collect();
+    let rows = bounds.last().copied().unwrap_or(0);
+    let mut c = vec![0.0f32; rows * n];
+    if n == 0 {
+        return c;
+    }
+    par::segments_mut(&mut c, n, &bounds, n * k, |g, r0, cg| {
+        let r1 = r0 + cg.len() / n;
+        gemm_strided_into(
+            r1 - r0,
+            n,
+            k,
+            (&a[r0 * k..r1 * k], k, 1),
+            (&w[g * k * n..(g + 1) * k * n], n, 1),
+            cg,
+        );
+    });
+    c
 }
 
 /// The CPU reference of `moe_backward`: recomputes the forward, then the gradients described in
@@ -450,40 +596,62 @@ pub fn moe_backward_reference(
     cfg: MoeConfig,
 ) -> MoeGrads {
     check_lengths(x, w_router, w1, w3, w2, Some(dy), dims);
+    let s = forward_state(x, w_router, w1, w3, w2, dims, cfg, None);
+    backward_with_state(&s, x, w_router, w1, w3, w2, dy, dims, cfg)
+}
+
+/// The backward from the forward's state `s` (computed from the same inputs).
+#[allow(clippy::too_many_arguments)]
+fn backward_with_state(
+    s: &ForwardState,
+    x: &[f32],
+    w_router: &[f32],
+    w1: &[f32],
+    w3: &[f32],
+    w2: &[f32],
+    dy: &[f32],
+    dims: MoeDims,
+    cfg: MoeConfig,
+) -> MoeGrads {
     let MoeDims { t, d, f, e } = dims;
     let k = cfg.k;
     let n = t * k;
-    let s = forward_state(x, w_router, w1, w3, w2, dims, cfg);
     let r = &s.routing;
 
-    // Combine backward: d(ye)[pos] = gate * dy[t]; dgate[t,j] = dy[t] . ye[pos].
+    // Combine backward: d(ye)[pos] = gate * dy[t]; dgate[t,j] = dy[t] . ye[pos] (by sorted
+    // position, then scattered to the slots).
     let mut dye = vec![0.0f32; n * d];
+    let mut dgate_sorted = vec![0.0f32; n];
+    par::rows2_mut(
+        &mut dye,
+        d.max(1),
+        &mut dgate_sorted,
+        1,
+        2 * d,
+        |p, dyer, dg| {
+            let slot = r.perm[p] as usize;
+            let tok = slot / k;
+            let g = r.gate[slot];
+            let dyr = &dy[tok * d..(tok + 1) * d];
+            let mut dot = 0.0f32;
+            for ((o, &dv), &yv) in dyer.iter_mut().zip(dyr).zip(&s.ye[p * d..(p + 1) * d]) {
+                *o = g * dv;
+                dot += dv * yv;
+            }
+            dg[0] = dot;
+        },
+    );
     let mut dgate = vec![0.0f32; n];
-    for (slot, dg) in dgate.iter_mut().enumerate() {
-        let tok = slot / k;
-        let p = r.pos[slot] as usize;
-        let g = r.gate[slot];
-        let dyr = &dy[tok * d..(tok + 1) * d];
-        let mut dot = 0.0f32;
-        for ((o, &dv), &yv) in dye[p * d..(p + 1) * d]
-            .iter_mut()
-            .zip(dyr)
-            .zip(&s.ye[p * d..(p + 1) * d])
-        {
-            *o = g * dv;
-            dot += dv * yv;
-        }
-        *dg = dot;
+    for (p, &slot) in r.perm.iter().enumerate() {
+        dgate[slot as usize] = dgate_sorted[p];
     }
 
     // Expert FFN backward.
-    let w2t = transpose_batched(w2, e, d, f); // [E,f,d]
-    let dh = gemm_grouped_reference(&dye, &w2t, &r.offsets, f, d);
+    // dh = d(ye) W2_e (W2_e [d,f] read as stored), dxs = da W1_e + db W3_e (W1_e, W3_e [f,d]).
+    let dh = grouped_kn(&dye, w2, &r.offsets, f, d);
     let (da, db) = swiglu_backward_reference(&s.a, &s.b, &dh).expect("moe: [N,f] operands");
-    let w1t = transpose_batched(w1, e, f, d); // [E,d,f]
-    let w3t = transpose_batched(w3, e, f, d);
-    let dxa = gemm_grouped_reference(&da, &w1t, &r.offsets, d, f);
-    let dxb = gemm_grouped_reference(&db, &w3t, &r.offsets, d, f);
+    let dxa = grouped_kn(&da, w1, &r.offsets, d, f);
+    let dxb = grouped_kn(&db, w3, &r.offsets, d, f);
     let dw2 = segment_wgrad_reference(&dye, &s.h, &r.offsets, d, f);
     let dw1 = segment_wgrad_reference(&da, &s.xs, &r.offsets, f, d);
     let dw3 = segment_wgrad_reference(&db, &s.xs, &r.offsets, f, d);
@@ -507,22 +675,20 @@ pub fn moe_backward_reference(
             .map(|(&p, &g)| g * (p * (1.0 - p)))
             .collect(),
     };
-    let wrt = transpose_batched(w_router, 1, e, d); // [d,E]
-    let dx_router = gemm_reference(&dlogits, &wrt, t, d, e);
+    let mut dx_router = vec![0.0f32; t * d];
+    gemm_strided_into(t, d, e, (&dlogits, e, 1), (w_router, d, 1), &mut dx_router);
     let dw_router = segment_wgrad_reference(&dlogits, x, &[0, t as i32], e, d);
 
     // dx = router part + the expert parts of the token's k slots, j ascending.
     let mut dx = dx_router;
-    dx.par_chunks_mut(d.max(1))
-        .enumerate()
-        .for_each(|(tok, row)| {
-            for j in 0..k {
-                let p = r.pos[tok * k + j] as usize;
-                for c in 0..d {
-                    row[c] += dxa[p * d + c] + dxb[p * d + c];
-                }
+    par::rows_mut(&mut dx, d.max(1), 2 * k * d, |tok, row| {
+        for j in 0..k {
+            let p = r.pos[tok * k + j] as usize;
+            for c in 0..d {
+                row[c] += dxa[p * d + c] + dxb[p * d + c];
             }
-        });
+        }
+    });
     MoeGrads {
         dx,
         dw_router,
@@ -715,6 +881,17 @@ pub struct MoeGradTensors {
     pub dw2: Tensor,
 }
 
+/// What the CPU forward computed (routing, the expert-sorted rows, every expert activation),
+/// kept by [`moe_forward_saved`] so that [`moe_backward_saved`] need not recompute it: the
+/// backward's recomputation of the forward was about a sixth of a training step's FLOPs.
+/// Opaque; only the `cpu` device makes one.
+pub struct MoeSaved {
+    /// Boxed: the state is a dozen vectors, and the model keeps one per layer in an enum.
+    state: Box<ForwardState>,
+    dims: MoeDims,
+    cfg: MoeConfig,
+}
+
 /// The MoE layer forward on any device (see the module documentation).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_forward(
@@ -726,11 +903,26 @@ pub fn moe_forward(
     w2: &Tensor,
     cfg: MoeConfig,
 ) -> Result<MoeOutput> {
+    Ok(moe_forward_saved(backend, x, w_router, w1, w3, w2, cfg)?.0)
+}
+
+/// [`moe_forward`], also returning (on `cpu`) the state [`moe_backward_saved`] takes.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_forward_saved(
+    backend: &Backend,
+    x: &Tensor,
+    w_router: &Tensor,
+    w1: &Tensor,
+    w3: &Tensor,
+    w2: &Tensor,
+    cfg: MoeConfig,
+) -> Result<(MoeOutput, Option<MoeSaved>)> {
     let inp = check_inputs(backend, x, w_router, w1, w3, w2, None, cfg)?;
     let MoeDims { t, d, .. } = inp.dims;
     let k = cfg.k;
     if let Backend::Cpu = backend {
-        let out = moe_forward_reference(
+        let packed = MoePacked::for_call(&inp);
+        let mut state = forward_state(
             &x.f32_data()?,
             &w_router.f32_data()?,
             &w1.f32_data()?,
@@ -738,22 +930,33 @@ pub fn moe_forward(
             &w2.f32_data()?,
             inp.dims,
             cfg,
+            packed.as_ref(),
         );
-        return Ok(MoeOutput {
-            y: Tensor::from_f32_vec(backend, &[t, d], out.y)?,
-            topk_idx: Tensor::from_slice(backend, &[t, k], &out.topk_idx)?,
-            topk_gate: Tensor::from_f32_vec(backend, &[t, k], out.topk_gate)?,
-            aux_loss: Tensor::from_slice(backend, &[1], &[out.aux_loss])?,
-        });
+        let r = &state.routing;
+        let out = MoeOutput {
+            y: Tensor::from_f32_vec(backend, &[t, d], std::mem::take(&mut state.y))?,
+            topk_idx: Tensor::from_slice(backend, &[t, k], &r.idx)?,
+            topk_gate: Tensor::from_slice(backend, &[t, k], &r.gate)?,
+            aux_loss: Tensor::from_slice(backend, &[1], &[r.aux_loss])?,
+        };
+        let saved = MoeSaved {
+            state: Box::new(state),
+            dims: inp.dims,
+            cfg,
+        };
+        return Ok((out, Some(saved)));
     }
     let w = Widened::new(backend, &inp)?;
     let s = device_forward(backend, &w, inp.dims, cfg)?;
-    Ok(MoeOutput {
-        y: s.y,
-        topk_idx: s.idx,
-        topk_gate: s.gate,
-        aux_loss: s.aux_loss,
-    })
+    Ok((
+        MoeOutput {
+            y: s.y,
+            topk_idx: s.idx,
+            topk_gate: s.gate,
+            aux_loss: s.aux_loss,
+        },
+        None,
+    ))
 }
 
 /// The MoE layer backward on any device: gradients of sum(dy * y) with respect to x and the
@@ -769,19 +972,51 @@ pub fn moe_backward(
     dy: &Tensor,
     cfg: MoeConfig,
 ) -> Result<MoeGradTensors> {
+    moe_backward_saved(backend, x, w_router, w1, w3, w2, dy, cfg, None)
+}
+
+/// [`moe_backward`] from the state of the forward of the SAME inputs (`saved`, from
+/// [`moe_forward_saved`] on `cpu`) instead of recomputing it; the gradients are the same bits
+/// (the forward is deterministic). A state of other sizes or parameters is an error; `None`
+/// recomputes.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_backward_saved(
+    backend: &Backend,
+    x: &Tensor,
+    w_router: &Tensor,
+    w1: &Tensor,
+    w3: &Tensor,
+    w2: &Tensor,
+    dy: &Tensor,
+    cfg: MoeConfig,
+    saved: Option<MoeSaved>,
+) -> Result<MoeGradTensors> {
     let inp = check_inputs(backend, x, w_router, w1, w3, w2, Some(dy), cfg)?;
     let MoeDims { t, d, f, e } = inp.dims;
+    if let Some(s) = &saved {
+        if s.dims != inp.dims || s.cfg != cfg {
+            return Err(Error::Invalid(format!(
+                "moe_backward_saved: the saved forward state is of {:?} / {:?}, the call of \
+                 {:?} / {cfg:?}",
+                s.dims, s.cfg, inp.dims
+            )));
+        }
+    }
     if let Backend::Cpu = backend {
-        let g = moe_backward_reference(
-            &x.f32_data()?,
-            &w_router.f32_data()?,
-            &w1.f32_data()?,
-            &w3.f32_data()?,
-            &w2.f32_data()?,
-            &dy.f32_data()?,
-            inp.dims,
-            cfg,
+        let (xs, wr, w1s, w3s, w2s, dys) = (
+            x.f32_data()?,
+            w_router.f32_data()?,
+            w1.f32_data()?,
+            w3.f32_data()?,
+            w2.f32_data()?,
+            dy.f32_data()?,
         );
+        let g = match saved {
+            Some(s) => {
+                backward_with_state(&s.state, &xs, &wr, &w1s, &w3s, &w2s, &dys, inp.dims, cfg)
+            }
+            None => moe_backward_reference(&xs, &wr, &w1s, &w3s, &w2s, &dys, inp.dims, cfg),
+        };
         return Ok(MoeGradTensors {
             dx: Tensor::from_f32_vec(backend, &[t, d], g.dx)?,
             dw_router: Tensor::from_f32_vec(backend, &[e, d], g.dw_router)?,

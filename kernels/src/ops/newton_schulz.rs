@@ -31,11 +31,11 @@ use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
-use crate::ops::gemm::{gemm_batched, gemm_reference_into};
+use crate::ops::gemm::{gemm_batched, gemm_reference_into, gemm_strided_into};
+use crate::par;
 use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
 use crate::tensor::Tensor;
 use half::bf16;
-use rayon::prelude::*;
 
 /// The quintic's coefficients (a, b, c).
 pub const NS_COEFFS: (f32, f32, f32) = (3.4445, -4.7750, 2.0315);
@@ -136,9 +136,11 @@ fn per_matrix(
     if size == 0 {
         return out;
     }
-    out.par_chunks_mut(size)
-        .zip(g.par_chunks(size))
-        .for_each(|(o, gm)| one(gm, o));
+    let (rr, cw) = (r.min(c), r.max(c));
+    let work = 4 * rr * rr * cw + 2 * rr * rr * rr;
+    par::rows_mut(&mut out, size, work, |i, o| {
+        one(&g[i * size..(i + 1) * size], o)
+    });
     out
 }
 
@@ -186,8 +188,9 @@ fn one_matrix_bf16(g: &[f32], out: &mut [f32], r: usize, c: usize, steps: usize)
             .zip(&am)
             .map(|(&p, &q)| round_bf16(b.mul_add(q, cc * p)))
             .collect();
-        let xtb = transpose(&xb, rr, cw);
-        gemm_reference_into(&bb, &xtb, &mut bx, rr, cw, rr);
+        // BX = Bb Xb, Xb read as the [rr, cw] row-major right operand (no transposed copy; the
+        // bits of the product with the copy, see gemm_strided_into).
+        gemm_strided_into(rr, cw, rr, (&bb, rr, 1), (&xb, cw, 1), &mut bx);
         for (xv, &bv) in x.iter_mut().zip(&bx) {
             *xv = a.mul_add(*xv, bv);
         }
@@ -219,8 +222,7 @@ fn one_matrix(g: &[f32], out: &mut [f32], r: usize, c: usize, steps: usize) {
         for (p, &q) in a2.iter_mut().zip(&am) {
             *p = cc * *p + b * q;
         }
-        let xt = transpose(&x, rr, cw);
-        gemm_reference_into(&a2, &xt, &mut bx, rr, cw, rr);
+        gemm_strided_into(rr, cw, rr, (&a2, rr, 1), (&x, cw, 1), &mut bx);
         for (xv, &bv) in x.iter_mut().zip(&bx) {
             *xv = bv + a * *xv;
         }

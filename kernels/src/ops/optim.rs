@@ -32,6 +32,7 @@ use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
+use crate::par;
 use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
 use crate::tensor::Tensor;
 use half::bf16;
@@ -323,20 +324,25 @@ pub fn adamw_reference(
     for s in segments {
         let r = s.start..s.start + s.len;
         let wd = s.weight_decay;
-        p[r.clone()]
-            .par_iter_mut()
-            .zip(&g[r.clone()])
-            .zip(&mut m[r.clone()])
-            .zip(&mut v[r])
-            .for_each(|(((p, &g), m), v)| {
-                let gi = h.grad_scale * g;
-                let mi = h.beta1 * *m + (1.0 - h.beta1) * gi;
-                let vi = h.beta2 * *v + (1.0 - h.beta2) * (gi * gi);
-                *m = mi;
-                *v = vi;
-                let step = (mi / h.bc1) / ((vi / h.bc2).sqrt() + h.eps);
-                *p = *p * (1.0 - h.lr * wd) - h.lr * step;
-            });
+        let gs = &g[r.clone()];
+        // Elementwise: any cut of the segment gives the same bits.
+        par::chunks3_mut(
+            &mut p[r.clone()],
+            &mut m[r.clone()],
+            &mut v[r],
+            16,
+            |i0, p, m, v| {
+                for (i, ((p, m), v)) in p.iter_mut().zip(m).zip(v).enumerate() {
+                    let gi = h.grad_scale * gs[i0 + i];
+                    let mi = h.beta1 * *m + (1.0 - h.beta1) * gi;
+                    let vi = h.beta2 * *v + (1.0 - h.beta2) * (gi * gi);
+                    *m = mi;
+                    *v = vi;
+                    let step = (mi / h.bc1) / ((vi / h.bc2).sqrt() + h.eps);
+                    *p = *p * (1.0 - h.lr * wd) - h.lr * step;
+                }
+            },
+        );
     }
     Ok(())
 }

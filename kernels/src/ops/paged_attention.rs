@@ -17,10 +17,10 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
 use crate::ops::attention::{attend_row, resolve_scale, scale_param, MAX_HEAD_DIM, SCALE_DEFAULT};
+use crate::par;
 use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
 use crate::tensor::Tensor;
 use half::bf16;
-use rayon::prelude::*;
 
 /// The block size of the engine's cache unless configured otherwise.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
@@ -120,7 +120,12 @@ pub fn paged_attention_reference(
         )));
     }
     let group = h / hkv;
-    out.par_chunks_mut(d).enumerate().for_each(|(r, o)| {
+    let longest = context_lens
+        .iter()
+        .map(|&c| c.max(0) as usize)
+        .max()
+        .unwrap_or(0);
+    par::rows_mut(out, d, 4 * d * longest.max(1), |r, o| {
         let (s, head) = (r / h, r % h);
         let g = head / group;
         let table = &block_table[s * mb..(s + 1) * mb];
@@ -129,7 +134,7 @@ pub fn paged_attention_reference(
             context_lens[s] as usize,
             scale,
             |j| {
-                let slot = table[j / bs] as usize * bs + j % bs;
+                let slot = slot_of(table, j, bs);
                 let row = (slot * hkv + g) * d;
                 (&k_cache[row..row + d], &v_cache[row..row + d])
             },
@@ -137,6 +142,20 @@ pub fn paged_attention_reference(
         );
     });
     Ok(())
+}
+
+/// The cache slot of a sequence's key `j` through its block-table row: block `j / bs`, offset
+/// `j % bs`, with shifts when the block size is a power of two (the usual 16): this runs once
+/// per key of every attended row, and an integer division there was a visible part of a decode
+/// step.
+#[inline(always)]
+fn slot_of(table: &[i32], j: usize, bs: usize) -> usize {
+    if bs.is_power_of_two() {
+        let shift = bs.trailing_zeros();
+        ((table[j >> shift] as usize) << shift) | (j & (bs - 1))
+    } else {
+        table[j / bs] as usize * bs + j % bs
+    }
 }
 
 /// Checks slot_mapping: each slot is < 0 (padding: skipped) or a slot of the cache (< n_slots),
@@ -567,7 +586,12 @@ pub fn paged_prefill_reference(
         )));
     }
     let group = h / hkv;
-    out.par_chunks_mut(d).enumerate().for_each(|(r, o)| {
+    let longest = context_lens
+        .iter()
+        .map(|&c| c.max(0) as usize)
+        .max()
+        .unwrap_or(0);
+    par::rows_mut(out, d, 4 * d * longest.max(1), |r, o| {
         let (tok, head) = (r / h, r % h);
         let g = head / group;
         let s = cu_seqlens.partition_point(|&c| c as usize <= tok) - 1;
@@ -579,7 +603,7 @@ pub fn paged_prefill_reference(
             n_keys,
             scale,
             |j| {
-                let slot = table[j / bs] as usize * bs + j % bs;
+                let slot = slot_of(table, j, bs);
                 let row = (slot * hkv + g) * d;
                 (&k_cache[row..row + d], &v_cache[row..row + d])
             },

@@ -20,9 +20,9 @@ use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
+use crate::par;
 use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
 use crate::tensor::Tensor;
-use rayon::prelude::*;
 
 /// The default epsilon inside the square root.
 pub const DEFAULT_EPS: f32 = 1e-6;
@@ -54,14 +54,13 @@ pub fn rmsnorm_reference(x: &[f32], w: &[f32], t: usize, d: usize, eps: f32) -> 
     if d == 0 {
         return Ok(y);
     }
-    y.par_chunks_mut(d)
-        .zip(x.par_chunks(d))
-        .for_each(|(yr, xr)| {
-            let r = row_rstd(xr, eps);
-            for ((o, &xv), &wv) in yr.iter_mut().zip(xr).zip(w) {
-                *o = xv * r * wv;
-            }
-        });
+    par::rows_mut(&mut y, d, 3 * d, |row, yr| {
+        let xr = &x[row * d..(row + 1) * d];
+        let r = row_rstd(xr, eps);
+        for ((o, &xv), &wv) in yr.iter_mut().zip(xr).zip(w) {
+            *o = xv * r * wv;
+        }
+    });
     Ok(y)
 }
 
@@ -83,39 +82,34 @@ pub fn rmsnorm_backward_reference(
         return Ok((dx, Vec::new()));
     }
     let mut rstd = vec![0.0f32; t];
-    dx.par_chunks_mut(d)
-        .zip(rstd.par_iter_mut())
-        .zip(x.par_chunks(d).zip(dy.par_chunks(d)))
-        .for_each(|((dxr, r_out), (xr, dyr))| {
-            let r = row_rstd(xr, eps);
-            let dot: f32 = dyr
-                .iter()
-                .zip(w)
-                .zip(xr)
-                .map(|((g, wv), xv)| g * wv * xv)
-                .sum();
-            let c = dot * r * r * r / d as f32;
-            for (((o, &g), &wv), &xv) in dxr.iter_mut().zip(dyr).zip(w).zip(xr) {
-                *o = r * (g * wv) - c * xv;
-            }
-            *r_out = r;
-        });
+    par::rows2_mut(&mut dx, d, &mut rstd, 1, 8 * d, |row, dxr, r_out| {
+        let (xr, dyr) = (&x[row * d..(row + 1) * d], &dy[row * d..(row + 1) * d]);
+        let r = row_rstd(xr, eps);
+        let dot: f32 = dyr
+            .iter()
+            .zip(w)
+            .zip(xr)
+            .map(|((g, wv), xv)| g * wv * xv)
+            .sum();
+        let c = dot * r * r * r / d as f32;
+        for (((o, &g), &wv), &xv) in dxr.iter_mut().zip(dyr).zip(w).zip(xr) {
+            *o = r * (g * wv) - c * xv;
+        }
+        r_out[0] = r;
+    });
     // dw: per-chunk partials (rows ascending), then the chunks in ascending order.
-    let partials: Vec<Vec<f32>> = (0..t.div_ceil(DW_CHUNK_ROWS))
-        .into_par_iter()
-        .map(|c| {
-            let mut acc = vec![0.0f32; d];
-            for row in c * DW_CHUNK_ROWS..((c + 1) * DW_CHUNK_ROWS).min(t) {
-                let (xr, dyr) = (&x[row * d..(row + 1) * d], &dy[row * d..(row + 1) * d]);
-                for ((a, &g), &xv) in acc.iter_mut().zip(dyr).zip(xr) {
-                    *a += g * xv * rstd[row];
-                }
+    let chunks = t.div_ceil(DW_CHUNK_ROWS);
+    let mut partials = vec![0.0f32; chunks * d];
+    par::rows_mut(&mut partials, d, 3 * d * DW_CHUNK_ROWS, |c, acc| {
+        for row in c * DW_CHUNK_ROWS..((c + 1) * DW_CHUNK_ROWS).min(t) {
+            let (xr, dyr) = (&x[row * d..(row + 1) * d], &dy[row * d..(row + 1) * d]);
+            for ((a, &g), &xv) in acc.iter_mut().zip(dyr).zip(xr) {
+                *a += g * xv * rstd[row];
             }
-            acc
-        })
-        .collect();
+        }
+    });
     let mut dw = vec![0.0f32; d];
-    for p in &partials {
+    for p in partials.chunks(d) {
         for (o, v) in dw.iter_mut().zip(p) {
             *o += v;
         }
@@ -136,7 +130,7 @@ pub fn rmsnorm(backend: &Backend, x: &Tensor, w: &Tensor, eps: f32) -> Result<Te
     check_eps(eps)?;
     if let Backend::Cpu = backend {
         let y = rmsnorm_reference(&x.f32_data()?, &w.f32_data()?, t, d, eps)?;
-        return host_tensor(backend, &[t, d], &y);
+        return host_tensor(backend, &[t, d], y);
     }
     let y = Tensor::poisoned(backend, &[t, d], DType::F32)?;
     if t > 0 && d > 0 {
@@ -174,8 +168,8 @@ pub fn rmsnorm_backward(
         let (dx, dw) =
             rmsnorm_backward_reference(&x.f32_data()?, &w.f32_data()?, &dy.f32_data()?, t, d, eps)?;
         return Ok((
-            host_tensor(backend, &[t, d], &dx)?,
-            host_tensor(backend, &[d], &dw)?,
+            host_tensor(backend, &[t, d], dx)?,
+            host_tensor(backend, &[d], dw)?,
         ));
     }
     let dx = Tensor::poisoned(backend, &[t, d], DType::F32)?;

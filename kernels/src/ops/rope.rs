@@ -21,9 +21,9 @@ use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::launch::Launch;
+use crate::par;
 use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
 use crate::tensor::Tensor;
-use rayon::prelude::*;
 
 /// The default base of the rotary frequencies.
 pub const DEFAULT_THETA: f32 = 10000.0;
@@ -56,6 +56,59 @@ pub fn rope_inv_freq(dim: usize, theta: f32) -> Result<Vec<f32>> {
         .collect())
 }
 
+/// Half head dimensions up to this keep a row's cos/sin on the stack (larger on the heap).
+const STACK_HALF: usize = 128;
+/// Positions below this have their cos/sin rows kept per thread (see [`cos_sin`]).
+const CACHED_POSITIONS: i32 = 1 << 16;
+
+/// The kept cos/sin rows of one (theta bits, inv_freq length): positions 0.. computed so far,
+/// `[pos][i]` = (cos, sin) of pos * inv_freq[i].
+type CosSinTable = (u32, usize, Vec<(f32, f32)>);
+
+thread_local! {
+    /// Per thread: one table per (theta, head dim) seen.
+    static COS_SIN: std::cell::RefCell<Vec<CosSinTable>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `out[i] = (cos(pos * inv_freq[i]), sin(pos * inv_freq[i]))` in f32 (the angle rounded to f32
+/// first, as the kernels do). Rows of positions 0..2^16 are computed once per thread and kept:
+/// the same positions come back for q and k, in every layer and every decode step, and the
+/// values are those of the direct computation, so the cache changes no bits.
+fn cos_sin(pos: i32, theta: f32, inv_freq: &[f32], out: &mut [(f32, f32)]) {
+    let direct = |out: &mut [(f32, f32)]| {
+        for (o, &f) in out.iter_mut().zip(inv_freq) {
+            let angle = pos as f32 * f;
+            *o = (angle.cos(), angle.sin());
+        }
+    };
+    if !(0..CACHED_POSITIONS).contains(&pos) {
+        return direct(out);
+    }
+    let half = inv_freq.len();
+    COS_SIN.with(|cell| {
+        let mut tables = cell.borrow_mut();
+        let key = (theta.to_bits(), half);
+        let i = match tables.iter().position(|(t, h, _)| (*t, *h) == key) {
+            Some(i) => i,
+            None => {
+                tables.push((key.0, key.1, Vec::new()));
+                tables.len() - 1
+            }
+        };
+        let table = &mut tables[i].2;
+        let p = pos as usize;
+        while table.len() < (p + 1) * half {
+            let q = (table.len() / half) as f32;
+            table.extend(inv_freq.iter().map(|&f| {
+                let angle = q * f;
+                (angle.cos(), angle.sin())
+            }));
+        }
+        out.copy_from_slice(&table[p * half..(p + 1) * half]);
+    });
+}
+
 fn rotate_reference(
     x: &[f32],
     positions: &[i32],
@@ -84,26 +137,27 @@ fn rotate_reference(
         return Ok(y);
     }
     let half = dim / 2;
-    y.par_chunks_mut(h * dim)
-        .zip(x.par_chunks(h * dim))
-        .zip(positions.par_iter())
-        .for_each(|((yt, xt), &pos)| {
-            // cos/sin once per (t, i), shared by the heads (as the kernel does).
-            let cs: Vec<(f32, f32)> = inv_freq
-                .iter()
-                .map(|&f| {
-                    let angle = pos as f32 * f;
-                    (angle.cos(), sign * angle.sin())
-                })
-                .collect();
-            for (yh, xh) in yt.chunks_mut(dim).zip(xt.chunks(dim)) {
-                for (i, &(c, s)) in cs.iter().enumerate() {
-                    let (x1, x2) = (xh[i], xh[i + half]);
-                    yh[i] = x1 * c - x2 * s;
-                    yh[i + half] = x2 * c + x1 * s;
-                }
+    par::rows_mut(&mut y, h * dim, 4 * h * dim + 40 * half, |row, yt| {
+        let (xt, pos) = (&x[row * h * dim..(row + 1) * h * dim], positions[row]);
+        // cos/sin once per (t, i), shared by the heads (as the kernel does).
+        let mut stack = [(0.0f32, 0.0f32); STACK_HALF];
+        let mut heap = Vec::new();
+        let cs: &mut [(f32, f32)] = if half <= STACK_HALF {
+            &mut stack[..half]
+        } else {
+            heap.resize(half, (0.0, 0.0));
+            &mut heap
+        };
+        cos_sin(pos, theta, &inv_freq, cs);
+        for (yh, xh) in yt.chunks_mut(dim).zip(xt.chunks(dim)) {
+            for (i, &(c, s)) in cs.iter().enumerate() {
+                let s = sign * s;
+                let (x1, x2) = (xh[i], xh[i + half]);
+                yh[i] = x1 * c - x2 * s;
+                yh[i + half] = x2 * c + x1 * s;
             }
-        });
+        }
+    });
     Ok(y)
 }
 
@@ -162,7 +216,7 @@ fn rotate(
             theta,
             sign,
         )?;
-        return host_tensor(backend, x.shape(), &y);
+        return host_tensor(backend, x.shape(), y);
     }
     let y = Tensor::poisoned(backend, x.shape(), DType::F32)?;
     let items = t * (dim / 2);
@@ -281,3 +335,24 @@ pub static BACKWARD_SPEC: OpSpec = OpSpec {
     }],
     run: run_backward,
 };
+
+#[cfg(test)]
+mod cos_sin_cache {
+    use super::*;
+
+    /// The kept cos/sin rows are the direct computation's bits, for cached positions (first and
+    /// later calls, in any order) and for positions outside the cache (negative, >= 2^16).
+    #[test]
+    fn kept_rows_equal_direct_computation_bit_for_bit() {
+        let inv = rope_inv_freq(34, 10000.0).unwrap();
+        for pos in [17, 0, 5, 17, 300, -3, 70_000, 299] {
+            let mut got = vec![(f32::NAN, f32::NAN); inv.len()];
+            cos_sin(pos, 10000.0, &inv, &mut got);
+            for (i, &(c, s)) in got.iter().enumerate() {
+                let angle = pos as f32 * inv[i];
+                assert_eq!(c.to_bits(), angle.cos().to_bits(), "cos, pos {pos}, i {i}");
+                assert_eq!(s.to_bits(), angle.sin().to_bits(), "sin, pos {pos}, i {i}");
+            }
+        }
+    }
+}

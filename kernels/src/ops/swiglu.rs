@@ -13,9 +13,9 @@ use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::launch::Launch;
+use crate::par;
 use crate::runner::{OpCall, OpOutputs, OpSpec, TensorSpec};
 use crate::tensor::Tensor;
-use rayon::prelude::*;
 
 fn sigmoid(a: f32) -> f32 {
     1.0 / (1.0 + (-a).exp())
@@ -24,24 +24,36 @@ fn sigmoid(a: f32) -> f32 {
 /// h = silu(a) * b elementwise.
 pub fn swiglu_reference(a: &[f32], b: &[f32]) -> Result<Vec<f32>> {
     check_len("b", b, a.len(), "the length of `a`")?;
-    Ok(a.par_iter()
-        .zip(b)
-        .map(|(&av, &bv)| av * sigmoid(av) * bv)
-        .collect())
+    Ok(par::map_collect(a.len(), 16, |i| {
+        let (av, bv) = (a[i], b[i]);
+        av * sigmoid(av) * bv
+    }))
+}
+
+/// [`swiglu_reference`] into `out` (same length), on the calling thread: one MoE expert's
+/// segment inside a task of its own.
+pub fn swiglu_reference_into(a: &[f32], b: &[f32], out: &mut [f32]) -> Result<()> {
+    check_len("b", b, a.len(), "the length of `a`")?;
+    check_len("out", out, a.len(), "the length of `a`")?;
+    for ((o, &av), &bv) in out.iter_mut().zip(a).zip(b) {
+        *o = av * sigmoid(av) * bv;
+    }
+    Ok(())
 }
 
 /// (da, db) of swiglu from a, b and dh.
 pub fn swiglu_backward_reference(a: &[f32], b: &[f32], dh: &[f32]) -> Result<(Vec<f32>, Vec<f32>)> {
     check_len("b", b, a.len(), "the length of `a`")?;
     check_len("dh", dh, a.len(), "the length of `a`")?;
-    Ok(a.par_iter()
-        .zip(b)
-        .zip(dh)
-        .map(|((&av, &bv), &g)| {
-            let s = sigmoid(av);
-            (g * bv * (s * (1.0 + av * (1.0 - s))), g * (av * s))
-        })
-        .unzip())
+    let mut da = vec![0.0f32; a.len()];
+    let mut db = vec![0.0f32; a.len()];
+    par::rows2_mut(&mut da, 1, &mut db, 1, 20, |i, da, db| {
+        let (av, bv, g) = (a[i], b[i], dh[i]);
+        let s = sigmoid(av);
+        da[0] = g * bv * (s * (1.0 + av * (1.0 - s)));
+        db[0] = g * (av * s);
+    });
+    Ok((da, db))
 }
 
 /// SwiGLU forward on any device: a, b (same shape, F32 or BF16) -> h F32.
@@ -52,7 +64,7 @@ pub fn swiglu(backend: &Backend, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         return host_tensor(
             backend,
             a.shape(),
-            &swiglu_reference(&a.f32_data()?, &b.f32_data()?)?,
+            swiglu_reference(&a.f32_data()?, &b.f32_data()?)?,
         );
     }
     let n = a.numel();
@@ -87,8 +99,8 @@ pub fn swiglu_backward(
     if let Backend::Cpu = backend {
         let (da, db) = swiglu_backward_reference(&a.f32_data()?, &b.f32_data()?, &dh.f32_data()?)?;
         return Ok((
-            host_tensor(backend, a.shape(), &da)?,
-            host_tensor(backend, a.shape(), &db)?,
+            host_tensor(backend, a.shape(), da)?,
+            host_tensor(backend, a.shape(), db)?,
         ));
     }
     let n = a.numel();

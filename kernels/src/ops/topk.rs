@@ -18,10 +18,10 @@ use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
+use crate::par;
 use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
 use crate::tensor::Tensor;
 use half::bf16;
-use rayon::prelude::*;
 
 /// The largest row length (number of experts) the kernel takes.
 pub const MAX_E: usize = 512;
@@ -117,15 +117,13 @@ fn topk_rows_into<S: Score>(
     if k == 0 {
         return;
     }
-    values
-        .par_chunks_mut(k)
-        .zip(indices.par_chunks_mut(k))
-        .zip(scores.par_chunks(e))
-        .with_min_len(64)
-        .for_each_init(
-            || Vec::with_capacity(k + 1),
-            |top, ((v, ix), row)| topk_row(row, v, ix, top),
-        );
+    par::chunks2_mut(values, k, indices, k, 4 * e, |r0, v, ix| {
+        let mut top = Vec::with_capacity(k + 1);
+        for (i, (vr, ir)) in v.chunks_mut(k).zip(ix.chunks_mut(k)).enumerate() {
+            let row = r0 + i;
+            topk_row(&scores[row * e..(row + 1) * e], vr, ir, &mut top);
+        }
+    });
 }
 
 /// The CPU reference: top-k of each of the `t` rows of `scores` (row-major [t, e]), returned as

@@ -6,6 +6,7 @@
 use sluice_kernels::ops::is_gate_loss::{
     is_gate_loss, is_gate_loss_reference, GateMode, GateParams, TokenBatch, TokenInputs,
 };
+use sluice_kernels::ops::sample::SampleParams;
 use sluice_kernels::testing::Rng;
 use sluice_kernels::{Backend, Tensor};
 use sluice_model::infer::{self, InferWeights, KvCache, PrefillBatch};
@@ -144,9 +145,45 @@ pub fn drive(
     out
 }
 
+/// The multiplier the sampler applied to the logits of `s`: 1/temperature in f32, 1 when greedy
+/// (`SampleParams::scale`, the sampler's own function).
+pub fn sampler_scale(s: &Sample) -> f32 {
+    SampleParams {
+        temperature: s.sampling.temperature,
+        ..SampleParams::default()
+    }
+    .scale()
+}
+
+/// Multiplies each sequence's rows of `logits` ([rows, V], `batch`'s packing) by its sampler
+/// scale with one f32 multiply: z = logits * (1/T), as the sampler forms z before its row
+/// reduction. is_gate_loss at its default scale then computes log_softmax(z) exactly as the
+/// sampler did.
+/// When is_gate_loss takes the temperature itself (the lead's change on main: the same f32
+/// multiply inside the kernel, the gradient scaled by 1/T), the learner passes it there instead
+/// and this function goes; the log-probs are bit-identical either way.
+pub fn scale_rows_by_temperature(
+    logits: &mut [f32],
+    v: usize,
+    batch: &PackedBatch,
+    samples: &[&Sample],
+) {
+    for (b, s) in samples.iter().enumerate() {
+        let scale = sampler_scale(s);
+        if scale == 1.0 {
+            continue;
+        }
+        let r = batch.seq_range(b);
+        for x in &mut logits[r.start * v..r.end * v] {
+            *x *= scale;
+        }
+    }
+}
+
 /// The learner's log-probs of every token of each trajectory (0 where not generated): the
-/// training forward (`forward::logits`) over ONE packed batch of all the full sequences, then
-/// is_gate_loss's logp (the row reduction the sampler shares), at temperature 1.
+/// training forward (`forward::logits`) over ONE packed batch of all the full sequences, the
+/// rows scaled by each sequence's 1/temperature, then is_gate_loss's logp (the row reduction the
+/// sampler shares).
 pub fn learner_logps(m: &Model, samples: &[&Sample]) -> Vec<Vec<f32>> {
     let v = m.config.vocab;
     let seqs: Vec<Vec<i32>> = samples
@@ -154,7 +191,8 @@ pub fn learner_logps(m: &Model, samples: &[&Sample]) -> Vec<Vec<f32>> {
         .map(|s| s.tokens.iter().map(|&t| t as i32).collect())
         .collect();
     let batch = PackedBatch::pack(&seqs, v).unwrap();
-    let logits = forward::logits(m, &batch).unwrap();
+    let mut logits = forward::logits(m, &batch).unwrap();
+    scale_rows_by_temperature(&mut logits, v, &batch, samples);
     let n = batch.len();
     // Row r predicts the next token of its sequence.
     let mut targets = vec![0i32; n];
@@ -199,6 +237,7 @@ pub fn learner_logps(m: &Model, samples: &[&Sample]) -> Vec<Vec<f32>> {
 
 /// Asserts that every generated token whose version passes `which` has the learner's log-prob
 /// bit for bit; returns how many tokens were compared.
+#[must_use = "a zero-mismatch check must assert how many tokens it compared"]
 pub fn assert_bit_identical(
     m: &Model,
     results: &Results,
@@ -282,6 +321,7 @@ fn compare(s: &Sample, logp: &[f32], what: &str) -> usize {
 /// Recomputes each trajectory on `backend` with ONE prefill over its full sequence (fresh
 /// cache, contiguous slots), then is_gate_loss's logp there; asserts bit identity with the
 /// engine's behavior log-probs. Returns the tokens compared.
+#[must_use = "a zero-mismatch check must assert how many tokens it compared"]
 pub fn assert_full_recompute_identical(backend: &Backend, m: &Model, results: &Results) -> usize {
     let w = InferWeights::from_arena(backend, &m.config, &m.params, 0).unwrap();
     let mut compared = 0;
@@ -308,19 +348,62 @@ pub fn assert_full_recompute_identical(backend: &Backend, m: &Model, results: &R
     compared
 }
 
-/// The learner's training forward on `m`'s device, then is_gate_loss on `backend`: bit identity
-/// with the engine's behavior log-probs.
-pub fn assert_bit_identical_on(backend: &Backend, m: &Model, results: &Results) -> usize {
-    let mut compared = 0;
-    for s in results.values() {
-        let seq: Vec<i32> = s.tokens.iter().map(|&t| t as i32).collect();
-        let batch = PackedBatch::pack(&[seq], m.config.vocab).unwrap();
-        let logits = forward::logits_on(backend, m, &batch).unwrap();
-        let logits =
-            Tensor::from_slice(backend, &[s.tokens.len(), m.config.vocab], &logits).unwrap();
-        let (targets, mask) = targets_mask(s);
+/// What [`assert_bit_identical_on`] compared.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LearnerComparison {
+    /// Generated tokens whose behavior log-prob equalled the learner's, bit for bit.
+    pub tokens: usize,
+    /// Of those, tokens sampled at a temperature other than 1.
+    pub tempered_tokens: usize,
+    /// Learner forward passes (packed batches).
+    pub batches: usize,
+    /// The most rows one packed batch held.
+    pub max_rows: usize,
+}
+
+/// The learner's training forward on `m`'s device over packed batches of up to `per_batch`
+/// sequences each (in `results` order), each sequence's rows scaled by its 1/temperature, then
+/// is_gate_loss on `backend`: every generated token's learner log-prob must equal the engine's
+/// behavior log-prob bit for bit.
+#[must_use = "a zero-mismatch check must assert how many tokens it compared"]
+pub fn assert_bit_identical_on(
+    backend: &Backend,
+    m: &Model,
+    results: &Results,
+    per_batch: usize,
+) -> LearnerComparison {
+    let v = m.config.vocab;
+    let samples: Vec<&Sample> = results.values().collect();
+    let mut c = LearnerComparison::default();
+    for chunk in samples.chunks(per_batch.max(1)) {
+        let seqs: Vec<Vec<i32>> = chunk
+            .iter()
+            .map(|s| s.tokens.iter().map(|&t| t as i32).collect())
+            .collect();
+        let batch = PackedBatch::pack(&seqs, v).unwrap();
+        let mut logits = forward::logits_on(backend, m, &batch).unwrap();
+        scale_rows_by_temperature(&mut logits, v, &batch, chunk);
+        let n = batch.len();
+        let mut targets = vec![0i32; n];
+        let mut mask = vec![0.0f32; n];
+        for (b, s) in chunk.iter().enumerate() {
+            let r0 = batch.seq_range(b).start;
+            let (t, mk) = targets_mask(s);
+            targets[r0..r0 + t.len()].copy_from_slice(&t);
+            mask[r0..r0 + mk.len()].copy_from_slice(&mk);
+        }
+        let logits = Tensor::from_slice(backend, &[n, v], &logits).unwrap();
         let lp = device_logp(backend, logits, &targets, &mask);
-        compared += compare(s, &lp, "learner");
+        for (b, s) in chunk.iter().enumerate() {
+            let r = batch.seq_range(b);
+            let k = compare(s, &lp[r], "learner (packed)");
+            c.tokens += k;
+            if s.sampling.temperature != 1.0 {
+                c.tempered_tokens += k;
+            }
+        }
+        c.batches += 1;
+        c.max_rows = c.max_rows.max(n);
     }
-    compared
+    c
 }

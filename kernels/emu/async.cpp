@@ -1,0 +1,335 @@
+// async.cpp — asynchronous operations of the emulated GPU: mbarriers, bulk copies (cp.async.bulk,
+// completing on an mbarrier), cp.async (completing at cp.async.wait_group) and wgmma (results
+// visible at wgmma.wait_group).
+//
+// Each is modelled as asynchronous: its destination is written only when the operation completes
+// (the mbarrier phase it signals, or the issuing thread's wait), and until then the destination is
+// tagged, so a read of it is an `async-read-before-wait` finding (a write, a `race`). A wgmma's
+// accumulator (registers on the GPU, a stack array here) is filled with NaN at issue and receives
+// the result at the matching wait; reads of it in between are findings too (check.cpp, t_watch).
+//
+// Emulated threads switch only at barriers, warp operations and yields, so the bookkeeping here
+// needs no locks: one host thread runs the whole block.
+#include "emu_internal.h"
+
+namespace sluice_emu::rt {
+
+namespace {
+
+Worker& current(const char* what) {
+  Worker* w = t_worker;
+  if (!w || !t_cur) {
+    std::fprintf(stderr, "sluice emu: %s called outside an emulated kernel launch\n", what);
+    std::abort();
+  }
+  return *w;
+}
+
+Region* shared_region(Worker& w, uintptr_t a) {
+  Region* r = region_of(a);
+  if (r && r->kind != RegionKind::Global && r->owner == &w) return r;
+  return nullptr;
+}
+
+MBarrier* find_mbarrier(Worker& w, uintptr_t a) {
+  for (MBarrier& m : w.mbarriers) {
+    if (m.addr == a) return &m;
+  }
+  return nullptr;
+}
+
+MBarrier& initialised_mbarrier(Worker& w, void* bar, const char* what, const std::source_location& loc) {
+  MBarrier* m = find_mbarrier(w, reinterpret_cast<uintptr_t>(bar));
+  if (!m) {
+    fiber_fail(w, "kernel-error",
+               where(w) + " " + thread_str(*t_cur) +
+                   format(": %s at %s:%u on an mbarrier that this block never initialised (%s)", what, loc.file_name(),
+                          loc.line(), describe_address(w, reinterpret_cast<uintptr_t>(bar), 8).c_str()),
+               loc.file_name(), loc.line());
+  }
+  return *m;
+}
+
+void set_tags(Region& r, uintptr_t a, size_t n, uint16_t tag) {
+  const size_t g0 = (a - r.start) / kGranule, g1 = (a - r.start + n - 1) / kGranule;
+  for (size_t g = g0; g <= g1; ++g) r.async_tag[g] = tag;
+  if (tag) {
+    if (g0 < r.tagged_lo) r.tagged_lo = g0;
+    if (g1 + 1 > r.tagged_hi) r.tagged_hi = g1 + 1;
+  }
+}
+
+unsigned new_op(Worker& w, const AsyncOp& op) {
+  unsigned idx;
+  if (!w.async_free.empty()) {
+    idx = w.async_free.back();
+    w.async_free.pop_back();
+    w.async_ops[idx] = op;
+  } else {
+    if (w.async_ops.size() >= 65535) {
+      fiber_fail(w, "kernel-error",
+                 where(w) + format(": more than 65535 asynchronous copies in flight in one block (%s:%u)", op.file,
+                                   op.line),
+                 op.file, op.line);
+    }
+    idx = static_cast<unsigned>(w.async_ops.size());
+    w.async_ops.push_back(op);
+  }
+  ++w.async_live;
+  return idx;
+}
+
+// The copy lands: data written, tags and race records of the destination cleared.
+void land(Worker& w, unsigned idx) {
+  AsyncOp& op = w.async_ops[idx];
+  if (!op.live) return;
+  std::memcpy(op.dst, op.src, op.bytes);
+  if (Region* r = shared_region(w, reinterpret_cast<uintptr_t>(op.dst))) set_tags(*r, reinterpret_cast<uintptr_t>(op.dst), op.bytes, 0);
+  race_forget(reinterpret_cast<uintptr_t>(op.dst), op.bytes);
+  op.live = false;
+  --w.async_live;
+  w.async_free.push_back(idx);
+}
+
+void complete_if_done(Worker& w, MBarrier& m) {
+  if (m.pending != 0 || m.tx != 0) return;
+  for (unsigned idx : m.ops) land(w, idx);
+  m.ops.clear();
+  m.pending = m.expected;
+  ++m.completed;
+}
+
+// Checks and tags the destination of an asynchronous copy; returns its op index.
+unsigned issue_copy(Worker& w, AsyncKind kind, void* dst, const void* src, unsigned bytes, uintptr_t bar,
+                    const std::source_location& loc) {
+  const uintptr_t d = reinterpret_cast<uintptr_t>(dst);
+  check_access(reinterpret_cast<uintptr_t>(src), bytes, 0, 0, loc.file_name(), loc.line());
+  check_access(d, bytes, kAccWrite, 0, loc.file_name(), loc.line());
+  Region* r = shared_region(w, d);
+  if (!r) {
+    fiber_fail(w, "out-of-bounds",
+               where(w) + " " + thread_str(*t_cur) +
+                   format(": the destination of the %s at %s:%u is not this block's shared memory (%s)",
+                          kind == AsyncKind::Bulk ? "bulk copy" : "cp.async", loc.file_name(), loc.line(),
+                          describe_address(w, d, bytes).c_str()),
+               loc.file_name(), loc.line());
+  }
+  AsyncOp op{kind, true, static_cast<char*>(dst), static_cast<const char*>(src), bytes, bar, t_cur->linear, -1,
+             loc.file_name(), loc.line()};
+  unsigned idx = new_op(w, op);
+  set_tags(*r, d, bytes, static_cast<uint16_t>(idx + 1));
+  return idx;
+}
+
+}  // namespace
+
+void async_block_start(Worker& w) {
+  for (Region* r : {&w.shared.dyn, &w.shared.stat}) {
+    if (!w.shared_ok || r->tagged_lo >= r->tagged_hi) continue;
+    std::memset(r->async_tag + r->tagged_lo, 0, (r->tagged_hi - r->tagged_lo) * sizeof(uint16_t));
+    r->tagged_lo = SIZE_MAX;
+    r->tagged_hi = 0;
+  }
+  w.async_ops.clear();
+  w.async_free.clear();
+  w.async_live = 0;
+  w.mbarriers.clear();
+  for (Fiber& f : w.fibers) {
+    f.wgmma.clear();
+    f.wgmma_groups = 0;
+    f.cp_groups = 0;
+  }
+  t_watch = nullptr;
+}
+
+const AsyncOp* async_pending_at(const Worker& w, const Region& r, uintptr_t a, size_t n) {
+  if (!r.async_tag) return nullptr;
+  const size_t g0 = (a - r.start) / kGranule, g1 = (a - r.start + n - 1) / kGranule;
+  for (size_t g = g0; g <= g1; ++g) {
+    if (uint16_t t = r.async_tag[g]) {
+      const AsyncOp& op = w.async_ops[t - 1u];
+      if (op.live) return &op;
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace sluice_emu::rt
+
+// ---------------------------------------------------------------------------------------------
+// Entry points used by kernels/cuda/common (declared in sluice_emu.h)
+// ---------------------------------------------------------------------------------------------
+namespace sluice_emu {
+using namespace rt;
+
+void mbarrier_init(void* bar, unsigned count, const std::source_location& loc) {
+  Worker& w = current("mbarrier_init");
+  const uintptr_t a = reinterpret_cast<uintptr_t>(bar);
+  check_access(a, 8, kAccWrite | kAccAtomic, 0, loc.file_name(), loc.line());
+  if (count == 0 || count > (1u << 20) - 1) {
+    fiber_fail(w, "kernel-error",
+               where(w) + format(": mbarrier_init with %u expected arrivals at %s:%u", count, loc.file_name(), loc.line()),
+               loc.file_name(), loc.line());
+  }
+  MBarrier* m = find_mbarrier(w, a);
+  if (!m) {
+    w.mbarriers.push_back(MBarrier{a, 0, 0, 0, 0, {}});
+    m = &w.mbarriers.back();
+  }
+  m->expected = m->pending = count;
+  m->tx = 0;
+  m->completed = 0;
+  m->ops.clear();
+}
+
+void mbarrier_expect_tx(void* bar, unsigned bytes, const std::source_location& loc) {
+  Worker& w = current("mbarrier_expect_tx");
+  check_access(reinterpret_cast<uintptr_t>(bar), 8, kAccWrite | kAccAtomic, 0, loc.file_name(), loc.line());
+  initialised_mbarrier(w, bar, "mbarrier_expect_tx", loc).tx += bytes;
+}
+
+void mbarrier_arrive(void* bar, const std::source_location& loc) {
+  Worker& w = current("mbarrier_arrive");
+  check_access(reinterpret_cast<uintptr_t>(bar), 8, kAccWrite | kAccAtomic, 0, loc.file_name(), loc.line());
+  MBarrier& m = initialised_mbarrier(w, bar, "mbarrier_arrive", loc);
+  if (m.pending == 0) {
+    fiber_fail(w, "kernel-error",
+               where(w) + " " + thread_str(*t_cur) +
+                   format(": mbarrier_arrive at %s:%u on a phase that expects no more arrivals", loc.file_name(),
+                          loc.line()),
+               loc.file_name(), loc.line());
+  }
+  --m.pending;
+  complete_if_done(w, m);
+}
+
+bool mbarrier_test_wait(void* bar, unsigned parity, const std::source_location& loc) {
+  Worker& w = current("mbarrier_wait");
+  check_access(reinterpret_cast<uintptr_t>(bar), 8, kAccAtomic, 0, loc.file_name(), loc.line());
+  const MBarrier& m = initialised_mbarrier(w, bar, "mbarrier_wait", loc);
+  return (m.completed & 1u) != (parity & 1u);
+}
+
+void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, void* bar, const std::source_location& loc) {
+  Worker& w = current("bulk_copy_g2s");
+  if (bytes == 0 || bytes % 16 != 0 || reinterpret_cast<uintptr_t>(dst) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(src) % 16 != 0) {
+    fiber_fail(w, "kernel-error",
+               where(w) + " " + thread_str(*t_cur) +
+                   format(": bulk copy of %u bytes from %p to %p at %s:%u (the size must be a non-zero multiple of 16 "
+                          "and both addresses 16-byte aligned)",
+                          bytes, src, dst, loc.file_name(), loc.line()),
+               loc.file_name(), loc.line());
+  }
+  check_access(reinterpret_cast<uintptr_t>(bar), 8, kAccWrite | kAccAtomic, 0, loc.file_name(), loc.line());
+  MBarrier& m = initialised_mbarrier(w, bar, "bulk_copy_g2s", loc);
+  unsigned idx = issue_copy(w, AsyncKind::Bulk, dst, src, bytes, reinterpret_cast<uintptr_t>(bar), loc);
+  m.ops.push_back(idx);
+  m.tx -= bytes;  // the bytes arrive (complete_tx); they become visible with the phase
+  complete_if_done(w, m);
+}
+
+void cp_async(void* dst, const void* src, unsigned bytes, const std::source_location& loc) {
+  Worker& w = current("cp_async");
+  if ((bytes != 4 && bytes != 8 && bytes != 16) || reinterpret_cast<uintptr_t>(dst) % bytes != 0 ||
+      reinterpret_cast<uintptr_t>(src) % bytes != 0) {
+    fiber_fail(w, "kernel-error",
+               where(w) + " " + thread_str(*t_cur) +
+                   format(": cp.async of %u bytes from %p to %p at %s:%u (4, 8 or 16 bytes, both addresses aligned to "
+                          "the size)",
+                          bytes, src, dst, loc.file_name(), loc.line()),
+               loc.file_name(), loc.line());
+  }
+  issue_copy(w, AsyncKind::CpAsync, dst, src, bytes, 0, loc);
+}
+
+void cp_async_commit(const std::source_location&) {
+  Worker& w = current("cp_async_commit");
+  Fiber& f = *t_cur;
+  bool any = false;
+  for (AsyncOp& op : w.async_ops) {
+    if (op.live && op.kind == AsyncKind::CpAsync && op.fiber == f.linear && op.group < 0) {
+      op.group = f.cp_groups;
+      any = true;
+    }
+  }
+  (void)any;  // an empty group is legal
+  ++f.cp_groups;
+}
+
+void cp_async_wait(int n, const std::source_location& loc) {
+  Worker& w = current("cp_async_wait");
+  Fiber& f = *t_cur;
+  const int done_below = f.cp_groups - n;
+  for (unsigned i = 0; i < w.async_ops.size(); ++i) {
+    AsyncOp& op = w.async_ops[i];
+    if (!op.live || op.kind != AsyncKind::CpAsync || op.fiber != f.linear || op.group < 0 || op.group >= done_below) {
+      continue;
+    }
+    const uintptr_t d = reinterpret_cast<uintptr_t>(op.dst);
+    const unsigned bytes = op.bytes;
+    land(w, i);
+    // The data is this thread's write from now on: other threads need a barrier to read it.
+    race_record_write(w, f, d, bytes, loc.file_name(), loc.line());
+  }
+}
+
+void wgmma_accumulator(const float* d, float* out, unsigned bytes) {
+  current("wgmma");
+  const Fiber& f = *t_cur;
+  for (auto it = f.wgmma.rbegin(); it != f.wgmma.rend(); ++it) {
+    if (it->d == d) {
+      std::memcpy(out, it->value, bytes);
+      return;
+    }
+  }
+  std::memcpy(out, d, bytes);
+}
+
+void wgmma_issue(float* d, const float* value, unsigned bytes, const std::source_location& loc) {
+  Worker& w = current("wgmma");
+  Fiber& f = *t_cur;
+  if (bytes > sizeof(PendingWgmma::value)) {
+    fiber_fail(w, "kernel-error", where(w) + format(": wgmma accumulator of %u bytes at %s:%u", bytes, loc.file_name(), loc.line()),
+               loc.file_name(), loc.line());
+  }
+  PendingWgmma p;
+  p.d = d;
+  p.bytes = bytes;
+  p.group = -1;
+  p.file = loc.file_name();
+  p.line = loc.line();
+  std::memcpy(p.value, value, bytes);
+  f.wgmma.push_back(p);
+  std::memset(d, 0xff, bytes);  // NaN until the wait: a read before it shows up in the results too
+  t_watch = &f;
+}
+
+void wgmma_commit(const std::source_location&) {
+  current("wgmma_commit");
+  Fiber& f = *t_cur;
+  for (PendingWgmma& p : f.wgmma) {
+    if (p.group < 0) p.group = f.wgmma_groups;
+  }
+  ++f.wgmma_groups;
+}
+
+void wgmma_wait(int n, const std::source_location&) {
+  current("wgmma_wait");
+  Fiber& f = *t_cur;
+  const int done_below = f.wgmma_groups - n;
+  size_t keep = 0;
+  for (size_t i = 0; i < f.wgmma.size(); ++i) {
+    PendingWgmma& p = f.wgmma[i];
+    if (p.group >= 0 && p.group < done_below) {
+      std::memcpy(p.d, p.value, p.bytes);
+    } else {
+      if (keep != i) f.wgmma[keep] = p;
+      ++keep;
+    }
+  }
+  f.wgmma.resize(keep);
+  t_watch = f.wgmma.empty() ? nullptr : &f;
+}
+
+}  // namespace sluice_emu

@@ -1,0 +1,441 @@
+// check.cpp — the emulator's sanitizer: bounds and race checks of every memory access of kernel code.
+//
+// Kernel translation units are compiled with GCC's ThreadSanitizer instrumentation and no
+// sanitizer runtime (kernels/src/emu/build_flags.rs), so every load and store of memory that may
+// be shared becomes a call to one of the __tsan_* functions below with the address (and size);
+// volatile accesses have their own calls (treated as relaxed atomics, as PTX treats them). Only addresses inside the emulator's arena (global allocations and the
+// shared-memory windows, memory.cpp) are checked; everything else (fiber stacks, host memory) is
+// let through at the cost of one compare, except a wgmma accumulator whose result is pending.
+//
+// Bounds: exact to the byte against the region's data (global allocation, dynamic shared memory as
+// requested at launch, each static __shared__ array with redzones between them).
+//
+// Races: four records per 8-byte granule (emu_internal.h, Slot). An access conflicts with a
+// record of another thread when their bytes overlap, at least one writes, not both are atomics,
+// and they are not ordered: accesses of one block are ordered by a __syncthreads between them, or
+// (same warp) by a __syncwarp whose mask names both lanes; accesses of different blocks of one
+// launch are never ordered. Records live for one block (shared memory) or one launch (global
+// memory). A granule with four live records evicts one (reads first), which can hide a race but
+// never invents one.
+#include "emu_internal.h"
+
+namespace sluice_emu::rt {
+
+thread_local Fiber* t_watch SLUICE_EMU_FAST_TLS = nullptr;
+
+uintptr_t code_base() { return reinterpret_cast<uintptr_t>(&sluice_emu_launch); }
+
+namespace {
+
+int32_t rel_pc(uintptr_t pc) {
+  if (!pc) return 0;
+  long long d = static_cast<long long>(pc) - static_cast<long long>(code_base());
+  return (d > INT32_MIN && d < INT32_MAX && d != 0) ? static_cast<int32_t>(d) : 0;
+}
+uintptr_t abs_pc(int32_t rel) { return rel ? code_base() + static_cast<long long>(rel) : 0; }
+
+const char* access_word(unsigned flags) {
+  if (flags & kAccAtomic) return (flags & kAccWrite) ? "atomic (or volatile) write" : "atomic (or volatile) read";
+  return (flags & kAccWrite) ? "write" : "read";
+}
+
+const StaticArray* static_array_near(const SharedWindows& s, size_t off) {
+  const StaticArray* best = nullptr;
+  for (const StaticArray& a : s.arrays) {
+    if (a.off <= off && (!best || a.off > best->off)) best = &a;
+  }
+  if (!best) {
+    for (const StaticArray& a : s.arrays) {
+      if (!best || a.off < best->off) best = &a;
+    }
+  }
+  return best;
+}
+
+// "global buffer `x` (argument 0, allocation #3 of 68 bytes)" and the offset of a in it.
+std::string region_name(const Worker& w, const Region& r, uintptr_t a, long long* off) {
+  switch (r.kind) {
+    case RegionKind::Global: {
+      *off = static_cast<long long>(a) - static_cast<long long>(r.start);
+      const Launch& L = *w.L;
+      for (const auto& [s, index] : L.pointer_args) {
+        if (s != r.start) continue;
+        if (L.param_names && L.param_names[index]) {
+          return format("global buffer `%s` (argument %u, allocation #%llu of %zu bytes)", L.param_names[index], index,
+                        r.id, r.bytes);
+        }
+        return format("global buffer of argument %u (allocation #%llu of %zu bytes)", index, r.id, r.bytes);
+      }
+      return format("global allocation #%llu (%zu bytes)", r.id, r.bytes);
+    }
+    case RegionKind::DynShared:
+      *off = static_cast<long long>(a) - static_cast<long long>(r.start);
+      return format("dynamic shared memory (%zu bytes requested at launch)", r.bytes);
+    case RegionKind::StaticShared: {
+      const SharedWindows& s = w.shared;
+      size_t woff = a - r.start;
+      const StaticArray* arr = woff < kStatSpan ? static_array_near(s, woff) : nullptr;
+      if (!arr) {
+        *off = static_cast<long long>(woff);
+        return "the static shared memory window";
+      }
+      *off = static_cast<long long>(woff) - static_cast<long long>(arr->off);
+      return format("static shared array `%s` (%zu bytes, declared at %s:%u)", arr->name, arr->bytes, arr->file,
+                    arr->line);
+    }
+  }
+  return "memory";
+}
+
+size_t region_data_bytes(const Worker& w, const Region& r, uintptr_t a) {
+  if (r.kind != RegionKind::StaticShared) return r.bytes;
+  const StaticArray* arr = static_array_near(w.shared, a - r.start);
+  return arr ? arr->bytes : 0;
+}
+
+void report_oob(Worker& w, const Region* r, uintptr_t a, size_t n, unsigned flags, uintptr_t pc, const char* file,
+                unsigned line) {
+  w.last_oob_addr = a;
+  std::string what;
+  if (!r) {
+    what = format("%s of %zu bytes at address 0x%zx, which is in no live emu allocation (freed memory?)",
+                  access_word(flags), n, static_cast<size_t>(a));
+  } else {
+    long long off = 0;
+    std::string name = region_name(w, *r, a, &off);
+    size_t bytes = region_data_bytes(w, *r, a);
+    const char* side = off < 0 ? "before its start" : "past its end";
+    if (off >= 0 && static_cast<size_t>(off) < bytes) side = "running past its end";
+    what = format("%s of %zu bytes at byte offset %lld of %s: %s (valid offsets 0..%lld)", access_word(flags), n, off,
+                  name.c_str(), side, static_cast<long long>(bytes) - 1);
+  }
+  report(w, "out-of-bounds", where(w) + " " + thread_str(*t_cur) + ": " + what, pc, 0, file, line);
+}
+
+bool in_bounds(Worker& w, Region& r, uintptr_t a, size_t n) {
+  switch (r.kind) {
+    case RegionKind::Global: return a >= r.start && a + n <= r.start + r.bytes;
+    case RegionKind::DynShared: return r.owner == &w && a >= r.start && a + n <= r.start + r.bytes;
+    case RegionKind::StaticShared: {
+      if (r.owner != &w || a < r.start || a + n > r.start + kStatSpan) return false;
+      const size_t off = a - r.start;
+      const uint16_t first = w.shared.stat_owner[off];
+      return first != 0 && first == w.shared.stat_owner[off + n - 1];
+    }
+  }
+  return false;
+}
+
+// ---- races ----------------------------------------------------------------------------------
+
+bool ordered_in_block(const Worker& w, const Slot& s, unsigned me) {
+  if (s.bar != w.bar) return true;  // a __syncthreads completed after the record
+  if ((s.thread >> 5) != (me >> 5)) return false;
+  return w.lane_ws[me] > s.ws && ((w.lane_sync_mask[me] >> (s.thread & 31)) & 1u);
+}
+
+void report_race(Worker& w, const Region& r, uintptr_t a, const Slot& s, unsigned flags, uintptr_t pc,
+                 const char* file, unsigned line) {
+  const Launch& L = *w.L;
+  const unsigned me = t_cur->linear;
+  const bool same_block = s.block == static_cast<uint32_t>(w.block_linear + 1);
+  const bool atomic = s.flags & kSlotAtomic;
+  const char* prior = (s.flags & kSlotWrite) ? (atomic ? "atomic (or volatile) write" : "write")
+                                             : (atomic ? "atomic (or volatile) read" : "read");
+  std::string other = thread_str_linear(L, s.thread);
+  std::string why;
+  if (!same_block) {
+    other += " of " + block_str(L, s.block - 1);
+    why = "in the same launch (blocks are not ordered: only atomics may share an address)";
+  } else if ((s.thread >> 5) == (me >> 5)) {
+    why = "of the same warp with no __syncthreads or __syncwarp between them";
+  } else {
+    why = "of the same block with no __syncthreads between them";
+  }
+  long long off = 0;
+  std::string name = region_name(w, r, a, &off);
+  report(w, "race",
+         where(w) + " " + thread_str(*t_cur) +
+             format(": %s at byte offset %lld of %s conflicts with a %s by %s %s", access_word(flags), off, name.c_str(),
+                    prior, other.c_str(), why.c_str()),
+         pc, abs_pc(s.pc), file, line);
+}
+
+void check_granule(Worker& w, Region& r, Slot* g, uintptr_t granule_addr, uint8_t mask, unsigned flags,
+                   uintptr_t pc, const char* file, unsigned line) {
+  const unsigned me = t_cur->linear;
+  const uint32_t blk = static_cast<uint32_t>(w.block_linear + 1);
+  const uint8_t sflags = static_cast<uint8_t>(((flags & kAccWrite) ? kSlotWrite : 0) | ((flags & kAccAtomic) ? kSlotAtomic : 0));
+  const uint16_t ws = w.ws[me >> 5];
+  int same = -1, empty = -1, mine = -1, read = -1;
+  for (int i = 0; i < static_cast<int>(kSlotsPerGranule); ++i) {
+    Slot& s = g[i];
+    if (s.block == 0) {
+      if (empty < 0) empty = i;
+      continue;
+    }
+    const bool own = s.block == blk && s.thread == me;
+    if (own) {
+      if (s.bar == w.bar && s.ws == ws && s.flags == sflags) same = i;
+      else if (mine < 0) mine = i;
+      continue;
+    }
+    if (!(s.flags & kSlotWrite) && read < 0) read = i;
+    if (!(s.mask & mask)) continue;
+    if (!(s.flags & kSlotWrite) && !(sflags & kSlotWrite)) continue;
+    if ((s.flags & kSlotAtomic) && (sflags & kSlotAtomic)) continue;
+    if (s.block == blk && ordered_in_block(w, s, me)) continue;
+    uint8_t both = s.mask & mask;
+    report_race(w, r, granule_addr + static_cast<unsigned>(__builtin_ctz(both)), s, flags, pc, file, line);
+  }
+  const int32_t rp = rel_pc(pc);
+  if (same >= 0) {
+    g[same].mask |= mask;
+    g[same].pc = rp;
+    return;
+  }
+  int victim = empty >= 0 ? empty : (mine >= 0 ? mine : read);
+  if (victim < 0) victim = static_cast<int>((w.rng = w.rng * 6364136223846793005ull + 1442695040888963407ull) >> 62);
+  g[victim] = Slot{blk, rp, w.bar, ws, static_cast<uint16_t>(me), mask, sflags};
+}
+
+void race_check(Worker& w, Region& r, uintptr_t a, size_t n, unsigned flags, uintptr_t pc, const char* file,
+                unsigned line) {
+  Slot* shadow = race_shadow(r);
+  if (!shadow) return;
+  if (r.kind == RegionKind::Global &&
+      r.race_launch.exchange(w.L->serial, std::memory_order_relaxed) != w.L->serial) {
+    std::lock_guard<std::mutex> g(w.L->fmu);
+    w.L->race_regions.push_back(&r);
+  }
+  const size_t off = a - r.start;
+  const size_t g0 = off / kGranule, g1 = (off + n - 1) / kGranule;
+  if (g0 < r.touched_lo) r.touched_lo = g0;
+  if (g1 + 1 > r.touched_hi) r.touched_hi = g1 + 1;
+  for (size_t gi = g0; gi <= g1; ++gi) {
+    const size_t lo = std::max(off, gi * kGranule), hi = std::min(off + n, gi * kGranule + kGranule);
+    const uint8_t mask = static_cast<uint8_t>(((1u << (hi - lo)) - 1u) << (lo - gi * kGranule));
+    check_granule(w, r, shadow + gi * kSlotsPerGranule, r.start + gi * kGranule, mask, flags, pc, file, line);
+  }
+}
+
+}  // namespace
+
+std::string describe_address(const Worker& w, uintptr_t a, size_t) {
+  Region* r = region_of(a);
+  if (!r) return format("address 0x%zx", static_cast<size_t>(a));
+  long long off = 0;
+  std::string name = region_name(w, *r, a, &off);
+  return format("byte offset %lld of %s", off, name.c_str());
+}
+
+void check_access(uintptr_t a, size_t n, unsigned flags, uintptr_t pc, const char* file, unsigned line) {
+  Worker* w = t_worker;
+  if (!w || !t_cur || !w->L || w->L->checks == kChecksOff || n == 0) return;
+  Region* r = region_of(a);
+  if (!r) {
+    if (a - g_arena_lo < g_arena_size) report_oob(*w, nullptr, a, n, flags, pc, file, line);
+    return;
+  }
+  if (!in_bounds(*w, *r, a, n)) {
+    report_oob(*w, r, a, n, flags, pc, file, line);
+    return;
+  }
+  if (r->kind != RegionKind::Global && w->async_live) {
+    if (const AsyncOp* op = async_pending_at(*w, *r, a, n)) {
+      long long off = 0;
+      std::string name = region_name(*w, *r, a, &off);
+      const char* what = op->kind == AsyncKind::Bulk ? "bulk copy" : "cp.async";
+      const char* until = op->kind == AsyncKind::Bulk ? "its mbarrier phase completes" : "its cp.async wait";
+      report(*w, (flags & kAccWrite) ? "race" : "async-read-before-wait",
+             where(*w) + " " + thread_str(*t_cur) +
+                 format(": %s at byte offset %lld of %s, the destination of a %s issued by %s at %s:%u, before %s",
+                        access_word(flags), off, name.c_str(), what, thread_str(w->fibers[op->fiber]).c_str(), op->file,
+                        op->line, until),
+             pc, 0, file, line);
+    }
+  }
+  if (w->race) race_check(*w, *r, a, n, flags, pc, file, line);
+}
+
+void race_block_start(Worker& w) {
+  w.bar = 0;
+  std::fill(w.ws.begin(), w.ws.end(), 0);
+  std::fill(w.lane_ws.begin(), w.lane_ws.end(), 0);
+  std::fill(w.lane_sync_mask.begin(), w.lane_sync_mask.end(), 0u);
+  if (w.shared_ok) {
+    clear_race_shadow(w.shared.dyn);
+    clear_race_shadow(w.shared.stat);
+  }
+}
+
+void race_barrier(Worker& w) {
+  if (w.bar == UINT16_MAX) {
+    w.race = false;  // 65535 barriers in one block: the records cannot tell intervals apart
+    return;
+  }
+  ++w.bar;
+  std::fill(w.ws.begin(), w.ws.end(), 0);
+  std::fill(w.lane_ws.begin(), w.lane_ws.end(), 0);
+  std::fill(w.lane_sync_mask.begin(), w.lane_sync_mask.end(), 0u);
+}
+
+void race_syncwarp(Worker& w, unsigned warp, unsigned mask) {
+  if (w.ws[warp] == UINT16_MAX) {
+    w.race = false;
+    return;
+  }
+  const uint16_t v = ++w.ws[warp];
+  for (unsigned m = mask; m; m &= m - 1) {
+    unsigned t = warp * 32 + static_cast<unsigned>(__builtin_ctz(m));
+    w.lane_ws[t] = v;
+    w.lane_sync_mask[t] = mask;
+  }
+}
+
+void race_forget(uintptr_t a, size_t n) {
+  Region* r = region_of(a);
+  if (!r || n == 0) return;
+  Slot* s = r->race.load(std::memory_order_acquire);
+  if (!s || a < r->start) return;
+  const size_t g0 = (a - r->start) / kGranule, g1 = (a - r->start + n - 1) / kGranule;
+  if (g1 >= r->race_granules) return;
+  std::memset(s + g0 * kSlotsPerGranule, 0, (g1 - g0 + 1) * kSlotsPerGranule * sizeof(Slot));
+}
+
+void race_record_write(Worker& w, const Fiber& f, uintptr_t a, size_t n, const char* file, unsigned line) {
+  if (!w.race) return;
+  Region* r = region_of(a);
+  if (!r || !in_bounds(w, *r, a, n)) return;
+  Fiber* saved = t_cur;
+  t_cur = const_cast<Fiber*>(&f);
+  race_check(w, *r, a, n, kAccWrite, 0, file, line);
+  t_cur = saved;
+}
+
+// Static __shared__ variables: placed in the host thread's static window with redzones between
+// them, laid out per launch in the order the blocks first reach their declarations, and filled
+// with 0xFF bytes (NaN) the first time each block reaches the declaration.
+void* static_shared_slot(const void* key, std::size_t bytes, std::size_t align, const char* name, const char* file,
+                         unsigned line) {
+  Worker* w = t_worker;
+  if (!w || !t_cur) {
+    std::fprintf(stderr, "sluice emu: static __shared__ %s used outside an emulated kernel launch\n", name);
+    std::abort();
+  }
+  SharedWindows& s = w->shared;
+  StaticArray* arr = nullptr;
+  for (StaticArray& x : s.arrays) {
+    if (x.key == key) {
+      arr = &x;
+      break;
+    }
+  }
+  if (!arr) {
+    if (align < 16) align = 16;
+    const size_t off = round_up(s.stat_used, align);
+    if (s.stat_data + bytes > kMaxStaticShared || off + bytes + kStaticRedzone > kStatSpan || s.arrays.size() >= 65535) {
+      fiber_fail(*w, "kernel-error",
+                 where(*w) + format(": static __shared__ `%s` (%zu bytes) at %s:%u takes the block's static shared "
+                                    "memory past the %zu bytes CUDA allows",
+                                    name, bytes, file, line, kMaxStaticShared),
+                 file, line);
+    }
+    s.arrays.push_back(StaticArray{key, name, file, line, off, bytes, 0});
+    const uint16_t idx = static_cast<uint16_t>(s.arrays.size());
+    for (size_t i = 0; i < bytes; ++i) s.stat_owner[off + i] = idx;
+    s.stat_used = off + bytes + kStaticRedzone;
+    s.stat_data += bytes;
+    arr = &s.arrays.back();
+  }
+  char* p = reinterpret_cast<char*>(s.stat.start) + arr->off;
+  if (arr->block != w->block_serial) {
+    arr->block = w->block_serial;
+    std::memset(p, 0xff, arr->bytes);
+  }
+  return p;
+}
+
+void atomic_access(const volatile void* p, unsigned size, const void* ra) {
+  check_access(reinterpret_cast<uintptr_t>(p), size, kAccWrite | kAccAtomic, reinterpret_cast<uintptr_t>(ra) - 1);
+}
+
+namespace {
+void check_watch(uintptr_t a, size_t n, unsigned flags, uintptr_t pc) {
+  Worker* w = t_worker;
+  Fiber* f = t_watch;
+  if (!w || !f || f != t_cur || w->L->checks == kChecksOff) return;
+  for (const PendingWgmma& p : f->wgmma) {
+    const uintptr_t d = reinterpret_cast<uintptr_t>(p.d);
+    if (a < d + p.bytes && d < a + n) {
+      report(*w, "async-read-before-wait",
+             where(*w) + " " + thread_str(*f) +
+                 format(": %s of the accumulator of the wgmma issued at %s:%u before the wgmma_wait that makes its "
+                        "result visible",
+                        access_word(flags), p.file, p.line),
+             pc);
+      return;
+    }
+  }
+}
+
+inline __attribute__((always_inline)) void hook(uintptr_t a, size_t n, unsigned flags, void* ra) {
+  if (__builtin_expect(a - g_arena_lo < g_arena_size, 0)) {
+    check_access(a, n, flags, reinterpret_cast<uintptr_t>(ra) - 1);
+  } else if (__builtin_expect(t_watch != nullptr, 0)) {
+    check_watch(a, n, flags, reinterpret_cast<uintptr_t>(ra) - 1);
+  }
+}
+}  // namespace
+
+}  // namespace sluice_emu::rt
+
+namespace sluice_emu {
+void* static_shared_slot(const void* key, std::size_t bytes, std::size_t align, const char* name, const char* file,
+                         unsigned line) {
+  return rt::static_shared_slot(key, bytes, align, name, file, line);
+}
+void atomic_access(const volatile void* p, unsigned size, const void* ra) { rt::atomic_access(p, size, ra); }
+}  // namespace sluice_emu
+
+// The callbacks of GCC's ThreadSanitizer instrumentation (the ones it emits with
+// tsan-instrument-func-entry-exit=0 and tsan-distinguish-volatile=1).
+using sluice_emu::rt::hook;
+using sluice_emu::rt::kAccAtomic;
+using sluice_emu::rt::kAccWrite;
+#define SLUICE_EMU_HOOK(N)                                                                                  \
+  extern "C" void __tsan_read##N(void* a) { hook(reinterpret_cast<uintptr_t>(a), N, 0, __builtin_return_address(0)); } \
+  extern "C" void __tsan_write##N(void* a) {                                                                \
+    hook(reinterpret_cast<uintptr_t>(a), N, kAccWrite, __builtin_return_address(0));                        \
+  }                                                                                                         \
+  extern "C" void __tsan_unaligned_read##N(void* a) {                                                       \
+    hook(reinterpret_cast<uintptr_t>(a), N, 0, __builtin_return_address(0));                                \
+  }                                                                                                         \
+  extern "C" void __tsan_unaligned_write##N(void* a) {                                                      \
+    hook(reinterpret_cast<uintptr_t>(a), N, kAccWrite, __builtin_return_address(0));                        \
+  }                                                                                                         \
+  extern "C" void __tsan_volatile_read##N(void* a) {                                                        \
+    hook(reinterpret_cast<uintptr_t>(a), N, kAccAtomic, __builtin_return_address(0));                       \
+  }                                                                                                         \
+  extern "C" void __tsan_volatile_write##N(void* a) {                                                       \
+    hook(reinterpret_cast<uintptr_t>(a), N, kAccWrite | kAccAtomic, __builtin_return_address(0));           \
+  }
+SLUICE_EMU_HOOK(1)
+SLUICE_EMU_HOOK(2)
+SLUICE_EMU_HOOK(4)
+SLUICE_EMU_HOOK(8)
+SLUICE_EMU_HOOK(16)
+#undef SLUICE_EMU_HOOK
+extern "C" void __tsan_read_range(void* a, size_t n) {
+  hook(reinterpret_cast<uintptr_t>(a), n, 0, __builtin_return_address(0));
+}
+extern "C" void __tsan_write_range(void* a, size_t n) {
+  hook(reinterpret_cast<uintptr_t>(a), n, kAccWrite, __builtin_return_address(0));
+}
+extern "C" void __tsan_init() {}
+extern "C" void __tsan_func_entry(void*) {}
+extern "C" void __tsan_func_exit() {}
+extern "C" void __tsan_vptr_update(void**, void*) {}
+extern "C" void __tsan_vptr_read(void**) {}
+extern "C" void __tsan_atomic_thread_fence(int) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+extern "C" void __tsan_atomic_signal_fence(int) { __atomic_signal_fence(__ATOMIC_SEQ_CST); }

@@ -1,0 +1,356 @@
+// emu_internal.h — declarations shared by the emulator runtime's source files (runtime.cpp,
+// memory.cpp, check.cpp, async.cpp). Not included by kernel code. See docs/emulator.md.
+//
+// The runtime is compiled WITHOUT instrumentation; kernel translation units are compiled with
+// GCC's ThreadSanitizer instrumentation (no sanitizer runtime), which turns every load and store
+// of kernel code into a call to __tsan_{read,write}N and friends (check.cpp). Those calls, and explicit
+// calls from the runtime for the memory that emulated instructions touch (bulk copies, cp.async,
+// mbarriers), are the only way memory accesses reach the checker.
+#ifndef SLUICE_EMU_INTERNAL_H
+#define SLUICE_EMU_INTERNAL_H
+
+#include "sluice_emu.h"
+#include "emu_api.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <csetjmp>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+// The runtime's own thread-locals use the initial-exec model (one instruction per access) in the
+// build linked into sluice; a module loaded at run time (`sluice emu check`, built with
+// SLUICE_EMU_MODULE) cannot: any initial-exec access puts its whole TLS segment, namespace-scope
+// `__shared__` arrays of the user's file included, into the small static TLS block.
+#ifdef SLUICE_EMU_MODULE
+#define SLUICE_EMU_FAST_TLS
+#else
+#define SLUICE_EMU_FAST_TLS __attribute__((tls_model("initial-exec")))
+#endif
+
+namespace sluice_emu::rt {
+
+constexpr size_t kPage = 4096;
+constexpr size_t kMaxDynamicShared = 232448;   // 227 KiB, the sm_90 opt-in maximum
+constexpr size_t kMaxStaticShared = 48 * 1024;  // CUDA's limit for static __shared__ per block
+constexpr unsigned kMaxFindings = 50;           // distinct findings kept per launch
+
+std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+inline size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+// ---------------------------------------------------------------------------------------------
+// Race shadow (check.cpp): four access records per 8-byte granule of tracked memory. A record is
+// one earlier access in the current launch (global memory) or block (shared memory); an empty
+// record has block == 0. See docs/emulator.md, "Race detection".
+// ---------------------------------------------------------------------------------------------
+struct Slot {
+  uint32_t block;   // linear block index + 1 (0 = empty)
+  int32_t pc;       // code address of the access, relative to code_base() (0 = unknown)
+  uint16_t bar;     // block barrier interval of the access
+  uint16_t ws;      // __syncwarp count of the accessing warp within that interval
+  uint16_t thread;  // linear thread index
+  uint8_t mask;     // bytes of the granule accessed
+  uint8_t flags;    // kSlotWrite | kSlotAtomic
+};
+static_assert(sizeof(Slot) == 16, "race records are 16 bytes");
+constexpr uint8_t kSlotWrite = 1, kSlotAtomic = 2;
+constexpr size_t kSlotsPerGranule = 4;
+constexpr size_t kGranule = 8;
+
+// ---------------------------------------------------------------------------------------------
+// Memory regions (memory.cpp). All emu memory (global allocations and every worker's shared
+// windows) lives in one reserved arena; a map from 64 KiB chunks to Region finds the region of an
+// address in one load.
+// ---------------------------------------------------------------------------------------------
+enum class RegionKind : uint8_t { Global, DynShared, StaticShared };
+
+struct Worker;
+
+struct Region {
+  RegionKind kind = RegionKind::Global;
+  uintptr_t lo = 0, hi = 0;  // the span registered in the region map (data, slack and redzones)
+  uintptr_t start = 0;       // first data byte
+  size_t bytes = 0;          // data bytes (DynShared: set per launch to the requested size)
+  unsigned long long id = 0; // allocation number (Global)
+  // Race shadow: kSlotsPerGranule records per granule of the data, mapped on first use.
+  std::atomic<Slot*> race{nullptr};
+  size_t race_granules = 0;
+  // Granules touched since the shadow was last cleared (cleared per launch for global memory,
+  // per block for shared memory).
+  size_t touched_lo = SIZE_MAX, touched_hi = 0;
+  std::atomic<unsigned long long> race_launch{0};  // launch that last wrote records (Global)
+  // Async-copy tags (shared windows only): per granule, index + 1 of the pending copy writing it.
+  uint16_t* async_tag = nullptr;
+  size_t tagged_lo = SIZE_MAX, tagged_hi = 0;
+  Worker* owner = nullptr;  // shared windows: the worker whose blocks use it
+};
+
+// Reserves the arena and the region map (once per process). Returns false if the address space
+// cannot be reserved.
+bool arena_init();
+extern uintptr_t g_arena_lo;
+extern size_t g_arena_size;
+extern std::atomic<Region*>* g_region_map;
+constexpr unsigned kChunkShift = 16;  // 64 KiB
+
+inline Region* region_of(uintptr_t a) {
+  uintptr_t off = a - g_arena_lo;
+  if (off >= g_arena_size) return nullptr;
+  return g_region_map[off >> kChunkShift].load(std::memory_order_acquire);
+}
+
+// The race shadow of r, mapped on first use; nullptr if it cannot be mapped.
+Slot* race_shadow(Region& r);
+// Clears the records of the granules touched since the last clear.
+void clear_race_shadow(Region& r);
+
+// Per-host-thread shared memory: the dynamic window and the static window, each its own region.
+struct StaticArray {
+  const void* key;           // address of the declaration's key variable (per instantiation)
+  const char* name;
+  const char* file;
+  unsigned line;
+  size_t off, bytes;         // in the static window
+  unsigned long long block;  // block serial of the last 0xFF fill
+};
+struct SharedWindows {
+  Region dyn;
+  Region stat;
+  uint16_t* stat_owner = nullptr;  // per byte of the static window: array index + 1, 0 = redzone
+  std::vector<StaticArray> arrays;
+  size_t stat_used = 0;            // bytes of the static window laid out (redzones included)
+  size_t stat_data = 0;            // data bytes of the arrays (CUDA's 48 KiB limit)
+};
+constexpr size_t kDynSpan = 256 * 1024;
+constexpr size_t kStatSpan = 128 * 1024;
+constexpr size_t kStaticRedzone = 64;
+bool shared_windows_init(SharedWindows& s, Worker* owner);
+// Limits the accessible part of the dynamic window to `bytes` (rounded up to a page for
+// accesses that bypass the checks; exact for checked ones).
+void shared_windows_set_dynamic(SharedWindows& s, size_t bytes);
+void shared_windows_restore(SharedWindows& s);
+// Forgets the static layout (a new launch on this host thread).
+void shared_windows_reset_static(SharedWindows& s);
+
+// Global allocations.
+void* global_alloc(size_t bytes);
+void global_free(void* p);
+
+// ---------------------------------------------------------------------------------------------
+// Scheduler state (runtime.cpp)
+// ---------------------------------------------------------------------------------------------
+using sluice_emu::WarpOp;
+enum FiberState : unsigned char { kReady, kRunning, kBarrier, kWarp, kWarpGroup, kNamed, kDone };
+
+// A wgmma whose result is not visible yet (until the matching wgmma_wait).
+struct PendingWgmma {
+  float* d;
+  unsigned bytes;
+  int group;  // -1 while not committed
+  const char* file;
+  unsigned line;
+  float value[128];
+};
+
+struct Fiber {
+  void* sp;
+  char* stack;  // mapping: guard page + stack
+  uint3 tid;
+  unsigned linear;
+  FiberState state;
+  // The operation the fiber waits at.
+  WarpOp op;
+  unsigned mask;
+  unsigned size;
+  int arg;
+  int width;
+  const void* in;
+  void* out;
+  const char* file;
+  unsigned line;
+  int pred;
+  // Asynchronous operations issued by this thread.
+  std::vector<PendingWgmma> wgmma;
+  int wgmma_groups = 0;     // commit groups issued
+  int cp_groups = 0;        // cp.async commit groups issued
+};
+
+struct PendingWarpOp {
+  unsigned mask;
+  unsigned arrived;
+};
+struct Warp {
+  unsigned exists;
+  unsigned live;
+  unsigned npend;
+  PendingWarpOp pend[32];
+};
+struct NamedBarrier {
+  unsigned expected;
+  unsigned arrived;
+};
+
+// One finding of a launch (deduplicated by kind, code addresses and source line).
+struct Finding {
+  std::string kind;
+  std::string message;
+  const char* file = nullptr;  // known source line (barriers, warp ops, emulated instructions)
+  unsigned line = 0;
+  uintptr_t pc = 0;   // code address of the access (symbolized by the caller), 0 if none
+  uintptr_t pc2 = 0;  // the earlier conflicting access of a race
+  unsigned long long count = 1;
+};
+
+enum CheckLevel : int { kChecksOff = 0, kChecksBounds = 1, kChecksFull = 2 };
+
+struct Launch {
+  const sluice_emu_kernel* kernel;
+  unsigned grid[3];
+  unsigned block[3];
+  size_t dyn_bytes;
+  void** params;
+  const char* const* param_names = nullptr;
+  unsigned long long seed;
+  unsigned long long name_hash;
+  unsigned long long nblocks;
+  unsigned long long serial = 0;
+  unsigned nthreads;
+  int checks = kChecksFull;
+  bool race = false;
+  // Block order: block i of the launch order is (i * order_mul + order_add) mod nblocks.
+  unsigned long long order_mul = 1, order_add = 0;
+  // Pointer arguments: the allocation start and parameter index, to name buffers in findings.
+  std::vector<std::pair<uintptr_t, unsigned>> pointer_args;
+  std::mutex mu;
+  std::condition_variable done;
+  unsigned pending = 0;
+  // Findings, shared by the workers.
+  std::mutex fmu;
+  std::vector<Finding> findings;
+  unsigned long long dropped = 0;  // findings beyond kMaxFindings
+  std::vector<Region*> race_regions;  // global regions whose race shadow this launch wrote
+  void finish_one() {
+    std::lock_guard<std::mutex> g(mu);
+    if (--pending == 0) done.notify_all();
+  }
+  void add(Finding f);
+};
+
+// Pending asynchronous copy (bulk copy or cp.async) into shared memory.
+enum class AsyncKind : uint8_t { Bulk, CpAsync };
+struct AsyncOp {
+  AsyncKind kind;
+  bool live;
+  char* dst;
+  const char* src;
+  unsigned bytes;
+  uintptr_t bar;       // Bulk: the mbarrier it completes on
+  unsigned fiber;      // issuing thread (linear index)
+  int group;           // CpAsync: commit group, -1 while open
+  const char* file;
+  unsigned line;
+};
+struct MBarrier {
+  uintptr_t addr;
+  unsigned expected;
+  unsigned pending;
+  long long tx;
+  unsigned long long completed;  // phases completed
+  std::vector<unsigned> ops;     // bulk copies completing on the current phase
+};
+
+struct Worker {
+  Launch* L = nullptr;
+  std::vector<Fiber> fibers;
+  std::vector<unsigned> ready;
+  std::vector<Warp> warps;
+  std::vector<unsigned> wg_arrived;
+  NamedBarrier named[16] = {};
+  std::vector<char*> stacks;
+  bool alt_ok = false;
+  bool shared_ok = false;
+  SharedWindows shared;
+  unsigned char* dyn_base = nullptr;
+  size_t dyn_poison = 0;
+  unsigned ndone = 0;
+  unsigned long long rng = 0;
+  void* sched_sp = nullptr;
+  void* dead_sp = nullptr;
+  bool failed = false;
+  unsigned long long block_linear = 0;
+  uint3 bidx{};
+  int bar_result = 0;
+  unsigned long long block_serial = 0;
+  unsigned long long spins = 0;  // emu_yield calls since the last barrier/warp op/exit
+  std::vector<char> scratch;     // gather assembly buffer
+  // Race detection state of the running block.
+  bool race = false;             // race detection on for this block
+  uint16_t bar = 0;              // barrier intervals completed
+  std::vector<uint16_t> ws;      // per warp: __syncwarp completions in this interval
+  std::vector<uint16_t> lane_ws; // per thread: ws of its warp after its last __syncwarp
+  std::vector<uint32_t> lane_sync_mask;  // per thread: mask of that __syncwarp
+  // Asynchronous copies and mbarriers of the running block.
+  std::vector<AsyncOp> async_ops;
+  std::vector<unsigned> async_free;
+  unsigned async_live = 0;
+  std::vector<MBarrier> mbarriers;
+  // fault handling
+  sigjmp_buf jb;
+  volatile bool catching = false;
+  volatile int fault_sig = 0;
+  volatile uintptr_t fault_addr = 0;
+  volatile int fault_write = -1;
+  Fiber* volatile fault_fiber = nullptr;
+  uintptr_t last_oob_addr = 0;  // the last out-of-bounds access reported by the checker
+};
+
+extern thread_local Worker* t_worker SLUICE_EMU_FAST_TLS;
+extern thread_local Fiber* t_cur SLUICE_EMU_FAST_TLS;
+// Non-null while the running fiber has wgmma results pending (its accumulators are watched).
+extern thread_local Fiber* t_watch SLUICE_EMU_FAST_TLS;
+
+std::string where(const Worker& w);
+std::string thread_str(const Fiber& f);
+std::string block_str(const Launch& L, unsigned long long linear);
+std::string thread_str_linear(const Launch& L, unsigned linear);
+// Records a finding of kind `kind` for the running launch; the block goes on.
+void report(Worker& w, const char* kind, std::string msg, uintptr_t pc = 0, uintptr_t pc2 = 0,
+            const char* file = nullptr, unsigned line = 0);
+// Records a finding and abandons the block (never returns when called from a fiber).
+[[noreturn]] void fiber_fail(Worker& w, const char* kind, std::string msg, const char* file = nullptr,
+                             unsigned line = 0);
+
+// ---------------------------------------------------------------------------------------------
+// Checker (check.cpp)
+// ---------------------------------------------------------------------------------------------
+constexpr unsigned kAccWrite = 1, kAccAtomic = 2;
+// Checks one access of kernel code (or of an emulated instruction on its behalf) by the running
+// fiber: bounds of tracked memory, pending asynchronous writes, races. `pc` is the code address
+// reported for it (0 when `file`/`line` name the source instead).
+void check_access(uintptr_t a, size_t n, unsigned flags, uintptr_t pc, const char* file = nullptr,
+                  unsigned line = 0);
+// The base for the 32-bit code addresses in race records.
+uintptr_t code_base();
+// Names the buffer at address a (allocation and argument, shared array, ...) for findings.
+std::string describe_address(const Worker& w, uintptr_t a, size_t n);
+// Race state of the block (called by the scheduler).
+void race_block_start(Worker& w);
+void race_barrier(Worker& w);
+void race_syncwarp(Worker& w, unsigned warp, unsigned mask);
+// Forgets race records of [a, a + n) (an asynchronous write superseded them).
+void race_forget(uintptr_t a, size_t n);
+// Records a write of [a, a + n) by fiber f (a cp.async landing at its wait).
+void race_record_write(Worker& w, const Fiber& f, uintptr_t a, size_t n, const char* file, unsigned line);
+
+// ---------------------------------------------------------------------------------------------
+// Asynchronous operations (async.cpp)
+// ---------------------------------------------------------------------------------------------
+void async_block_start(Worker& w);
+// The pending asynchronous copy writing granule `g` of shared region r, or nullptr.
+const AsyncOp* async_pending_at(const Worker& w, const Region& r, uintptr_t a, size_t n);
+
+}  // namespace sluice_emu::rt
+
+#endif  // SLUICE_EMU_INTERNAL_H

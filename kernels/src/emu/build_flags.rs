@@ -1,0 +1,33 @@
+//! Compiler flags of the emulator, shared by the build (kernels/build_emu.rs, through `#[path]`)
+//! and `sluice emu check` (which compiles a user's file at run time). g++ only.
+
+/// Flags for every emulator translation unit (runtime and kernels alike). The header is
+/// force-included (`-include sluice_emu.h`) by the caller, which also adds the include paths.
+/// `-fno-extern-tls-init`: a block-scope `extern thread_local` in a function template otherwise
+/// calls a TLS init function that does not exist (g++ 12).
+pub const COMMON_FLAGS: &[&str] = &[
+    "-std=c++20",
+    "-fno-extern-tls-init",
+    "-ftls-model=initial-exec",
+    "-fno-strict-aliasing",
+    "-DSLUICE_EMU=1",
+];
+
+/// Flags that instrument kernel code: every load and store of memory that may be shared (not a
+/// local that stays in registers or on the stack unescaped) becomes a call to the emulator's
+/// checker (`__tsan_{read,write}N`, `__tsan_volatile_*`, `__tsan_{read,write}_range` in
+/// kernels/emu/check.cpp). GCC's ThreadSanitizer pass is used for its instrumentation only: no
+/// sanitizer runtime is linked, and the emulator implements the callbacks. (The AddressSanitizer
+/// pass was tried first: it checks an address once per basic block, so the store of a
+/// read-modify-write goes unseen and a lost update cannot be found.)
+pub const INSTRUMENT_FLAGS: &[&str] = &[
+    "-fsanitize=thread",
+    "--param",
+    "tsan-instrument-func-entry-exit=0",
+    "--param",
+    "tsan-distinguish-volatile=1",
+    "-Wno-tsan",
+];
+
+/// The emulator runtime's own sources (kernels/emu), compiled without instrumentation.
+pub const RUNTIME_SOURCES: &[&str] = &["runtime.cpp", "memory.cpp", "check.cpp", "async.cpp"];

@@ -1,0 +1,152 @@
+//! `sluice eval --checkpoint F --task NAME [--samples N]`: a checkpoint's pass rate on a task's
+//! held-out problems, greedy and sampled (at the config's rollout temperature), with a few
+//! transcripts to read.
+//!
+//! The task comes from a config: `--config` if given, else the config.toml of the run folder
+//! the checkpoint lives in (runs/NAME/final.safetensors, runs/NAME/checkpoints/*/...), else the
+//! defaults.
+
+use crate::config::{self, ConfigError, TrainConfig};
+use crate::train_cmd::{make_task, TrainError};
+use sluice_kernels::Backend;
+use sluice_model::Model;
+use sluice_runtime::engine::{Engine, EngineConfig};
+use sluice_runtime::eval::{pass_rate_with, PassRate};
+use sluice_runtime::trajectory::{SamplingParams, TokenId, WeightVersion};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+pub struct EvalOptions {
+    pub checkpoint: PathBuf,
+    pub task: String,
+    /// Held-out problems (default: the config's rollout.eval_problems).
+    pub samples: Option<usize>,
+    pub config: Option<PathBuf>,
+    /// Transcripts to print per mode.
+    pub show: usize,
+}
+
+/// The config that defines the tasks for `checkpoint`.
+fn config_for(o: &EvalOptions) -> Result<TrainConfig, TrainError> {
+    if let Some(c) = &o.config {
+        return Ok(config::load(Some(c), &[])?);
+    }
+    // A checkpoint inside a run folder: the run's own config.
+    let mut dir: Option<&Path> = o.checkpoint.parent();
+    while let Some(d) = dir {
+        let c = d.join("config.toml");
+        if c.is_file() {
+            return Ok(config::load(Some(&c), &[])?);
+        }
+        dir = d.parent();
+    }
+    Ok(config::load(None, &[])?)
+}
+
+fn render(ids: &[TokenId], text: bool) -> String {
+    if text {
+        crate::tasks::tokenizer::render(ids)
+    } else {
+        format!("{ids:?}")
+    }
+}
+
+/// Runs the evaluation; the report goes to `out`.
+pub fn run_eval(o: &EvalOptions, out: &mut dyn Write) -> Result<(PassRate, PassRate), TrainError> {
+    let cfg = config_for(o)?;
+    let section = cfg.task(&o.task).cloned().or_else(|| {
+        // Tasks the stages do not use are still in the table.
+        config::load(None, &[]).ok()?.task(&o.task).cloned()
+    });
+    let Some(section) = section else {
+        let names: Vec<&str> = cfg.tasks.iter().map(|t| t.name.as_str()).collect();
+        return Err(TrainError::Input(format!(
+            "--task {}: no such task in the config (tasks: {})",
+            o.task,
+            names.join(", ")
+        )));
+    };
+    if !o.checkpoint.is_file() {
+        return Err(TrainError::Input(format!(
+            "--checkpoint {}: not a file",
+            o.checkpoint.display()
+        )));
+    }
+    let backend = Backend::open(cfg.run.device).map_err(|e| {
+        TrainError::Config(ConfigError {
+            key: "run.device".into(),
+            message: e.to_string(),
+        })
+    })?;
+    let model = Model::from_checkpoint(&o.checkpoint, &backend)
+        .map_err(|e| TrainError::Input(format!("--checkpoint: {e}")))?;
+    let task = make_task(&section, model.config.vocab).map_err(|m| {
+        TrainError::Config(ConfigError {
+            key: format!("tasks.{}.kind", section.name),
+            message: m,
+        })
+    })?;
+    let text = matches!(section.kind.as_str(), "arith" | "sort" | "tool");
+    let n = o.samples.unwrap_or(cfg.rollout.eval_problems).max(1);
+    let r = &cfg.rollout;
+    let mut engine = Engine::new(
+        backend,
+        &model.config,
+        &model.params,
+        WeightVersion(0),
+        EngineConfig {
+            num_blocks: r.num_blocks,
+            block_size: r.block_size,
+            max_batch_tokens: r.max_batch_tokens,
+            max_seqs: r.max_seqs,
+            preempt: r.preempt,
+            swap: r.swap,
+        },
+    )
+    .map_err(|e| TrainError::Run(e.to_string()))?;
+    let mut run = |temperature: f32| {
+        pass_rate_with(
+            &mut engine,
+            task.as_ref(),
+            n,
+            cfg.run.seed,
+            SamplingParams {
+                temperature,
+                top_k: r.top_k,
+                top_p: r.top_p,
+                max_new_tokens: r.max_new_tokens,
+                seed: cfg.run.seed,
+            },
+            r.max_turns,
+            o.show,
+        )
+        .map_err(|e| TrainError::Run(e.to_string()))
+    };
+    let greedy = run(0.0)?;
+    let sampled = run(if r.temperature > 0.0 {
+        r.temperature
+    } else {
+        1.0
+    })?;
+    let _ = writeln!(
+        out,
+        "{} on {} held-out problems of task {} ({}):",
+        o.checkpoint.display(),
+        n,
+        o.task,
+        section.kind
+    );
+    for (mode, p) in [("greedy", &greedy), ("sampled", &sampled)] {
+        let _ = writeln!(
+            out,
+            "  {mode:<8} pass rate {:.1}% ({}/{})",
+            100.0 * p.rate(),
+            p.passed,
+            p.problems
+        );
+        for (t, reward) in &p.transcripts {
+            let _ = writeln!(out, "    [reward {reward}] {}", render(t, text));
+        }
+    }
+    Ok((greedy, sampled))
+}
