@@ -51,6 +51,8 @@ pub struct RolloutCounters {
     pub engine_busy: Micros,
     pub learner_busy: Micros,
     pub publications: u64,
+    /// Bytes sent to the replicas: every publication, the full syncs after refusals and
+    /// restarts.
     pub sync_bytes: u64,
     /// Publications a replica refused (a delta that failed its checks, a disk file that was
     /// short or damaged); each is answered by a full sync.

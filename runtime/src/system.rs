@@ -1470,8 +1470,11 @@ impl<'a> Scheduler<'a> {
                 // them all.
                 r.deliveries.clear();
                 r.expected = Some(full.version);
+                let bytes = full.sync_bytes();
                 r.deliveries.push(Delivery::Bytes(full));
-                self.orch.counters_mut().sync_full_resyncs += 1;
+                let c = self.orch.counters_mut();
+                c.sync_full_resyncs += 1;
+                c.sync_bytes += bytes;
             }
             SyncPath::Disk(_) => {
                 let Some((publication, bytes)) = &self.disk_last else {
@@ -1783,7 +1786,13 @@ impl<'a> Scheduler<'a> {
         if let Some(h) = &mut self.heartbeats {
             h.watch(i);
         }
-        self.orch.counters_mut().replica_restarts += 1;
+        {
+            let c = self.orch.counters_mut();
+            c.replica_restarts += 1;
+            if let SyncReport::Installed { sent_bytes, .. } = &report {
+                c.sync_bytes += sent_bytes;
+            }
+        }
         self.trace.push(
             Track::Health,
             format!("replica {i} restarted"),
