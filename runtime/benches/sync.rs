@@ -16,14 +16,17 @@
 //! image (all threads), `delta::encode` and `delta::apply` (which includes the copy of the
 //! base, the decode, and the blake3 of the result and of the delta) per workload, and encode
 //! at chunk sizes 64 KiB to 4 MiB; then the stages of one chunk on one thread (scan, byte
-//! shuffle, zstd compress and decompress). Throughput is image bytes per second.
+//! shuffle, zstd compress and decompress); then the disk path on the small model's weights
+//! (`DiskPublisher::publish`: serialise, write, fsync, rename, pointer; `DiskPoller::poll`:
+//! read, blake3, parse), in file bytes per second, on the folder of `SLUICE_BENCH_DIR` (default
+//! the system temp folder). Throughput is image bytes per second.
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use rayon::prelude::*;
 use sluice_kernels::testing::Rng;
 use sluice_runtime::sync::chunk::{scan_xor, shuffle, ChunkCodec};
 use sluice_runtime::sync::delta::{self, EncodeParams, Image};
-use sluice_runtime::sync::{ContentHash, ElemType, Encoding};
+use sluice_runtime::sync::{ContentHash, DiskPoller, DiskPublisher, ElemType, Encoding};
 use sluice_runtime::trajectory::WeightVersion;
 use std::hint::black_box;
 use std::time::Duration;
@@ -355,6 +358,40 @@ fn stages(c: &mut Criterion, loads: &[Workload]) {
     g.finish();
 }
 
+fn disk(c: &mut Criterion) {
+    let backend = sluice_kernels::Backend::Cpu;
+    let model = sluice_model::Model::new(sluice_model::ModelConfig::small(), &backend).unwrap();
+    let dir = std::env::var_os("SLUICE_BENCH_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir)
+        .join(format!("sluice-sync-bench-{}", std::process::id()));
+    let mut publisher = DiskPublisher::new(&dir, 2).unwrap();
+    let mut version = 0u64;
+    let mut publish = || {
+        version += 1;
+        publisher
+            .publish(WeightVersion(version), &model.config, &model.params)
+            .unwrap()
+    };
+    let file = publish().bytes;
+    println!(
+        "disk: small model, {} parameters, file {} bytes",
+        model.params.tensor().numel(),
+        file
+    );
+    let mut g = c.benchmark_group("sync_disk");
+    g.throughput(Throughput::Bytes(file));
+    g.bench_function("publish_write_fsync", |b| b.iter(|| black_box(publish())));
+    g.bench_function("poll_read_verify_parse", |b| {
+        b.iter(|| {
+            let mut poller = DiskPoller::new(&dir);
+            black_box(poller.poll(&backend).unwrap().unwrap())
+        })
+    });
+    g.finish();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 fn main() {
     let loads = workloads();
     println!(
@@ -372,5 +409,6 @@ fn main() {
     memory(&mut c, &loads[0].base);
     encode_apply(&mut c, &loads);
     stages(&mut c, &loads);
+    disk(&mut c);
     c.final_summary();
 }

@@ -113,7 +113,8 @@ impl Clock {
 
 /// Compute charged on the virtual clock. Each figure is a stated model, not a measurement of
 /// this run (defaults: measured on the 2-core development machine for the small model on cpu,
-/// docs/perf/async.md); on the wall clock the compute takes its real time instead.
+/// docs/perf/async.md; the weight-sync figures per byte from the sync bench, docs/perf/sync.md);
+/// on the wall clock the compute takes its real time instead.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CostModel {
     /// Fixed cost of one engine step (scheduling, launches).
@@ -128,6 +129,19 @@ pub struct CostModel {
     pub optim_step_us: f64,
     /// One weight publication to one replica.
     pub publish_us: f64,
+    /// Delta path, learner side: per byte of the image, per delta encoded (scan, shuffle,
+    /// zstd, checksum).
+    pub sync_encode_byte_us: f64,
+    /// Delta and disk paths, per byte that reaches a replica (the delta or image it is sent,
+    /// the file it reads).
+    pub sync_transfer_byte_us: f64,
+    /// Delta and disk paths, replica side: per byte of the image installed (decode or parse,
+    /// blake3 verification, the copy into the engine).
+    pub sync_apply_byte_us: f64,
+    /// Disk path, learner side: per byte of the file written (serialise, write, fsync).
+    pub sync_write_byte_us: f64,
+    /// Starting a fresh engine for a lost replica, before its full sync.
+    pub replica_restart_us: f64,
 }
 
 impl Default for CostModel {
@@ -139,9 +153,24 @@ impl Default for CostModel {
             train_token_us: 200.0,
             optim_step_us: 90_000.0,
             publish_us: 2_000.0,
+            sync_encode_byte_us: SYNC_ENCODE_BYTE_US,
+            sync_transfer_byte_us: SYNC_TRANSFER_BYTE_US,
+            sync_apply_byte_us: SYNC_APPLY_BYTE_US,
+            sync_write_byte_us: SYNC_WRITE_BYTE_US,
+            replica_restart_us: 500_000.0,
         }
     }
 }
+
+// Per-byte defaults (microseconds per byte; trainer/src/defaults.toml states the same figures)
+// from the sync bench on the 2-vCPU development machine (docs/perf/sync.md): delta encode of a
+// dense f32 update at about 200 MiB/s, install (decode, verify, copy) at about 450 MiB/s, an
+// in-memory copy at about 5 GiB/s for the transfer, and a checkpoint write (serialise, write,
+// fsync, rename, pointer) at about 256 MiB/s.
+const SYNC_ENCODE_BYTE_US: f64 = 0.00477;
+const SYNC_APPLY_BYTE_US: f64 = 0.00212;
+const SYNC_TRANSFER_BYTE_US: f64 = 0.000186;
+const SYNC_WRITE_BYTE_US: f64 = 0.00373;
 
 impl CostModel {
     pub fn validate(&self) -> Result<(), String> {
@@ -152,6 +181,11 @@ impl CostModel {
             ("train_token_us", self.train_token_us),
             ("optim_step_us", self.optim_step_us),
             ("publish_us", self.publish_us),
+            ("sync_encode_byte_us", self.sync_encode_byte_us),
+            ("sync_transfer_byte_us", self.sync_transfer_byte_us),
+            ("sync_apply_byte_us", self.sync_apply_byte_us),
+            ("sync_write_byte_us", self.sync_write_byte_us),
+            ("replica_restart_us", self.replica_restart_us),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(format!("cost.{name} = {v} must be a number >= 0"));
@@ -177,6 +211,29 @@ impl CostModel {
 
     pub fn publish(&self) -> Micros {
         Micros(self.publish_us.round() as u64)
+    }
+
+    /// Learner side of one delta publication: `deltas` encodes of an `image`-byte image.
+    pub fn sync_encode(&self, image: u64, deltas: u64) -> Micros {
+        Micros((self.sync_encode_byte_us * image as f64 * deltas as f64).round() as u64)
+    }
+
+    /// Learner side of one disk publication: writing a `file`-byte file.
+    pub fn sync_write(&self, file: u64) -> Micros {
+        Micros((self.sync_write_byte_us * file as f64).round() as u64)
+    }
+
+    /// Replica side of one install: `sent` bytes arrive, an `image`-byte image is applied and
+    /// verified.
+    pub fn sync_install(&self, sent: u64, image: u64) -> Micros {
+        Micros(
+            (self.sync_transfer_byte_us * sent as f64 + self.sync_apply_byte_us * image as f64)
+                .round() as u64,
+        )
+    }
+
+    pub fn replica_restart(&self) -> Micros {
+        Micros(self.replica_restart_us.round() as u64)
     }
 }
 
@@ -294,10 +351,19 @@ mod tests {
             train_token_us: 3.0,
             optim_step_us: 100.0,
             publish_us: 7.0,
+            sync_encode_byte_us: 0.5,
+            sync_transfer_byte_us: 0.25,
+            sync_apply_byte_us: 0.125,
+            sync_write_byte_us: 2.0,
+            replica_restart_us: 1000.0,
         };
         assert_eq!(m.engine_step(5, 4), Micros(23));
         assert_eq!(m.learner_step(10), Micros(130));
         assert_eq!(m.publish(), Micros(7));
+        assert_eq!(m.sync_encode(100, 3), Micros(150));
+        assert_eq!(m.sync_write(100), Micros(200));
+        assert_eq!(m.sync_install(40, 80), Micros(20));
+        assert_eq!(m.replica_restart(), Micros(1000));
         assert!(CostModel {
             decode_seq_us: -1.0,
             ..m

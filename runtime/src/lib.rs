@@ -12,6 +12,7 @@ pub mod engine;
 pub mod env;
 pub mod eval;
 pub mod hash;
+pub mod health;
 pub mod kv_blocks;
 pub mod learner;
 pub mod metrics;

@@ -16,7 +16,12 @@
 //! - ratio_mean/min/max: the importance ratio over trained tokens;
 //! - zero_lag_tokens / zero_lag_mismatch_tokens: see [`crate::learner`];
 //! - reward_mean.NAME: mean reward of the unique trajectories of task NAME trained on;
-//!   learner_share.NAME: that task's share of the groups the learner consumed.
+//!   learner_share.NAME: that task's share of the groups the learner consumed;
+//! - sync_bytes, sync_encoding (publication steps only): bytes sent to the replicas for this
+//!   step's publication and how (`inprocess`, `delta:...`/`full`, `disk`; see
+//!   [`crate::sync::lane`]);
+//! - sync_refused, sync_full_resyncs: publications replicas refused, and the full syncs that
+//!   answered them; replicas_lost, replica_restarts, trajectories_lost: rollout health.
 
 use crate::buffer::BufferCounters;
 use crate::clock::Micros;
@@ -46,7 +51,32 @@ pub struct RolloutCounters {
     pub engine_busy: Micros,
     pub learner_busy: Micros,
     pub publications: u64,
+    /// Bytes sent to the replicas: every publication, the full syncs after refusals and
+    /// restarts.
     pub sync_bytes: u64,
+    /// Publications a replica refused (a delta that failed its checks, a disk file that was
+    /// short or damaged); each is answered by a full sync.
+    #[serde(default)]
+    pub sync_refused: u64,
+    /// Full syncs sent after a refusal (delta path: the full image; disk path: the file
+    /// rewritten whole).
+    #[serde(default)]
+    pub sync_full_resyncs: u64,
+    /// Disk path: publications whose writer died before the pointer moved (never published).
+    #[serde(default)]
+    pub sync_failed_writes: u64,
+    /// Engine replicas declared lost (a heartbeat unanswered for the timeout).
+    #[serde(default)]
+    pub replicas_lost: u64,
+    /// Lost replicas restarted (a fresh engine, a full sync) and back in the router.
+    #[serde(default)]
+    pub replica_restarts: u64,
+    /// Trajectories ended as `environment` because their replica was lost.
+    #[serde(default)]
+    pub trajectories_lost: u64,
+    /// Sessions of lost replicas started again on another replica.
+    #[serde(default)]
+    pub sessions_restarted: u64,
 }
 
 /// Per task, what reached the learner.
@@ -256,6 +286,12 @@ pub fn metrics_line(x: &LineInputs<'_>) -> Value {
         m.insert("sync_bytes".into(), json!(bytes));
         m.insert("sync_encoding".into(), json!(encoding));
     }
+    let c = x.rollout;
+    m.insert("sync_refused".into(), json!(c.sync_refused));
+    m.insert("sync_full_resyncs".into(), json!(c.sync_full_resyncs));
+    m.insert("replicas_lost".into(), json!(c.replicas_lost));
+    m.insert("replica_restarts".into(), json!(c.replica_restarts));
+    m.insert("trajectories_lost".into(), json!(c.trajectories_lost));
     Value::Object(m)
 }
 
@@ -275,6 +311,8 @@ pub enum Track {
     Learner,
     /// A weight publication (learner to every replica).
     Sync,
+    /// Replica health: losses, restarts, refused publications.
+    Health,
 }
 
 /// One span on the run clock.
@@ -329,6 +367,7 @@ impl Trace {
                 Track::Env { .. } => (2, "environment"),
                 Track::Learner => (3, "learner"),
                 Track::Sync => (4, "weight sync"),
+                Track::Health => (5, "health"),
             };
             let next_id = track_ids.len() as u32;
             let base = *track_ids.entry(s.track.clone()).or_insert(next_id);
@@ -349,6 +388,7 @@ impl Trace {
                 Track::Env { task } => format!("env {task} / {row}"),
                 Track::Learner => "learner steps".to_string(),
                 Track::Sync => "publications".to_string(),
+                Track::Health => "replica health".to_string(),
             };
             names.entry((pid, tid)).or_insert(label);
             names.entry((pid, 0)).or_insert_with(|| pname.to_string());

@@ -12,6 +12,14 @@
 //! attempt), the sampler's noise from (seed, request id, position). So the order in which
 //! things happen never changes what they are.
 //!
+//! A group's trajectories go to the data buffer together, when the last of them ends (the
+//! buffer could not release the group earlier anyway). So when an engine replica is lost
+//! ([`Orchestrator::on_replica_lost`]), every group it was running ends whole as `environment`
+//! (infrastructure) failures: the trajectories that lived in its engine are gone, and the ones
+//! that had already finished belong to a group that can no longer be judged as one; none of
+//! them is trained. The session then continues on another replica: a replacement group of the
+//! same problem and session id starts wherever the router now sends that session.
+//!
 //! Share correction. A task's flow into the learner is bounded by min(lambda, c/T) * q (arrival
 //! rate, concurrency over completion time, acceptance rate): left alone, fast tasks crowd out
 //! slow ones. With `share_correction` the orchestrator (1) gives the backpressure room to the
@@ -28,11 +36,12 @@ use crate::env::faults::{garbage_tokens, plan_call, CallFault, CallKey, FaultRat
 use crate::env::latency::LatencyModel;
 use crate::env::{Problem, Reply, Split, Task};
 use crate::hash::{hash_str, mix64};
-use crate::learner::Publication;
 use crate::metrics::{RolloutCounters, Span, Track};
-use crate::trajectory::{Sample, SamplingParams, TerminalReason, TokenId};
+use crate::trajectory::{
+    ClockStamps, Sample, SamplingParams, TerminalReason, TokenId, WeightVersion,
+};
 use sluice_kernels::testing::Rng;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::Arc;
 
@@ -127,6 +136,17 @@ pub struct Pace {
     pub groups_per_step: usize,
 }
 
+/// What a replica loss ended (see [`Orchestrator::on_replica_lost`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LostSessions {
+    /// Trajectories ended as `environment` (every member of every group the replica ran).
+    pub trajectories: u64,
+    /// (instance id, group index) of each of them.
+    pub members: Vec<(String, u32)>,
+    /// The sessions that start again on another replica.
+    pub sessions: Vec<String>,
+}
+
 /// A member of a group: (group id, group index).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct MemberRef {
@@ -153,8 +173,6 @@ pub enum EngineCmd {
         reward: f32,
         reason: TerminalReason,
     },
-    /// Install published weights (between steps).
-    Swap(Arc<Publication>),
 }
 
 /// The result of an [`EngineCmd`], in command order.
@@ -172,7 +190,6 @@ pub enum EngineResult {
         member: MemberRef,
         result: Result<Box<Sample>, String>,
     },
-    Swapped(Result<(), String>),
 }
 
 /// An environment call that comes due.
@@ -251,8 +268,12 @@ struct Group {
     replica: usize,
     problem: Problem,
     session: String,
+    /// The buffer's key of this group's trajectories.
+    instance: String,
     started: Micros,
     members: Vec<Member>,
+    /// Members that ended, waiting for the rest of the group.
+    ended: Vec<Sample>,
 }
 
 /// The orchestrator. See the module docs.
@@ -264,6 +285,10 @@ pub struct Orchestrator {
     by_handle: BTreeMap<(usize, SeqHandle), MemberRef>,
     next_group: u64,
     counters: RolloutCounters,
+    /// Groups ended by a replica loss; their environment calls still due are ignored.
+    lost: BTreeSet<u64>,
+    /// The learner's step count (stamped on trajectories as they end).
+    learner_step: u64,
 }
 
 impl fmt::Debug for Orchestrator {
@@ -316,7 +341,14 @@ impl Orchestrator {
             by_handle: BTreeMap::new(),
             next_group,
             counters: RolloutCounters::default(),
+            lost: BTreeSet::new(),
+            learner_step: 0,
         })
+    }
+
+    /// The learner's step count from now on (stamped on trajectories as they end).
+    pub fn set_learner_step(&mut self, steps: u64) {
+        self.learner_step = steps;
     }
 
     pub fn tasks(&self) -> &[TaskSpec] {
@@ -435,18 +467,34 @@ impl Orchestrator {
         route: &mut dyn FnMut(&str) -> usize,
     ) -> Action {
         let id = self.next_group;
+        let name = self.tasks[t].task.name().to_string();
+        // Keyed draw: group k of a task gets the same problem whatever happened before.
+        let mut rng = Rng::new(mix64(hash_str(self.policy.seed, &name) ^ mix64(id)));
+        let problem = self.tasks[t].task.problem(&mut rng, Split::Train);
+        let session = format!("{name}/{id}");
+        self.launch(t, problem, session, now, route)
+    }
+
+    /// Starts group `next_group` of task `t` on `problem` in `session`, on the replica
+    /// `route` names.
+    fn launch(
+        &mut self,
+        t: usize,
+        problem: Problem,
+        session: String,
+        now: Micros,
+        route: &mut dyn FnMut(&str) -> usize,
+    ) -> Action {
+        let id = self.next_group;
         self.next_group += 1;
         let spec = &self.tasks[t];
         let name = spec.task.name().to_string();
-        // Keyed draw: group k of a task gets the same problem whatever happened before.
-        let mut rng = Rng::new(mix64(hash_str(self.policy.seed, &name) ^ mix64(id)));
-        let problem = spec.task.problem(&mut rng, Split::Train);
-        let session = format!("{name}/{id}");
         let replica = route(&session);
         let g = self.policy.group_size;
+        let instance = format!("{}#{id}", problem.id);
         let request = Request {
             session_id: session.clone(),
-            instance_id: format!("{}#{id}", problem.id),
+            instance_id: instance.clone(),
             task: name,
             group_size: g,
             prompt: problem.prompt.clone(),
@@ -472,8 +520,10 @@ impl Orchestrator {
                 replica,
                 problem,
                 session,
+                instance,
                 started: now,
                 members,
+                ended: Vec::new(),
             },
         );
         let s = &mut self.stats[t];
@@ -509,7 +559,12 @@ impl Orchestrator {
     ) -> OrchResult<Vec<Action>> {
         match r {
             EngineResult::Submitted { group, handles } => {
-                let handles = handles.map_err(|e| internal(format!("submit failed: {e}")))?;
+                let handles = match handles {
+                    Ok(h) => h,
+                    // The engine refused the task's problem (a prompt outside the vocabulary or
+                    // longer than the KV pool): the environment's failure, not the run's.
+                    Err(e) => return self.submit_failed(group, &e, now),
+                };
                 let g = self.group(group)?;
                 if handles.len() != g.members.len() {
                     return Err(internal(format!(
@@ -536,10 +591,6 @@ impl Orchestrator {
             EngineResult::Finished { member, result } => {
                 let sample = result.map_err(|e| internal(format!("finish failed: {e}")))?;
                 self.complete(member, *sample, now)
-            }
-            EngineResult::Swapped(r) => {
-                r.map_err(|e| internal(format!("weight swap failed: {e}")))?;
-                Ok(Vec::new())
             }
         }
     }
@@ -613,6 +664,10 @@ impl Orchestrator {
 
     /// An environment call came due: its reply, a retry, or the end of the trajectory.
     pub fn on_env(&mut self, call: EnvCall, now: Micros) -> OrchResult<Vec<Action>> {
+        if self.lost.contains(&call.member.group) {
+            // Its group ended with a lost replica; the reply has no trajectory to go to.
+            return Ok(Vec::new());
+        }
         let g = self.group(call.member.group)?;
         let mem = &g.members[call.member.index as usize];
         let MemberState::InEnv { since } = mem.state else {
@@ -797,7 +852,8 @@ impl Orchestrator {
         }])
     }
 
-    /// A trajectory is over: stamp it, count it, hand it to the buffer.
+    /// A trajectory is over: stamp it, count it, and hand its group to the buffer if it was
+    /// the group's last.
     fn complete(
         &mut self,
         m: MemberRef,
@@ -819,17 +875,81 @@ impl Orchestrator {
         if let Some(h) = mem.handle {
             self.by_handle.remove(&(replica, h));
         }
-        let all_done = g
-            .members
-            .iter()
-            .all(|x| matches!(x.state, MemberState::Done));
         let session = g.session.clone();
-        if all_done {
-            self.groups.remove(&m.group);
-        }
         let spec = &self.tasks[t];
         sample.versions = spec.task.versions();
         sample.clocks.environment_step = self.counters.env_calls;
+        sample.clocks.learner_step = self.learner_step;
+        let task_name = spec.task.name().to_string();
+        self.count_end(t, &sample, started, now);
+        let span = Span {
+            track: Track::Rollout { replica },
+            name: format!("{session}#{}", m.index),
+            start: started,
+            end: now,
+            args: vec![
+                ("task".into(), task_name),
+                ("terminal".into(), sample.terminal_reason.to_string()),
+                ("reward".into(), sample.reward.to_string()),
+                ("tokens".into(), sample.tokens.len().to_string()),
+            ],
+        };
+        let mut out = vec![Action::Span(span)];
+        let g = self
+            .groups
+            .get_mut(&m.group)
+            .ok_or_else(|| internal(format!("no group {}", m.group)))?;
+        g.ended.push(sample);
+        if g.members
+            .iter()
+            .all(|x| matches!(x.state, MemberState::Done))
+        {
+            out.extend(self.hand_over(m.group));
+        }
+        Ok(out)
+    }
+
+    /// The group's trajectories to the buffer (in group-index order); the group is over.
+    fn hand_over(&mut self, group: u64) -> Vec<Action> {
+        let Some(mut g) = self.groups.remove(&group) else {
+            return Vec::new();
+        };
+        g.ended.sort_by_key(|s| s.group_index);
+        g.ended
+            .into_iter()
+            .map(|s| Action::Finished(Box::new(s)))
+            .collect()
+    }
+
+    /// A trajectory that ended without an engine sample (its engine refused it or was lost):
+    /// the prompt alone, ended as `environment` with reward 0.
+    fn prompt_only(&self, g: &Group, index: u32) -> Sample {
+        let n = g.problem.prompt.len();
+        Sample {
+            instance_id: g.instance.clone(),
+            group_index: index,
+            session_id: g.session.clone(),
+            task: self.tasks[g.task].task.name().to_string(),
+            prompt_len: n,
+            tokens: g.problem.prompt.clone(),
+            loss_mask: vec![false; n],
+            behavior_logp: vec![0.0; n],
+            weight_version: vec![WeightVersion(self.learner_step); n],
+            reward: 0.0,
+            terminal_reason: TerminalReason::Environment,
+            turns: Vec::new(),
+            clocks: ClockStamps {
+                environment_step: self.counters.env_calls,
+                learner_step: self.learner_step,
+                ..ClockStamps::default()
+            },
+            versions: self.tasks[g.task].task.versions(),
+            sampling: self.policy.sampling,
+        }
+    }
+
+    /// Counts the end of one trajectory of task `t` (what [`Orchestrator::complete`] counts).
+    fn count_end(&mut self, t: usize, sample: &Sample, started: Micros, now: Micros) {
         let st = &mut self.stats[t];
         st.in_flight = st.in_flight.saturating_sub(1);
         st.trajectories_finished += 1;
@@ -844,19 +964,136 @@ impl Orchestrator {
             .by_terminal
             .entry(sample.terminal_reason.as_str().to_string())
             .or_default() += 1;
-        let span = Span {
-            track: Track::Rollout { replica },
-            name: format!("{session}#{}", m.index),
-            start: started,
-            end: now,
-            args: vec![
-                ("task".into(), spec.task.name().to_string()),
-                ("terminal".into(), sample.terminal_reason.to_string()),
-                ("reward".into(), sample.reward.to_string()),
-                ("tokens".into(), sample.tokens.len().to_string()),
-            ],
-        };
-        Ok(vec![Action::Span(span), Action::Finished(Box::new(sample))])
+    }
+
+    /// The engine refused a group's submit: every member ends as `environment`.
+    fn submit_failed(&mut self, group: u64, error: &str, now: Micros) -> OrchResult<Vec<Action>> {
+        let g = self.group(group)?;
+        if g.problem.prompt.is_empty() {
+            // Nothing can stand for these trajectories in the buffer (a trajectory needs a
+            // token); a task that makes empty prompts is a bug in the task.
+            return Err(internal(format!(
+                "task {} made an empty prompt (group {group}); the engine refused it: {error}",
+                self.tasks[g.task].task.name()
+            )));
+        }
+        let (t, started) = (g.task, g.started);
+        let samples: Vec<Sample> = (0..g.members.len() as u32)
+            .map(|i| self.prompt_only(g, i))
+            .collect();
+        *self
+            .counters
+            .env_faults
+            .entry("submit".to_string())
+            .or_default() += 1;
+        for s in &samples {
+            self.count_end(t, s, started, now);
+        }
+        self.groups.remove(&group);
+        Ok(samples
+            .into_iter()
+            .map(|s| Action::Finished(Box::new(s)))
+            .collect())
+    }
+
+    /// Engine replica `replica` is gone (it stopped answering or died). Every group it was
+    /// running ends: its trajectories, finished or not, go to the buffer as `environment`
+    /// failures with reward 0 (never trained), and the group's session starts again, as a new
+    /// group of the same problem, on the replica `route` now gives it (the caller has removed
+    /// the lost one from the router). Returns the actions and what was lost.
+    pub fn on_replica_lost(
+        &mut self,
+        replica: usize,
+        now: Micros,
+        route: &mut dyn FnMut(&str) -> usize,
+    ) -> OrchResult<(Vec<Action>, LostSessions)> {
+        let ids: Vec<u64> = self
+            .groups
+            .iter()
+            .filter(|(_, g)| g.replica == replica)
+            .map(|(&id, _)| id)
+            .collect();
+        self.by_handle.retain(|(r, _), _| *r != replica);
+        let mut actions = Vec::new();
+        let mut lost = LostSessions::default();
+        for id in ids {
+            let Some(mut g) = self.groups.remove(&id) else {
+                continue;
+            };
+            self.lost.insert(id);
+            let t = g.task;
+            let mut samples = std::mem::take(&mut g.ended);
+            // Trajectories that had ended: counted already; relabelled.
+            for s in &mut samples {
+                self.relabel_lost(t, s);
+            }
+            let members = std::mem::take(&mut g.members);
+            for (i, mem) in members.into_iter().enumerate() {
+                if matches!(mem.state, MemberState::Done) {
+                    continue;
+                }
+                let sample = match mem.sample {
+                    // Single-turn: generated, waiting for its reward.
+                    Some(mut s) => {
+                        s.reward = 0.0;
+                        s.terminal_reason = TerminalReason::Environment;
+                        s.versions = self.tasks[t].task.versions();
+                        s.clocks.environment_step = self.counters.env_calls;
+                        s.clocks.learner_step = self.learner_step;
+                        s
+                    }
+                    // Its tokens lived in the lost engine.
+                    None => self.prompt_only(&g, i as u32),
+                };
+                self.count_end(t, &sample, g.started, now);
+                samples.push(sample);
+            }
+            samples.sort_by_key(|s| s.group_index);
+            lost.trajectories += samples.len() as u64;
+            for s in &samples {
+                lost.members.push((s.instance_id.clone(), s.group_index));
+            }
+            actions.push(Action::Span(Span {
+                track: Track::Rollout { replica },
+                name: format!("{} lost", g.session),
+                start: g.started,
+                end: now,
+                args: vec![
+                    ("task".into(), self.tasks[t].task.name().to_string()),
+                    ("terminal".into(), "environment".into()),
+                    ("cause".into(), format!("replica {replica} lost")),
+                ],
+            }));
+            actions.extend(samples.into_iter().map(|s| Action::Finished(Box::new(s))));
+            // The session continues elsewhere: the same problem, a new group (counted as
+            // started like any other).
+            self.counters.sessions_restarted += 1;
+            lost.sessions.push(g.session.clone());
+            actions.push(self.launch(t, g.problem, g.session, now, route));
+        }
+        self.counters.trajectories_lost += lost.trajectories;
+        Ok((actions, lost))
+    }
+
+    /// A trajectory that had ended before its group was lost becomes an `environment` end.
+    fn relabel_lost(&mut self, t: usize, s: &mut Sample) {
+        if s.terminal_reason != TerminalReason::Environment {
+            if let Some(c) = self
+                .counters
+                .by_terminal
+                .get_mut(s.terminal_reason.as_str())
+            {
+                *c = c.saturating_sub(1);
+            }
+            *self
+                .counters
+                .by_terminal
+                .entry(TerminalReason::Environment.as_str().to_string())
+                .or_default() += 1;
+            self.stats[t].env_failures += 1;
+        }
+        s.reward = 0.0;
+        s.terminal_reason = TerminalReason::Environment;
     }
 
     /// The learner consumed these groups (by task name).
@@ -954,7 +1191,8 @@ impl Orchestrator {
     }
 
     /// Ends the stage: every trajectory still in flight is abandoned (never trained) and
-    /// counted. Returns how many.
+    /// counted, and so are the ended trajectories of unfinished groups (they were never handed
+    /// to the buffer). Returns how many were in flight.
     pub fn abandon_all(&mut self) -> u64 {
         let n = self.in_flight();
         for s in &mut self.stats {
@@ -962,6 +1200,7 @@ impl Orchestrator {
         }
         self.groups.clear();
         self.by_handle.clear();
+        self.lost.clear();
         self.counters.abandoned += n;
         n
     }

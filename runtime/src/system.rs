@@ -3,17 +3,35 @@
 //!
 //! Flow (DESIGN 6.8): the orchestrator admits groups -> `EngineCmd::Submit` to a replica lane
 //! -> engine events (turn ended / finished) -> environment calls (timers) -> observations back
-//! to the engine or the end of the trajectory -> the finished `Sample` into the buffer -> ready
-//! groups to the learner lane -> a `Publication` every K steps -> `EngineCmd::Swap` to every
-//! replica.
+//! to the engine or the end of the trajectory -> the finished group's `Sample`s into the
+//! buffer -> ready groups to the learner lane -> a publication every K steps -> to every
+//! replica by the stage's sync path ([`crate::sync::lane`]).
 //!
 //! Lanes. Each engine replica and the learner is a *lane*: it holds its component and takes
-//! one unit of work at a time (a batch of commands plus one engine step; one learner step). On
-//! the wall clock a lane is a thread and its result arrives on a channel when it is done. On
-//! the virtual clock (replay) the lane runs its work inline, and its result is delivered by a
-//! timer at start + the cost model's charge; the loop always handles the earliest event, so
-//! the interleaving is decided by the clock and never by thread timing, and a run with a seed
-//! replays bit for bit.
+//! one unit of work at a time (weight installs, a batch of commands, then one engine step; one
+//! learner step and its publication). On the wall clock a lane is a thread and its result
+//! arrives on a channel when it is done. On the virtual clock (replay) the lane runs its work
+//! inline, and its result is delivered by a timer at start + the cost model's charge; the loop
+//! always handles the earliest event, so the interleaving is decided by the clock and never by
+//! thread timing, and a run with a seed replays bit for bit.
+//!
+//! Weight sync. The learner lane turns a publication into what each replica is sent (in
+//! process: the arena; delta: a delta against the version the replica will hold, or the full
+//! image; disk: files written atomically, which replicas poll at the start of every unit of
+//! work). A replica that refuses what it was sent (a delta that fails its checks, a damaged
+//! file) keeps what it ran and is answered with a full sync (the full image; the file
+//! rewritten whole). Every install reports the blake3 of the image the replica now runs on
+//! ([`StageObserver::on_sync`]). On the virtual clock the cost model charges the encode or the
+//! write on the learner lane and the transfer and install on each replica lane.
+//!
+//! Health ([`crate::health`]). With a heartbeat timeout, every replica is pinged a quarter
+//! timeout apart and answers between units of work; one that leaves a ping unanswered for the
+//! timeout is lost: its lane is abandoned (on the wall clock its thread is left behind, never
+//! joined, so a hung thread cannot hang the run), every group it ran ends as `environment`
+//! failures and starts again on another replica, the router drops it, and after the cost
+//! model's restart time a fresh engine is built from a full sync and rejoins the router. The
+//! restart runs on the scheduler's thread (on the wall clock the loop waits for the engine to
+//! be built).
 //!
 //! Modes. `async`: rollout and learner run concurrently; rollout may start a trajectory only
 //! within the backpressure room ([`Admission`], eta steps ahead); the learner takes
@@ -23,15 +41,24 @@
 
 use crate::buffer::{Admission, BufferCounters, DataBuffer, ReadyGroup};
 use crate::clock::{Clock, ClockMode, CostModel, Micros, Timers};
-use crate::engine::{Engine, Event};
+use crate::engine::{Engine, EngineConfig, Event};
+use crate::health::{BackendSpec, FailKind, HealthConfig, Heartbeats};
 use crate::learner::{Learner, Publication, StepReport};
 use crate::metrics::{metrics_line, LearnerTotals, LineInputs, RolloutCounters, Trace, Track};
 use crate::orchestrator::{
-    Action, EngineCmd, EngineResult, EnvCall, Orchestrator, OrchestratorError, Pace, TaskStats,
+    Action, EngineCmd, EngineResult, EnvCall, LostSessions, Orchestrator, OrchestratorError,
+    Pace, TaskStats,
 };
 use crate::router::{ReplicaId, Router};
+use crate::sync::lane::{
+    restart_replica, Delivery, FullSync, Outgoing, StartImage, SyncOptions, SyncPath, SyncReport,
+    SyncSink, SyncSource,
+};
+use crate::sync::{disk, ContentHash, DiskPublication};
 use crate::trajectory::WeightVersion;
 use serde_json::Value;
+use sluice_model::ModelConfig;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
@@ -74,6 +101,41 @@ pub struct StageConfig {
     pub cost: CostModel,
     /// A barrier every this many learner steps (see [`StageObserver::on_barrier`]).
     pub barrier_every: Option<u64>,
+    /// How publications reach the replicas (`sync.path`), and injected sync faults.
+    pub sync: SyncOptions,
+    /// Heartbeats, and an injected replica failure.
+    pub health: HealthConfig,
+}
+
+/// One replica's install (see [`StageObserver::on_sync`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SyncEvent {
+    pub now: Micros,
+    pub replica: usize,
+    pub version: WeightVersion,
+    /// blake3 of the image the replica runs on now.
+    pub hash: ContentHash,
+    /// blake3 of the image the learner published as `version` (None: not known to the
+    /// scheduler yet, possible only on the disk path on the wall clock).
+    pub published: Option<ContentHash>,
+    /// `inprocess`, `full`, `delta:...` or `disk`.
+    pub encoding: String,
+    pub sent_bytes: u64,
+    /// A restarted replica's first install.
+    pub restart: bool,
+}
+
+/// A replica declared lost (see [`StageObserver::on_replica_lost`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReplicaLoss {
+    pub now: Micros,
+    pub replica: usize,
+    /// When its oldest unanswered heartbeat went out.
+    pub silent_since: Micros,
+    /// When the unit of work it never finished started (None: it was idle).
+    pub working_since: Option<Micros>,
+    /// The trajectories it ended and the sessions that start again elsewhere.
+    pub lost: LostSessions,
 }
 
 /// What a running stage tells its owner.
@@ -86,6 +148,13 @@ pub trait StageObserver {
 
     /// After every event the scheduler handled: the admission figures at that moment.
     fn on_tick(&mut self, _tick: &Tick) {}
+
+    /// After a replica installed weights (each publication, each full sync after a refusal,
+    /// each restart): what it runs on now and what the learner published as that version.
+    fn on_sync(&mut self, _event: &SyncEvent) {}
+
+    /// A replica stopped answering heartbeats and was declared lost.
+    fn on_replica_lost(&mut self, _loss: &ReplicaLoss) {}
 
     /// At a barrier (every `barrier_every` learner steps): no trajectory is in flight, the
     /// learner is idle, every replica has applied every command. A checkpoint taken here
@@ -117,10 +186,13 @@ pub struct BarrierView<'a> {
     pub learner: &'a Learner,
     /// Each replica's engine (idle, no sequence held).
     pub engines: Vec<&'a Engine>,
+    /// Each replica's weights: the version and the blake3 of the image it runs on.
+    pub replica_weights: Vec<(Option<WeightVersion>, Option<ContentHash>)>,
     pub buffer: &'a DataBuffer,
     pub orchestrator: &'a Orchestrator,
     pub totals: &'a LearnerTotals,
-    /// The weights every replica holds (the last publication, or the stage's start weights).
+    /// The last publication (or the stage's start weights): what every replica holds, unless
+    /// its writer died on the disk path.
     pub engine_weights: &'a Publication,
     /// The stage's trace so far.
     pub trace: &'a Trace,
@@ -139,6 +211,10 @@ pub enum RunError {
     },
     Learner(String),
     Observer(String),
+    /// Weight sync failed in a way a full sync cannot heal (a file cannot be written).
+    Sync(String),
+    /// The stage's settings are inconsistent (checked before anything runs).
+    Config(String),
     /// Nothing can happen any more (no timer, no busy lane, nothing to start).
     Stalled(String),
 }
@@ -152,6 +228,8 @@ impl fmt::Display for RunError {
             }
             RunError::Learner(m) => write!(f, "learner: {m}"),
             RunError::Observer(m) => write!(f, "{m}"),
+            RunError::Sync(m) => write!(f, "weight sync: {m}"),
+            RunError::Config(m) => write!(f, "stage settings: {m}"),
             RunError::Stalled(m) => write!(f, "the run stalled: {m}"),
         }
     }
@@ -182,9 +260,32 @@ pub struct StageReport {
 // ---------------------------------------------------------------------------------------------
 // Lanes.
 
-/// One unit of engine work: commands in order, then one step if the engine has work.
+/// What a replica lane holds.
+struct Replica {
+    engine: Engine,
+    sink: SyncSink,
+    /// The injected failure, armed on the first incarnation of the configured replica.
+    fail: Option<Armed>,
+}
+
+struct Armed {
+    at_step: u64,
+    kind: FailKind,
+    /// Wall clock, `hang`: the thread blocks on this until the stage ends.
+    release: Option<Receiver<()>>,
+}
+
+/// One unit of replica work: weight installs, commands in order, then one engine step if the
+/// engine has work (on the disk path the pointer is polled first).
 struct EngineWork {
+    deliveries: Vec<Delivery>,
     cmds: Vec<EngineCmd>,
+}
+
+/// What a replica lane's thread is sent.
+enum ReplicaIn {
+    Work(EngineWork),
+    Ping(u64),
 }
 
 struct EngineDone {
@@ -194,16 +295,60 @@ struct EngineDone {
     prefill_tokens: u64,
     decode_tokens: u64,
     sampled_tokens: u64,
-    swaps: u64,
+    sync: Vec<SyncReport>,
     has_work: bool,
     error: Option<String>,
 }
 
-fn engine_run(engine: &mut Engine, work: EngineWork) -> EngineDone {
-    let mut results = Vec::with_capacity(work.cmds.len());
-    let mut swaps = 0;
+enum ReplicaOutcome {
+    Done(EngineDone),
+    /// The injected failure struck: the lane never reports this unit.
+    Failed(FailKind),
+}
+
+fn replica_run(r: &mut Replica, work: EngineWork) -> ReplicaOutcome {
+    let mut done = EngineDone {
+        results: Vec::with_capacity(work.cmds.len()),
+        events: Vec::new(),
+        stepped: false,
+        prefill_tokens: 0,
+        decode_tokens: 0,
+        sampled_tokens: 0,
+        sync: Vec::new(),
+        has_work: false,
+        error: None,
+    };
+    // Weights first: everything computed in this unit's step uses them.
+    let mut refused = false;
+    for d in work.deliveries {
+        if refused && matches!(&d, Delivery::Bytes(p) if p.is_delta()) {
+            done.sync.push(SyncReport::Skipped {
+                version: d.version(),
+            });
+            continue;
+        }
+        match r.sink.install(&d, &mut r.engine) {
+            Ok(report) => {
+                refused |= matches!(report, SyncReport::Refused { .. });
+                done.sync.push(report);
+            }
+            Err(e) => {
+                done.error = Some(e);
+                return ReplicaOutcome::Done(done);
+            }
+        }
+    }
+    match r.sink.poll(&mut r.engine) {
+        Ok(Some(report)) => done.sync.push(report),
+        Ok(None) => {}
+        Err(e) => {
+            done.error = Some(e);
+            return ReplicaOutcome::Done(done);
+        }
+    }
+    let engine = &mut r.engine;
     for cmd in work.cmds {
-        results.push(match cmd {
+        done.results.push(match cmd {
             EngineCmd::Submit { group, request } => EngineResult::Submitted {
                 group,
                 handles: engine.submit(request).map_err(|e| e.to_string()),
@@ -231,29 +376,15 @@ fn engine_run(engine: &mut Engine, work: EngineWork) -> EngineDone {
                     .map(Box::new)
                     .map_err(|e| e.to_string()),
             },
-            EngineCmd::Swap(p) => {
-                swaps += 1;
-                EngineResult::Swapped(
-                    engine
-                        .swap_weights(&p.params, p.version, None)
-                        .map_err(|e| e.to_string()),
-                )
-            }
         });
     }
     let before = engine.stats();
-    let mut done = EngineDone {
-        results,
-        events: Vec::new(),
-        stepped: false,
-        prefill_tokens: 0,
-        decode_tokens: 0,
-        sampled_tokens: 0,
-        swaps,
-        has_work: false,
-        error: None,
-    };
     if engine.has_work() {
+        if let Some(f) = &r.fail {
+            if before.steps + 1 >= f.at_step {
+                return ReplicaOutcome::Failed(f.kind);
+            }
+        }
         match engine.step() {
             Ok(ev) => {
                 done.events = ev;
@@ -267,24 +398,36 @@ fn engine_run(engine: &mut Engine, work: EngineWork) -> EngineDone {
     done.decode_tokens = after.decode_tokens - before.decode_tokens;
     done.sampled_tokens = after.sampled_tokens - before.sampled_tokens;
     done.has_work = engine.has_work();
-    done
+    ReplicaOutcome::Done(done)
+}
+
+/// What the learner lane holds: the learner and its side of weight sync.
+struct LearnerSide {
+    learner: Learner,
+    source: SyncSource,
 }
 
 struct LearnerWork {
     groups: Vec<ReadyGroup>,
     publish: bool,
     reset_optimizer: bool,
+    /// Per replica, the version it will hold when this publication reaches it.
+    bases: Vec<Option<WeightVersion>>,
 }
 
 struct LearnerDone {
     report: Result<StepReport, String>,
     publication: Option<Arc<Publication>>,
+    /// What the sync path made of the publication (None on the virtual clock until the
+    /// learner's timer fires: files appear on disk only when the step is over on the run
+    /// clock).
+    outgoing: Option<Result<Outgoing, String>>,
 }
 
-fn learner_run(learner: &mut Learner, work: LearnerWork) -> LearnerDone {
-    let report = learner.train(&work.groups).map_err(|e| e.to_string());
+fn learner_run(side: &mut LearnerSide, work: &LearnerWork, send_now: bool) -> LearnerDone {
+    let learner = &mut side.learner;
+    let mut report = learner.train(&work.groups).map_err(|e| e.to_string());
     let mut publication = None;
-    let mut report = report;
     if report.is_ok() && work.publish {
         match learner.publish() {
             Ok(p) => publication = Some(Arc::new(p)),
@@ -296,15 +439,22 @@ fn learner_run(learner: &mut Learner, work: LearnerWork) -> LearnerDone {
             }
         }
     }
+    let outgoing = match (&publication, send_now) {
+        (Some(p), true) => Some(side.source.publish(p.clone(), &work.bases)),
+        _ => None,
+    };
     LearnerDone {
         report,
         publication,
+        outgoing,
     }
 }
 
-/// A lane's result on the wall clock.
+/// A lane's result on the wall clock. Replica messages carry the lane's incarnation: results
+/// of a lane that was lost and replaced are ignored.
 enum LaneMsg {
-    Engine(usize, Box<EngineDone>),
+    Engine(usize, u64, Box<EngineDone>),
+    Pong(usize, u64, u64),
     Learner(Box<LearnerDone>),
 }
 
@@ -315,16 +465,18 @@ enum Exec<W, In> {
         tx: Sender<In>,
         join: JoinHandle<W>,
     },
-    /// Taken back (between the end of the loop and the return).
+    /// Taken back (between the end of the loop and the return), or lost.
     Gone,
 }
 
 impl<W: Send + 'static, In: Send + 'static> Exec<W, In> {
+    /// Runs `worker` on a thread that feeds it what it is sent; `run` answers with a message
+    /// for the scheduler, or None when the lane ends (an injected death).
     fn spawn(
         mut worker: W,
         name: String,
         out: Sender<LaneMsg>,
-        mut run: impl FnMut(&mut W, In) -> LaneMsg + Send + 'static,
+        mut run: impl FnMut(&mut W, In) -> Option<LaneMsg> + Send + 'static,
     ) -> Result<Exec<W, In>, RunError> {
         let (tx, rx) = channel::<In>();
         let join = std::thread::Builder::new()
@@ -332,8 +484,13 @@ impl<W: Send + 'static, In: Send + 'static> Exec<W, In> {
             .spawn(move || {
                 // Ends when the scheduler drops its sender; gives the component back.
                 while let Ok(work) = rx.recv() {
-                    if out.send(run(&mut worker, work)).is_err() {
-                        break;
+                    match run(&mut worker, work) {
+                        Some(msg) => {
+                            if out.send(msg).is_err() {
+                                break;
+                            }
+                        }
+                        None => break,
                     }
                 }
                 worker
@@ -366,19 +523,73 @@ impl<W: Send + 'static, In: Send + 'static> Exec<W, In> {
     }
 }
 
+/// What a restart needs to build a replica's engine again.
+struct ReplicaSpec {
+    backend: BackendSpec,
+    model: ModelConfig,
+    engine: EngineConfig,
+}
+
 struct ReplicaLane {
-    exec: Exec<Engine, EngineWork>,
+    exec: Exec<Replica, ReplicaIn>,
     pending: Vec<EngineCmd>,
+    deliveries: Vec<Delivery>,
+    /// Run a unit of work even with nothing queued (the disk path's poll after a
+    /// publication).
+    wake: bool,
     busy_since: Option<Micros>,
     has_work: bool,
     /// Inline result waiting for its timer.
     done: Option<EngineDone>,
+    /// Bumped when the replica is lost: older results and timers are ignored.
+    incarnation: u64,
+    alive: bool,
+    /// The version it will hold once its queued deliveries are installed (the base of its
+    /// next delta).
+    expected: Option<WeightVersion>,
+    /// The version it reported installed last.
+    installed: Option<WeightVersion>,
+    /// When it was lost (for the restart's trace span).
+    lost_at: Option<Micros>,
+    restart_attempts: u32,
+}
+
+impl ReplicaLane {
+    fn new(replica: Replica) -> ReplicaLane {
+        let v = replica.sink.version();
+        ReplicaLane {
+            exec: Exec::Inline(replica),
+            pending: Vec::new(),
+            deliveries: Vec::new(),
+            wake: false,
+            busy_since: None,
+            has_work: false,
+            done: None,
+            incarnation: 0,
+            alive: true,
+            expected: v,
+            installed: v,
+            lost_at: None,
+            restart_attempts: 0,
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.busy_since.is_none()
+            && self.pending.is_empty()
+            && self.deliveries.is_empty()
+            && !self.wake
+            && !self.has_work
+    }
 }
 
 struct LearnerLane {
-    exec: Exec<Learner, LearnerWork>,
+    exec: Exec<LearnerSide, LearnerWork>,
     busy_since: Option<Micros>,
     done: Option<LearnerDone>,
+    /// Inline: the replicas' bases of the step in flight (its publication is sent when its
+    /// timer fires).
+    bases: Option<Vec<Option<WeightVersion>>>,
     /// Task names of the groups in the step being computed.
     tasks: Vec<String>,
     /// Version of the learner (steps done), known without asking the lane.
@@ -388,8 +599,9 @@ struct LearnerLane {
 #[derive(Debug)]
 enum TimerEv {
     Env(EnvCall),
-    EngineDone(usize),
+    EngineDone(usize, u64),
     LearnerDone,
+    Restart(usize),
 }
 
 /// Sync mode's phases.
@@ -403,11 +615,11 @@ enum SyncPhase {
     Train,
 }
 
-/// Publications on their way to the replicas: (version, published at, replicas left).
+/// A publication on its way to the replicas: the replicas that have not installed it yet.
 struct InFlightPublication {
     version: WeightVersion,
     start: Micros,
-    left: usize,
+    waiting: BTreeSet<usize>,
 }
 
 /// The parts a stage runs on.
@@ -439,7 +651,7 @@ pub fn run_stage(
 ) -> Result<(Parts, Orchestrator, DataBuffer, StageReport), RunError> {
     let mut s = Scheduler::new(cfg, parts, orchestrator, buffer, start)?;
     let outcome = s.run(observer);
-    let (parts, orch, buffer, report) = s.finish()?;
+    let (parts, orch, buffer, report) = s.finish(observer)?;
     outcome?;
     Ok((parts, orch, buffer, report))
 }
@@ -451,6 +663,7 @@ struct Scheduler<'a> {
     wall_start: Instant,
     timers: Timers<TimerEv>,
     replicas: Vec<ReplicaLane>,
+    specs: Vec<ReplicaSpec>,
     learner: LearnerLane,
     router: Router,
     rx: Option<Receiver<LaneMsg>>,
@@ -459,8 +672,20 @@ struct Scheduler<'a> {
     orch: Orchestrator,
     buffer: DataBuffer,
     totals: LearnerTotals,
-    /// The weights every replica holds once its queued swaps are applied.
+    /// The weights every replica holds once its queued installs are done.
     engine_weights: Arc<Publication>,
+    /// blake3 of each version published in this stage (the start weights included).
+    published_hashes: BTreeMap<WeightVersion, ContentHash>,
+    /// Delta path: the newest full image (for refusals and restarts).
+    latest_full: Option<Arc<crate::sync::Publication>>,
+    /// Disk path: the newest file and its bytes, and whether it was rewritten already.
+    disk_last: Option<(DiskPublication, Arc<[u8]>)>,
+    disk_repaired: Option<WeightVersion>,
+    heartbeats: Option<Heartbeats>,
+    /// Wall clock, injected hang: dropping it releases the hung thread.
+    hang_release: Option<Sender<()>>,
+    /// Threads of lost lanes, never joined (a hung one may never end).
+    abandoned: Vec<JoinHandle<Replica>>,
     trace: Trace,
     phase: SyncPhase,
     admission: Admission,
@@ -473,11 +698,14 @@ struct Scheduler<'a> {
     empty_batches: u32,
 }
 
+/// Restart attempts of one lost replica before the stage gives up.
+const MAX_RESTART_ATTEMPTS: u32 = 5;
+
 impl<'a> Scheduler<'a> {
     fn new(
         cfg: &'a StageConfig,
         parts: Parts,
-        orch: Orchestrator,
+        mut orch: Orchestrator,
         buffer: DataBuffer,
         start: StageStart,
     ) -> Result<Scheduler<'a>, RunError> {
@@ -489,24 +717,57 @@ impl<'a> Scheduler<'a> {
                 "groups_per_step and sync_interval must be >= 1".into(),
             ));
         }
+        let n = parts.engines.len();
+        cfg.sync.validate(n).map_err(RunError::Config)?;
+        cfg.health.validate(n).map_err(RunError::Config)?;
+        cfg.cost.validate().map_err(RunError::Config)?;
         let wall = cfg.clock == ClockMode::Wall;
         let (tx, rx) = channel::<LaneMsg>();
         let steps = parts.learner.version().0;
-        let n = parts.engines.len();
+        let model_cfg = parts.learner.model().config.clone();
+        let image = StartImage::of(&start.engine_weights).map_err(RunError::Sync)?;
+        let source = SyncSource::new(&cfg.sync, &model_cfg, &start.engine_weights, &image)
+            .map_err(RunError::Sync)?;
+        let latest_full = match cfg.sync.path {
+            SyncPath::Delta => Some(Arc::new(crate::sync::Publication {
+                version: image.version,
+                hash: image.hash,
+                full_bytes: image.bytes.len() as u64,
+                payload: crate::sync::Payload::Full(image.bytes.clone()),
+            })),
+            _ => None,
+        };
+        let (hang_tx, hang_rx) = channel::<()>();
+        let mut hang_rx = Some(hang_rx);
         let mut replicas = Vec::with_capacity(n);
-        for e in parts.engines {
-            replicas.push(ReplicaLane {
-                exec: Exec::Inline(e),
-                pending: Vec::new(),
-                busy_since: None,
-                has_work: false,
-                done: None,
+        let mut specs = Vec::with_capacity(n);
+        for (i, e) in parts.engines.into_iter().enumerate() {
+            specs.push(ReplicaSpec {
+                backend: BackendSpec::of(e.backend()),
+                model: e.model_config().clone(),
+                engine: e.config().clone(),
             });
+            let sink =
+                SyncSink::new(&cfg.sync.path, e.model_config(), &image).map_err(RunError::Sync)?;
+            let fail = cfg.health.fail.filter(|f| f.replica == i).map(|f| Armed {
+                at_step: f.at_step,
+                kind: f.kind,
+                release: hang_rx.take(),
+            });
+            replicas.push(ReplicaLane::new(Replica {
+                engine: e,
+                sink,
+                fail,
+            }));
         }
         let learner = LearnerLane {
-            exec: Exec::Inline(parts.learner),
+            exec: Exec::Inline(LearnerSide {
+                learner: parts.learner,
+                source,
+            }),
             busy_since: None,
             done: None,
+            bases: None,
             tasks: Vec::new(),
             steps,
         };
@@ -517,6 +778,9 @@ impl<'a> Scheduler<'a> {
             .barrier_every
             .filter(|&b| b > 0)
             .map(|b| (steps / b + 1) * b);
+        orch.set_learner_step(steps);
+        let mut published_hashes = BTreeMap::new();
+        published_hashes.insert(image.version, image.hash);
         let mut sched = Scheduler {
             cfg,
             clock: Clock::new(cfg.clock, start.clock),
@@ -524,6 +788,7 @@ impl<'a> Scheduler<'a> {
             wall_start: Instant::now(),
             timers: Timers::default(),
             replicas,
+            specs,
             learner,
             router,
             rx: if wall { Some(rx) } else { None },
@@ -532,6 +797,16 @@ impl<'a> Scheduler<'a> {
             buffer,
             totals: start.totals,
             engine_weights: start.engine_weights,
+            published_hashes,
+            latest_full,
+            disk_last: None,
+            disk_repaired: None,
+            heartbeats: cfg
+                .health
+                .heartbeat_timeout
+                .map(|t| Heartbeats::new(n, t, start.clock)),
+            hang_release: Some(hang_tx),
+            abandoned: Vec::new(),
             trace: Trace::default(),
             phase: SyncPhase::Start,
             admission: Admission {
@@ -552,18 +827,8 @@ impl<'a> Scheduler<'a> {
 
     /// Wall clock: moves every lane onto its own thread.
     fn start_threads(&mut self) -> Result<(), RunError> {
-        for (i, r) in self.replicas.iter_mut().enumerate() {
-            if let Exec::Inline(_) = r.exec {
-                let Exec::Inline(e) = std::mem::replace(&mut r.exec, Exec::Gone) else {
-                    unreachable!("matched just above")
-                };
-                r.exec = Exec::spawn(
-                    e,
-                    format!("sluice-engine-{i}"),
-                    self.lane_tx.clone(),
-                    move |e, w| LaneMsg::Engine(i, Box::new(engine_run(e, w))),
-                )?;
-            }
+        for i in 0..self.replicas.len() {
+            self.start_replica_thread(i)?;
         }
         if let Exec::Inline(_) = self.learner.exec {
             let Exec::Inline(l) = std::mem::replace(&mut self.learner.exec, Exec::Gone) else {
@@ -571,9 +836,42 @@ impl<'a> Scheduler<'a> {
             };
             self.learner.exec =
                 Exec::spawn(l, "sluice-learner".into(), self.lane_tx.clone(), |l, w| {
-                    LaneMsg::Learner(Box::new(learner_run(l, w)))
+                    Some(LaneMsg::Learner(Box::new(learner_run(l, &w, true))))
                 })?;
         }
+        Ok(())
+    }
+
+    fn start_replica_thread(&mut self, i: usize) -> Result<(), RunError> {
+        let r = &mut self.replicas[i];
+        if !matches!(r.exec, Exec::Inline(_)) {
+            return Ok(());
+        }
+        let Exec::Inline(e) = std::mem::replace(&mut r.exec, Exec::Gone) else {
+            unreachable!("matched just above")
+        };
+        let incarnation = r.incarnation;
+        r.exec = Exec::spawn(
+            e,
+            format!("sluice-engine-{i}"),
+            self.lane_tx.clone(),
+            move |rep: &mut Replica, input| match input {
+                ReplicaIn::Ping(seq) => Some(LaneMsg::Pong(i, incarnation, seq)),
+                ReplicaIn::Work(w) => match replica_run(rep, w) {
+                    ReplicaOutcome::Done(d) => Some(LaneMsg::Engine(i, incarnation, Box::new(d))),
+                    ReplicaOutcome::Failed(kind) => {
+                        if kind == FailKind::Hang {
+                            // Blocks until the stage ends and drops the sender (a real hang
+                            // would block for ever; the scheduler never waits for it).
+                            if let Some(rx) = rep.fail.as_mut().and_then(|f| f.release.take()) {
+                                let _ = rx.recv();
+                            }
+                        }
+                        None
+                    }
+                },
+            },
+        )?;
         Ok(())
     }
 
@@ -620,15 +918,21 @@ impl<'a> Scheduler<'a> {
         }
     }
 
-    /// Nothing is running or pending: no timer, no busy lane, no queued command.
+    /// Nothing is running or pending: no timer, no busy lane, no queued command (heartbeats
+    /// do not count: they only watch).
     fn quiescent(&self) -> bool {
         self.timers.is_empty()
             && self.learner.busy_since.is_none()
-            && self
-                .replicas
-                .iter()
-                .all(|r| r.busy_since.is_none() && r.pending.is_empty() && !r.has_work)
+            && self.replicas.iter().all(ReplicaLane::idle)
             && self.orch.in_flight() == 0
+    }
+
+    /// No timer, no busy lane, nothing queued for any lane (trajectories may still be in
+    /// flight, but nothing can move them).
+    fn nothing_running(&self) -> bool {
+        self.timers.is_empty()
+            && self.learner.busy_since.is_none()
+            && self.replicas.iter().all(ReplicaLane::idle)
     }
 
     fn stall_report(&self) -> String {
@@ -649,23 +953,23 @@ impl<'a> Scheduler<'a> {
     fn barrier(&mut self, observer: &mut dyn StageObserver) -> Result<(), RunError> {
         let now = self.clock.now();
         // Every lane is idle: take the components back from their threads to look at them.
-        for r in &mut self.replicas {
-            let e = r.exec.make_inline().ok_or_else(|| RunError::Engine {
-                replica: 0,
+        for (i, r) in self.replicas.iter_mut().enumerate() {
+            let rep = r.exec.make_inline().ok_or_else(|| RunError::Engine {
+                replica: i,
                 message: "a replica thread panicked".into(),
             })?;
             // Identical state in a run resumed from here: nothing cached from before.
-            e.reset_prefix_cache();
+            rep.engine.reset_prefix_cache();
         }
         if self.learner.exec.make_inline().is_none() {
             return Err(RunError::Learner("the learner thread panicked".into()));
         }
         {
             let learner = match &self.learner.exec {
-                Exec::Inline(l) => l,
+                Exec::Inline(l) => &l.learner,
                 _ => return Err(RunError::Learner("the learner is gone".into())),
             };
-            let engines: Vec<&Engine> = self
+            let inline: Vec<&Replica> = self
                 .replicas
                 .iter()
                 .filter_map(|r| match &r.exec {
@@ -677,7 +981,11 @@ impl<'a> Scheduler<'a> {
                 .on_barrier(&BarrierView {
                     now,
                     learner,
-                    engines,
+                    engines: inline.iter().map(|r| &r.engine).collect(),
+                    replica_weights: inline
+                        .iter()
+                        .map(|r| (r.sink.version(), r.sink.hash()))
+                        .collect(),
                     buffer: &self.buffer,
                     orchestrator: &self.orch,
                     totals: &self.totals,
@@ -711,8 +1019,18 @@ impl<'a> Scheduler<'a> {
         )
     }
 
+    /// The replica a session goes to: the router's choice among live replicas, or `fallback`
+    /// (a replica being restarted) when none is live.
+    fn route_or(router: &Router, session: &str, fallback: usize) -> usize {
+        router.route(session).map_or(fallback, |r| r.0 as usize)
+    }
+
     fn admit(&mut self) -> Result<(), RunError> {
         if self.at_barrier() || self.totals.steps >= self.target_steps() {
+            return Ok(());
+        }
+        // Every replica is down: new groups wait for a restart.
+        if self.router.replicas().next().is_none() {
             return Ok(());
         }
         let room = match self.cfg.mode {
@@ -731,7 +1049,7 @@ impl<'a> Scheduler<'a> {
         }
         let now = self.clock.now();
         let router = &self.router;
-        let mut route = |session: &str| router.route(session).map_or(0, |r| r.0 as usize);
+        let mut route = |session: &str| Self::route_or(router, session, 0);
         let waiting = self.buffer.waiting_by_task();
         // The learner's pace so far in this stage (1 s before its first step); from the
         // stage's beginning, so a resumed stage computes what the original did.
@@ -798,23 +1116,39 @@ impl<'a> Scheduler<'a> {
             .map(|s| s.tokens.len() as u64)
             .sum();
         let next_step = self.learner.steps + 1;
+        let bases: Vec<Option<WeightVersion>> = self
+            .replicas
+            .iter()
+            .map(|r| if r.alive { r.expected } else { None })
+            .collect();
         let work = LearnerWork {
             publish: next_step.is_multiple_of(self.cfg.sync_interval),
             reset_optimizer: self.cfg.reset_optimizer,
             groups,
+            bases,
         };
         self.learner.tasks = work.groups.iter().map(|g| g.task.clone()).collect();
         let now = self.clock.now();
         self.learner.busy_since = Some(now);
         match &mut self.learner.exec {
-            Exec::Inline(l) => {
-                let publish = work.publish;
-                let done = learner_run(l, work);
+            Exec::Inline(side) => {
+                let done = learner_run(side, &work, false);
                 let mut cost = self.cfg.cost.learner_step(tokens);
-                if publish {
+                if work.publish {
+                    let image = (side.learner.model().params.tensor().numel() * 4) as u64;
                     cost = cost.plus(self.cfg.cost.publish());
+                    cost = cost.plus(match self.cfg.sync.path {
+                        SyncPath::InProcess => Micros(0),
+                        SyncPath::Delta => {
+                            let bases: BTreeSet<WeightVersion> =
+                                work.bases.iter().flatten().copied().collect();
+                            self.cfg.cost.sync_encode(image, bases.len() as u64)
+                        }
+                        SyncPath::Disk(_) => self.cfg.cost.sync_write(image),
+                    });
                 }
                 self.learner.done = Some(done);
+                self.learner.bases = Some(work.bases);
                 self.timers.push(now.plus(cost), TimerEv::LearnerDone);
             }
             Exec::Thread { tx, .. } => {
@@ -830,34 +1164,23 @@ impl<'a> Scheduler<'a> {
         let now = self.clock.now();
         for i in 0..self.replicas.len() {
             let r = &mut self.replicas[i];
-            if r.busy_since.is_some() || (r.pending.is_empty() && !r.has_work) {
+            if !r.alive || r.busy_since.is_some() || r.idle() {
                 continue;
             }
             let work = EngineWork {
+                deliveries: std::mem::take(&mut r.deliveries),
                 cmds: std::mem::take(&mut r.pending),
             };
+            r.wake = false;
             r.busy_since = Some(now);
-            match &mut r.exec {
-                Exec::Inline(e) => {
-                    let done = engine_run(e, work);
-                    let mut cost = if done.stepped {
-                        self.cfg
-                            .cost
-                            .engine_step(done.prefill_tokens, done.decode_tokens)
-                    } else {
-                        Micros(0)
-                    };
-                    for _ in 0..done.swaps {
-                        cost = cost.plus(self.cfg.cost.publish());
-                    }
-                    r.done = Some(done);
-                    self.timers.push(now.plus(cost), TimerEv::EngineDone(i));
-                }
+            let incarnation = r.incarnation;
+            let outcome = match &mut r.exec {
+                Exec::Inline(rep) => replica_run(rep, work),
                 Exec::Thread { tx, .. } => {
-                    tx.send(work).map_err(|_| RunError::Engine {
-                        replica: i,
-                        message: "the replica's thread ended".into(),
-                    })?;
+                    // A lane whose thread ended (an injected death) takes nothing; heartbeats
+                    // find it.
+                    let _ = tx.send(ReplicaIn::Work(work));
+                    continue;
                 }
                 Exec::Gone => {
                     return Err(RunError::Engine {
@@ -865,29 +1188,102 @@ impl<'a> Scheduler<'a> {
                         message: "the replica is gone".into(),
                     })
                 }
+            };
+            match outcome {
+                ReplicaOutcome::Done(done) => {
+                    let cost = self.engine_cost(&done);
+                    self.replicas[i].done = Some(done);
+                    self.timers
+                        .push(now.plus(cost), TimerEv::EngineDone(i, incarnation));
+                }
+                // The lane goes silent: no result, no timer; heartbeats find it.
+                ReplicaOutcome::Failed(FailKind::Die) => self.replicas[i].exec = Exec::Gone,
+                ReplicaOutcome::Failed(FailKind::Hang) => {}
             }
         }
         Ok(())
     }
 
-    /// Waits for the next event (the earliest timer on the virtual clock; a lane message or
-    /// a due timer on the wall clock) and handles it.
+    /// The virtual clock's charge for one unit of replica work.
+    fn engine_cost(&self, done: &EngineDone) -> Micros {
+        let c = &self.cfg.cost;
+        let mut cost = if done.stepped {
+            c.engine_step(done.prefill_tokens, done.decode_tokens)
+        } else {
+            Micros(0)
+        };
+        for s in &done.sync {
+            cost = cost.plus(match s {
+                SyncReport::Installed {
+                    sent_bytes,
+                    image_bytes,
+                    encoding,
+                    ..
+                } => {
+                    if encoding == "inprocess" {
+                        c.publish()
+                    } else {
+                        c.publish().plus(c.sync_install(*sent_bytes, *image_bytes))
+                    }
+                }
+                SyncReport::Refused { .. } => c.publish(),
+                SyncReport::Skipped { .. } => Micros(0),
+            });
+        }
+        cost
+    }
+
+    /// When the virtual clock's next event is due: the earliest timer, or the heartbeat tick
+    /// (timers first on a tie). None: nothing is scheduled.
+    fn next_virtual(&self) -> Option<(Micros, bool)> {
+        let timer = self.timers.next_due();
+        let beat = self.heartbeats.as_ref().map(Heartbeats::next_tick);
+        match (timer, beat) {
+            (Some(t), Some(b)) if b < t => Some((b, true)),
+            (Some(t), _) => Some((t, false)),
+            // Heartbeats matter only while a lane is busy (it may have hung): with nothing
+            // running or queued anywhere they could only tick for ever.
+            (None, Some(b)) if !self.nothing_running() => Some((b, true)),
+            _ => None,
+        }
+    }
+
+    /// Waits for the next event (the earliest timer or heartbeat on the virtual clock; a lane
+    /// message, a due timer or a heartbeat tick on the wall clock) and handles it.
     fn wait_and_handle(&mut self, observer: &mut dyn StageObserver) -> Result<(), RunError> {
         if self.clock.is_virtual() {
-            let (at, ev) = self
+            let (at, beat) = self
+                .next_virtual()
+                .ok_or_else(|| RunError::Stalled(self.stall_report()))?;
+            self.clock.advance_to(at);
+            if beat {
+                return self.heartbeat_tick(observer);
+            }
+            let (_, ev) = self
                 .timers
                 .pop()
                 .ok_or_else(|| RunError::Stalled(self.stall_report()))?;
-            self.clock.advance_to(at);
             return self.handle_timer(ev, observer);
         }
         let now = self.clock.now();
+        if self
+            .heartbeats
+            .as_ref()
+            .is_some_and(|h| h.next_tick() <= now)
+        {
+            return self.heartbeat_tick(observer);
+        }
         if let Some((_, ev)) = self.timers.pop_due(now) {
             return self.handle_timer(ev, observer);
         }
-        let timeout = self
-            .timers
-            .next_due()
+        let due = [
+            self.timers.next_due(),
+            self.heartbeats.as_ref().map(Heartbeats::next_tick),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        let timeout = due
             .map(|t| self.clock.wait_until(t))
             .unwrap_or(Duration::from_secs(3600));
         let rx = self
@@ -895,13 +1291,52 @@ impl<'a> Scheduler<'a> {
             .as_ref()
             .ok_or_else(|| RunError::Stalled("no lane channel on the wall clock".into()))?;
         match rx.recv_timeout(timeout) {
-            Ok(LaneMsg::Engine(i, done)) => self.engine_done(i, *done),
+            Ok(LaneMsg::Engine(i, inc, done)) => {
+                if self.replicas[i].incarnation == inc {
+                    self.engine_done(i, *done, observer)
+                } else {
+                    Ok(())
+                }
+            }
+            Ok(LaneMsg::Pong(i, inc, seq)) => {
+                if self.replicas[i].incarnation == inc {
+                    if let Some(h) = &mut self.heartbeats {
+                        h.answer(i, seq);
+                    }
+                }
+                Ok(())
+            }
             Ok(LaneMsg::Learner(done)) => self.learner_done(*done, observer),
             Err(RecvTimeoutError::Timeout) => Ok(()),
             Err(RecvTimeoutError::Disconnected) => {
                 Err(RunError::Stalled("every lane thread ended".into()))
             }
         }
+    }
+
+    /// A heartbeat tick: pings, then every replica silent for the timeout is lost.
+    fn heartbeat_tick(&mut self, observer: &mut dyn StageObserver) -> Result<(), RunError> {
+        let now = self.clock.now();
+        let Some(h) = self.heartbeats.as_mut() else {
+            return Ok(());
+        };
+        for (i, seq) in h.tick(now) {
+            let r = &self.replicas[i];
+            match &r.exec {
+                // Inline lanes answer at once when idle; a busy one answers when its unit of
+                // work ends (a hung one never).
+                Exec::Inline(_) if r.busy_since.is_none() => h.answer(i, seq),
+                Exec::Inline(_) | Exec::Gone => {}
+                // A lane whose thread ended cannot take the ping: it stays unanswered.
+                Exec::Thread { tx, .. } => {
+                    let _ = tx.send(ReplicaIn::Ping(seq));
+                }
+            }
+        }
+        for i in h.overdue(now) {
+            self.lose_replica(i, observer)?;
+        }
+        Ok(())
     }
 
     fn handle_timer(
@@ -915,7 +1350,10 @@ impl<'a> Scheduler<'a> {
                 let actions = self.orch.on_env(call, now)?;
                 self.apply(actions)
             }
-            TimerEv::EngineDone(i) => {
+            TimerEv::EngineDone(i, inc) => {
+                if self.replicas[i].incarnation != inc {
+                    return Ok(());
+                }
                 let done = self.replicas[i]
                     .done
                     .take()
@@ -923,25 +1361,41 @@ impl<'a> Scheduler<'a> {
                         replica: i,
                         message: "internal: no result for its timer".into(),
                     })?;
-                self.engine_done(i, done)
+                self.engine_done(i, done, observer)
             }
             TimerEv::LearnerDone => {
-                let done =
+                let mut done =
                     self.learner.done.take().ok_or_else(|| {
                         RunError::Learner("internal: no result for its timer".into())
                     })?;
+                // The step is over on the run clock: now its publication goes out.
+                let bases = self.learner.bases.take();
+                if let (Some(p), Some(bases), Exec::Inline(side)) =
+                    (done.publication.clone(), bases, &mut self.learner.exec)
+                {
+                    done.outgoing = Some(side.source.publish(p, &bases));
+                }
                 self.learner_done(done, observer)
             }
+            TimerEv::Restart(i) => self.restart(i, observer),
         }
     }
 
-    fn engine_done(&mut self, i: usize, done: EngineDone) -> Result<(), RunError> {
+    fn engine_done(
+        &mut self,
+        i: usize,
+        done: EngineDone,
+        observer: &mut dyn StageObserver,
+    ) -> Result<(), RunError> {
         let now = self.clock.now();
         if let Some(message) = done.error {
             return Err(RunError::Engine {
                 replica: i,
                 message,
             });
+        }
+        if let Some(h) = &mut self.heartbeats {
+            h.alive(i);
         }
         let r = &mut self.replicas[i];
         let since = r.busy_since.take().unwrap_or(now);
@@ -952,11 +1406,11 @@ impl<'a> Scheduler<'a> {
         if done.stepped {
             c.engine_steps += 1;
         }
+        for report in done.sync {
+            self.sync_report(i, report, false, observer)?;
+        }
         let mut actions = Vec::new();
         for res in done.results {
-            if matches!(res, EngineResult::Swapped(_)) {
-                self.swap_applied(now);
-            }
             actions.extend(self.orch.on_result(i, res, now)?);
         }
         for ev in done.events {
@@ -965,20 +1419,124 @@ impl<'a> Scheduler<'a> {
         self.apply(actions)
     }
 
-    /// One replica installed the oldest publication in flight.
-    fn swap_applied(&mut self, now: Micros) {
-        if let Some(p) = self.publications.first_mut() {
-            p.left -= 1;
-            if p.left == 0 {
-                let p = self.publications.remove(0);
-                self.trace.push(
-                    Track::Sync,
-                    format!("publish {}", p.version),
-                    p.start,
+    /// What a replica did with its weights: an install (checked against what was published),
+    /// or a refusal answered by a full sync.
+    fn sync_report(
+        &mut self,
+        i: usize,
+        report: SyncReport,
+        restart: bool,
+        observer: &mut dyn StageObserver,
+    ) -> Result<(), RunError> {
+        let now = self.clock.now();
+        match report {
+            SyncReport::Installed {
+                version,
+                hash,
+                sent_bytes,
+                encoding,
+                ..
+            } => {
+                self.replicas[i].installed = Some(version);
+                self.credit_install(i, version, now);
+                observer.on_sync(&SyncEvent {
                     now,
-                    vec![("version".into(), p.version.0.to_string())],
-                );
+                    replica: i,
+                    version,
+                    hash,
+                    published: self.published_hashes.get(&version).copied(),
+                    encoding,
+                    sent_bytes,
+                    restart,
+                });
             }
+            SyncReport::Refused { version, reason } => {
+                self.orch.counters_mut().sync_refused += 1;
+                self.trace.push(
+                    Track::Health,
+                    format!(
+                        "replica {i} refused {}",
+                        version.map_or("the newest version".to_string(), |v| v.to_string())
+                    ),
+                    now,
+                    now,
+                    vec![("reason".into(), reason)],
+                );
+                self.full_sync_after_refusal(i)?;
+            }
+            SyncReport::Skipped { .. } => {}
+        }
+        Ok(())
+    }
+
+    /// Answers a refusal with a full sync: the newest full image (delta path), or the newest
+    /// file rewritten whole (disk path).
+    fn full_sync_after_refusal(&mut self, i: usize) -> Result<(), RunError> {
+        match &self.cfg.sync.path {
+            SyncPath::Delta => {
+                let full = self.latest_full.clone().ok_or_else(|| {
+                    RunError::Sync("a refused delta but no full image to send".into())
+                })?;
+                let r = &mut self.replicas[i];
+                // Queued deltas start from versions it will not hold: the full image replaces
+                // them all.
+                r.deliveries.clear();
+                r.expected = Some(full.version);
+                let bytes = full.sync_bytes();
+                r.deliveries.push(Delivery::Bytes(full));
+                let c = self.orch.counters_mut();
+                c.sync_full_resyncs += 1;
+                c.sync_bytes += bytes;
+            }
+            SyncPath::Disk(_) => {
+                let Some((publication, bytes)) = &self.disk_last else {
+                    return Ok(());
+                };
+                if self.disk_repaired != Some(publication.version) {
+                    disk::repair(publication, bytes).map_err(|e| RunError::Sync(e.to_string()))?;
+                    self.disk_repaired = Some(publication.version);
+                    self.orch.counters_mut().sync_full_resyncs += 1;
+                }
+                let newest = publication.version;
+                for r in self.replicas.iter_mut().filter(|r| r.alive) {
+                    if r.installed.is_none_or(|v| v < newest) {
+                        r.wake = true;
+                    }
+                }
+            }
+            SyncPath::InProcess => {
+                return Err(RunError::Sync(format!(
+                    "replica {i} refused an in-process publication"
+                )))
+            }
+        }
+        Ok(())
+    }
+
+    /// Replica `i` runs `version` now: it no longer waits for any publication up to it.
+    fn credit_install(&mut self, i: usize, version: WeightVersion, now: Micros) {
+        for p in &mut self.publications {
+            if p.version <= version {
+                p.waiting.remove(&i);
+            }
+        }
+        self.close_publications(now);
+    }
+
+    /// Publications every live replica has installed end their trace span.
+    fn close_publications(&mut self, now: Micros) {
+        let (done, open): (Vec<_>, Vec<_>) = std::mem::take(&mut self.publications)
+            .into_iter()
+            .partition(|p| p.waiting.is_empty());
+        self.publications = open;
+        for p in done {
+            self.trace.push(
+                Track::Sync,
+                format!("publish {}", p.version),
+                p.start,
+                now,
+                vec![("version".into(), p.version.0.to_string())],
+            );
         }
     }
 
@@ -991,6 +1549,7 @@ impl<'a> Scheduler<'a> {
         let report = done.report.map_err(RunError::Learner)?;
         let since = self.learner.busy_since.take().unwrap_or(now);
         self.learner.steps = report.version.0;
+        self.orch.set_learner_step(self.learner.steps);
         {
             let c = self.orch.counters_mut();
             c.learner_busy = c.learner_busy.plus(now.since(since));
@@ -1008,27 +1567,15 @@ impl<'a> Scheduler<'a> {
             ],
         );
         let mut sync = None;
-        if let Some(p) = done.publication {
-            let bytes = (p.params.tensor().numel() * 4) as u64;
-            self.published += 1;
-            let c = self.orch.counters_mut();
-            c.publications += 1;
-            c.sync_bytes += bytes * self.replicas.len() as u64;
-            sync = Some((bytes * self.replicas.len() as u64, "inprocess"));
-            self.publications.push(InFlightPublication {
-                version: p.version,
-                start: now,
-                left: self.replicas.len(),
-            });
-            for r in &mut self.replicas {
-                r.pending.push(EngineCmd::Swap(p.clone()));
-            }
-            self.engine_weights = p;
+        if let (Some(p), Some(out)) = (done.publication, done.outgoing) {
+            let out = out.map_err(RunError::Sync)?;
+            sync = Some(self.send(p, out, now));
         }
         if self.cfg.mode == Mode::Sync {
             self.phase = SyncPhase::Start;
         }
         let tasks = self.orch.task_names();
+        let (sync_bytes, sync_label) = sync.unzip();
         let line = metrics_line(&LineInputs {
             stage: &self.cfg.name,
             time_s: now.since(self.stage_start).secs(),
@@ -1038,9 +1585,237 @@ impl<'a> Scheduler<'a> {
             rollout: self.orch.counters(),
             buffer: &self.buffer.counters(),
             tasks: &tasks,
-            sync,
+            sync: sync_bytes.zip(sync_label.as_deref()),
         });
         observer.on_step(&line, &report).map_err(RunError::Observer)
+    }
+
+    /// Queues a publication to every live replica; returns its `sync_bytes` and
+    /// `sync_encoding`.
+    fn send(&mut self, p: Arc<Publication>, out: Outgoing, now: Micros) -> (u64, String) {
+        let live = self.replicas.iter().filter(|r| r.alive).count();
+        let metric = out.sync_metric(&self.cfg.sync.path, live);
+        if let Some(why) = &out.failed {
+            // Disk path: the writer died; the replicas keep what they run.
+            self.orch.counters_mut().sync_failed_writes += 1;
+            self.trace.push(
+                Track::Health,
+                format!("publish {} failed", out.version),
+                now,
+                now,
+                vec![("reason".into(), why.clone())],
+            );
+            return metric;
+        }
+        self.published += 1;
+        self.published_hashes.insert(out.version, out.hash);
+        {
+            let c = self.orch.counters_mut();
+            c.publications += 1;
+            c.sync_bytes += metric.0;
+        }
+        let waiting: BTreeSet<usize> = (0..self.replicas.len())
+            .filter(|&i| {
+                let r = &self.replicas[i];
+                r.alive && r.installed.is_none_or(|v| v < out.version)
+            })
+            .collect();
+        self.publications.push(InFlightPublication {
+            version: out.version,
+            start: now,
+            waiting,
+        });
+        let disk = matches!(self.cfg.sync.path, SyncPath::Disk(_));
+        for (r, d) in self.replicas.iter_mut().zip(out.deliveries) {
+            if !r.alive {
+                continue;
+            }
+            if let Some(d) = d {
+                r.deliveries.push(d);
+            }
+            if disk {
+                // The replica polls at the start of its next unit of work.
+                r.wake = true;
+            }
+            r.expected = Some(out.version);
+        }
+        if out.full.is_some() {
+            self.latest_full = out.full;
+        }
+        if out.disk.is_some() {
+            self.disk_last = out.disk;
+        }
+        self.engine_weights = p;
+        self.close_publications(now);
+        metric
+    }
+
+    /// Replica `i` stopped answering: abandon its lane, end its groups (their sessions start
+    /// again elsewhere), drop it from the router, and schedule its restart.
+    fn lose_replica(&mut self, i: usize, observer: &mut dyn StageObserver) -> Result<(), RunError> {
+        let now = self.clock.now();
+        let silent_since = self
+            .heartbeats
+            .as_ref()
+            .and_then(|h| h.silent_since(i))
+            .unwrap_or(now);
+        if let Some(h) = &mut self.heartbeats {
+            h.unwatch(i);
+        }
+        let r = &mut self.replicas[i];
+        let working_since = r.busy_since;
+        r.alive = false;
+        r.incarnation += 1;
+        r.busy_since = None;
+        r.done = None;
+        r.pending.clear();
+        r.deliveries.clear();
+        r.wake = false;
+        r.has_work = false;
+        r.expected = None;
+        r.installed = None;
+        r.lost_at = Some(now);
+        match std::mem::replace(&mut r.exec, Exec::Gone) {
+            // Never joined: a hung thread may never end (it keeps its engine).
+            Exec::Thread { tx, join } => {
+                drop(tx);
+                self.abandoned.push(join);
+            }
+            Exec::Inline(_) | Exec::Gone => {}
+        }
+        let _ = self.router.remove_replica(ReplicaId(i as u32));
+        let router = &self.router;
+        let mut route = |session: &str| Self::route_or(router, session, i);
+        let (actions, lost) = self.orch.on_replica_lost(i, now, &mut route)?;
+        self.apply(actions)?;
+        for p in &mut self.publications {
+            p.waiting.remove(&i);
+        }
+        self.close_publications(now);
+        self.orch.counters_mut().replicas_lost += 1;
+        self.trace.push(
+            Track::Health,
+            format!("replica {i} lost"),
+            silent_since,
+            now,
+            vec![
+                ("trajectories_lost".into(), lost.trajectories.to_string()),
+                ("sessions_restarted".into(), lost.sessions.len().to_string()),
+            ],
+        );
+        observer.on_replica_lost(&ReplicaLoss {
+            now,
+            replica: i,
+            silent_since,
+            working_since,
+            lost,
+        });
+        let delay = if self.clock.is_virtual() {
+            let image = self.engine_image_bytes();
+            self.cfg
+                .cost
+                .replica_restart()
+                .plus(self.cfg.cost.sync_install(image, image))
+        } else {
+            Micros(0)
+        };
+        self.timers.push(now.plus(delay), TimerEv::Restart(i));
+        Ok(())
+    }
+
+    fn engine_image_bytes(&self) -> u64 {
+        (self.engine_weights.params.tensor().numel() * 4) as u64
+    }
+
+    /// A fresh engine for replica `i` from a full sync of the newest weights.
+    fn fresh_replica(&self, i: usize) -> Result<(Engine, SyncSink, SyncReport), String> {
+        let spec = &self.specs[i];
+        let backend = spec.backend.open()?;
+        let full = match &self.cfg.sync.path {
+            SyncPath::InProcess => {
+                let hash = self
+                    .published_hashes
+                    .get(&self.engine_weights.version)
+                    .copied()
+                    .ok_or("internal: the newest weights have no hash")?;
+                FullSync::Arena(&self.engine_weights, hash)
+            }
+            SyncPath::Delta => FullSync::Bytes(
+                self.latest_full
+                    .as_deref()
+                    .ok_or("internal: no full image to restart from")?,
+            ),
+            SyncPath::Disk(dir) => FullSync::Disk(dir),
+        };
+        restart_replica(backend, &spec.model, spec.engine.clone(), full)
+    }
+
+    /// Restarts lost replica `i`: a fresh engine on a full sync, back in the router.
+    fn restart(&mut self, i: usize, observer: &mut dyn StageObserver) -> Result<(), RunError> {
+        let now = self.clock.now();
+        let (engine, sink, report) = match self.fresh_replica(i) {
+            Ok(x) => x,
+            Err(e) => {
+                let r = &mut self.replicas[i];
+                r.restart_attempts += 1;
+                if r.restart_attempts >= MAX_RESTART_ATTEMPTS {
+                    return Err(RunError::Engine {
+                        replica: i,
+                        message: format!("restart failed {} times, last: {e}", r.restart_attempts),
+                    });
+                }
+                self.trace.push(
+                    Track::Health,
+                    format!("replica {i} restart failed"),
+                    now,
+                    now,
+                    vec![("reason".into(), e)],
+                );
+                let retry = self
+                    .heartbeats
+                    .as_ref()
+                    .map_or(Micros::from_secs(1.0), Heartbeats::interval);
+                self.timers.push(now.plus(retry), TimerEv::Restart(i));
+                return Ok(());
+            }
+        };
+        let r = &mut self.replicas[i];
+        let lost_at = r.lost_at.take().unwrap_or(now);
+        let incarnation = r.incarnation;
+        let pending = std::mem::take(&mut r.pending);
+        *r = ReplicaLane::new(Replica {
+            engine,
+            sink,
+            fail: None,
+        });
+        r.incarnation = incarnation;
+        // Sessions re-run while every replica was down waited here.
+        r.pending = pending;
+        if !self.clock.is_virtual() {
+            self.start_replica_thread(i)?;
+        }
+        let _ = self.router.add_replica(ReplicaId(i as u32));
+        if let Some(h) = &mut self.heartbeats {
+            h.watch(i);
+        }
+        {
+            let c = self.orch.counters_mut();
+            c.replica_restarts += 1;
+            if let SyncReport::Installed { sent_bytes, .. } = &report {
+                c.sync_bytes += sent_bytes;
+            }
+        }
+        self.trace.push(
+            Track::Health,
+            format!("replica {i} restarted"),
+            lost_at,
+            now,
+            vec![],
+        );
+        self.sync_report(i, report, true, observer)?;
+        // Publications it missed while down are covered by the full sync; a newer one
+        // published since is sent like to any replica.
+        Ok(())
     }
 
     fn apply(&mut self, actions: Vec<Action>) -> Result<(), RunError> {
@@ -1057,8 +1832,7 @@ impl<'a> Scheduler<'a> {
                     r.pending.push(cmd);
                 }
                 Action::EnvTimer { at, call } => self.timers.push(at, TimerEv::Env(call)),
-                Action::Finished(mut sample) => {
-                    sample.clocks.learner_step = self.learner.steps;
+                Action::Finished(sample) => {
                     // Refusals are counted by the buffer (replays, duplicates); an invalid
                     // trajectory is an engine bug worth stopping for.
                     if let Err(e @ crate::buffer::BufferError::Invalid(_)) =
@@ -1077,36 +1851,77 @@ impl<'a> Scheduler<'a> {
     }
 
     /// Stops: abandons what is in flight, waits for busy lanes, takes the parts back.
-    fn finish(mut self) -> Result<(Parts, Orchestrator, DataBuffer, StageReport), RunError> {
+    fn finish(
+        mut self,
+        observer: &mut dyn StageObserver,
+    ) -> Result<(Parts, Orchestrator, DataBuffer, StageReport), RunError> {
         self.orch.abandon_all();
-        // Wall clock: let busy lanes hand back their last results before the threads stop.
+        // Wall clock: let busy lanes hand back their last results before the threads stop. A
+        // lane that does not answer within the heartbeat timeout is abandoned.
         if let Some(rx) = self.rx.take() {
-            let mut busy = self
-                .replicas
-                .iter()
-                .filter(|r| r.busy_since.is_some())
-                .count()
-                + usize::from(self.learner.busy_since.is_some());
-            while busy > 0 {
-                match rx.recv() {
-                    Ok(_) => busy -= 1,
-                    Err(_) => break,
+            let mut waiting: BTreeSet<usize> = (0..self.replicas.len())
+                .filter(|&i| self.replicas[i].alive && self.replicas[i].busy_since.is_some())
+                .collect();
+            let mut learner_busy = self.learner.busy_since.is_some();
+            let bound = self
+                .heartbeats
+                .as_ref()
+                .map(|h| Duration::from_micros(h.timeout().0));
+            while !waiting.is_empty() || learner_busy {
+                let msg = match bound {
+                    Some(t) => rx.recv_timeout(t).ok(),
+                    None => rx.recv().ok(),
+                };
+                match msg {
+                    Some(LaneMsg::Engine(i, inc, _)) if self.replicas[i].incarnation == inc => {
+                        waiting.remove(&i);
+                    }
+                    Some(LaneMsg::Learner(_)) => learner_busy = false,
+                    Some(_) => {}
+                    None => break,
+                }
+            }
+            for i in waiting {
+                let r = &mut self.replicas[i];
+                r.alive = false;
+                if let Exec::Thread { tx, join } = std::mem::replace(&mut r.exec, Exec::Gone) {
+                    drop(tx);
+                    self.abandoned.push(join);
                 }
             }
         }
+        // A hung lane's thread may go now; abandoned threads are never joined.
+        self.hang_release = None;
+        self.abandoned.clear();
         let learner = std::mem::replace(&mut self.learner.exec, Exec::Gone)
             .into_inner()
-            .ok_or_else(|| RunError::Learner("the learner thread panicked".into()))?;
+            .ok_or_else(|| RunError::Learner("the learner thread panicked".into()))?
+            .learner;
         let mut engines = Vec::with_capacity(self.replicas.len());
-        for (i, r) in self.replicas.iter_mut().enumerate() {
-            engines.push(
-                std::mem::replace(&mut r.exec, Exec::Gone)
-                    .into_inner()
-                    .ok_or_else(|| RunError::Engine {
+        for i in 0..self.replicas.len() {
+            let exec = std::mem::replace(&mut self.replicas[i].exec, Exec::Gone);
+            let alive = self.replicas[i].alive;
+            let engine = match (alive, exec.into_inner()) {
+                (true, Some(rep)) => rep.engine,
+                (true, None) => {
+                    return Err(RunError::Engine {
                         replica: i,
                         message: "the replica's thread panicked".into(),
-                    })?,
-            );
+                    })
+                }
+                // Lost and not restarted yet: the next stage gets a fresh one.
+                (false, _) => {
+                    let (engine, _, report) =
+                        self.fresh_replica(i).map_err(|message| RunError::Engine {
+                            replica: i,
+                            message: format!("restart at the end of the stage: {message}"),
+                        })?;
+                    self.orch.counters_mut().replica_restarts += 1;
+                    self.sync_report(i, report, true, observer)?;
+                    engine
+                }
+            };
+            engines.push(engine);
         }
         for (i, e) in engines.iter_mut().enumerate() {
             e.abort_all().map_err(|err| RunError::Engine {

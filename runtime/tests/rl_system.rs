@@ -12,9 +12,11 @@ use sluice_runtime::env::faults::FaultRates;
 use sluice_runtime::env::latency::LatencyModel;
 use sluice_runtime::env::synthetic::{Lookup, Recall};
 use sluice_runtime::env::Task;
+use sluice_runtime::health::HealthConfig;
 use sluice_runtime::learner::{Learner, LearnerConfig, StepReport};
 use sluice_runtime::metrics::LearnerTotals;
 use sluice_runtime::orchestrator::{Orchestrator, RolloutPolicy, TaskSpec};
+use sluice_runtime::sync::SyncOptions;
 use sluice_runtime::system::{
     run_stage, Mode, Parts, StageConfig, StageObserver, StageReport, StageStart, Tick,
 };
@@ -136,6 +138,8 @@ impl Setup {
             reset_optimizer: false,
             cost: CostModel::default(),
             barrier_every: None,
+            sync: SyncOptions::default(),
+            health: HealthConfig::default(),
         };
         let start = StageStart {
             clock: Micros(0),

@@ -101,6 +101,10 @@ pub struct RolloutSection {
     pub preempt: sluice_runtime::engine::PreemptMode,
     pub share_correction: bool,
     pub eval_problems: usize,
+    /// A replica silent this long is lost and restarted (None: no heartbeats).
+    pub heartbeat_timeout_s: Option<f64>,
+    /// An injected replica failure (tests and drills).
+    pub fail: Option<sluice_runtime::health::ReplicaFault>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -136,6 +140,7 @@ pub struct OptimSection {
 #[derive(Clone, Debug, PartialEq)]
 pub struct SyncSection {
     pub interval: u64,
+    /// inprocess | delta | disk.
     pub path: String,
     pub reset_optimizer: bool,
 }
@@ -180,6 +185,31 @@ impl TrainConfig {
 
     pub fn task(&self, name: &str) -> Option<&TaskSection> {
         self.tasks.iter().find(|t| t.name == name)
+    }
+
+    /// The sync path of an RL stage; the disk path publishes into `run_dir`/sync.
+    pub fn sync_options(&self, run_dir: &Path) -> sluice_runtime::sync::SyncOptions {
+        use sluice_runtime::sync::SyncPath;
+        let path = match self.sync.path.as_str() {
+            "delta" => SyncPath::Delta,
+            "disk" => SyncPath::Disk(run_dir.join("sync")),
+            _ => SyncPath::InProcess,
+        };
+        sluice_runtime::sync::SyncOptions {
+            path,
+            ..Default::default()
+        }
+    }
+
+    /// The rollout health settings of an RL stage.
+    pub fn health(&self) -> sluice_runtime::health::HealthConfig {
+        sluice_runtime::health::HealthConfig {
+            heartbeat_timeout: self
+                .rollout
+                .heartbeat_timeout_s
+                .map(sluice_runtime::clock::Micros::from_secs),
+            fail: self.rollout.fail,
+        }
     }
 }
 
@@ -620,8 +650,57 @@ fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
             ))
         }
     };
+    let replicas = rollout.int("replicas", 1, 64)? as usize;
+    let heartbeat = rollout.float(
+        "heartbeat_timeout_s",
+        |x| x >= 0.0,
+        ">= 0 (0: no heartbeats)",
+    )?;
+    let fail_replica = rollout.int("fail_replica", 0, 63)? as usize;
+    let fail_at_step = rollout.int("fail_at_step", 0, MAX)? as u64;
+    let fail = match rollout.str("fail_kind")? {
+        "none" => None,
+        kind @ ("hang" | "die") => {
+            let (replica, at_step) = (fail_replica, fail_at_step);
+            if replica >= replicas {
+                return Err(err(
+                    "rollout.fail_replica",
+                    format!("{replica}: there are {replicas} replica(s), numbered from 0"),
+                ));
+            }
+            if at_step == 0 {
+                return Err(err(
+                    "rollout.fail_at_step",
+                    "must be >= 1 (the engine step at which the replica fails)",
+                ));
+            }
+            if heartbeat == 0.0 {
+                return Err(err(
+                    "rollout.heartbeat_timeout_s",
+                    format!(
+                        "is 0 (no heartbeats), so fail_kind = {kind:?} would never be detected"
+                    ),
+                ));
+            }
+            Some(sluice_runtime::health::ReplicaFault {
+                replica,
+                at_step,
+                kind: if kind == "hang" {
+                    sluice_runtime::health::FailKind::Hang
+                } else {
+                    sluice_runtime::health::FailKind::Die
+                },
+            })
+        }
+        o => {
+            return Err(err(
+                "rollout.fail_kind",
+                format!("{o:?} is not none, hang or die"),
+            ))
+        }
+    };
     let rollout_s = RolloutSection {
-        replicas: rollout.int("replicas", 1, 64)? as usize,
+        replicas,
         max_seqs: rollout.int("max_seqs", 1, 1 << 20)? as usize,
         max_batch_tokens: rollout.int("max_batch_tokens", 1, 1 << 24)? as usize,
         num_blocks: rollout.int("num_blocks", 1, 1 << 24)? as usize,
@@ -635,6 +714,8 @@ fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         preempt,
         share_correction: rollout.bool("share_correction")?,
         eval_problems: rollout.int("eval_problems", 0, 1 << 20)? as usize,
+        heartbeat_timeout_s: (heartbeat > 0.0).then_some(heartbeat),
+        fail,
     };
 
     let buffer = Get::section(&table, "buffer")?;
@@ -671,10 +752,10 @@ fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
 
     let sync = Get::section(&table, "sync")?;
     let path = sync.str("path")?.to_string();
-    if path != "inprocess" {
+    if !matches!(path.as_str(), "inprocess" | "delta" | "disk") {
         return Err(err(
             "sync.path",
-            format!("{path:?}: only \"inprocess\" is available in this build"),
+            format!("{path:?} is not inprocess, delta or disk"),
         ));
     }
     let sync_s = SyncSection {
@@ -692,6 +773,11 @@ fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         train_token_us: nonneg("train_token_us")?,
         optim_step_us: nonneg("optim_step_us")?,
         publish_us: nonneg("publish_us")?,
+        sync_encode_byte_us: nonneg("sync_encode_byte_us")?,
+        sync_transfer_byte_us: nonneg("sync_transfer_byte_us")?,
+        sync_apply_byte_us: nonneg("sync_apply_byte_us")?,
+        sync_write_byte_us: nonneg("sync_write_byte_us")?,
+        replica_restart_us: nonneg("replica_restart_us")?,
     };
 
     // Stages, and the tasks they name.
@@ -861,6 +947,8 @@ mod tests {
     fn defaults_resolve() {
         let c = load(None, &[]).unwrap();
         assert_eq!(c.run.name, "default");
+        // The runtime's default charges are the ones this file states.
+        assert_eq!(c.cost, CostModel::default());
         assert_eq!(c.stages.len(), 2);
         assert_eq!(c.tasks.len(), 2);
         // The written config.toml loads back to the same values.
@@ -887,11 +975,53 @@ mod tests {
             ("buffer.foo=1", "buffer.foo"),
             ("buffer.tau=\"x\"", "buffer.tau"),
             ("run.mode=fast", "run.mode"),
+            ("sync.path=nfs", "sync.path"),
+            ("rollout.fail_kind=explode", "rollout.fail_kind"),
+            ("rollout.fail_at_step=-1", "rollout.fail_at_step"),
+            (
+                "rollout.heartbeat_timeout_s=-1",
+                "rollout.heartbeat_timeout_s",
+            ),
             ("nosuch.key=1", "nosuch"),
             ("tasks.tool.faults.crash=2", "tasks.tool.faults.crash"),
         ] {
             let e = load(None, &[set.into()]).unwrap_err();
             assert_eq!(e.key, key, "{set}: {e}");
         }
+        // An injected replica failure needs a replica that exists, a step, and heartbeats.
+        let hang = |extra: &str| -> Vec<String> {
+            vec![
+                "rollout.fail_kind=hang".into(),
+                "rollout.fail_at_step=5".into(),
+                extra.into(),
+            ]
+        };
+        for (sets, key) in [
+            (hang("rollout.fail_replica=1"), "rollout.fail_replica"),
+            (hang("rollout.fail_at_step=0"), "rollout.fail_at_step"),
+            (
+                hang("rollout.heartbeat_timeout_s=0"),
+                "rollout.heartbeat_timeout_s",
+            ),
+        ] {
+            let e = load(None, &sets).unwrap_err();
+            assert_eq!(e.key, key, "{sets:?}: {e}");
+        }
+        let c = load(None, &hang("rollout.replicas=2")).unwrap();
+        let h = c.health();
+        assert_eq!(
+            h.fail,
+            Some(sluice_runtime::health::ReplicaFault {
+                replica: 0,
+                at_step: 5,
+                kind: sluice_runtime::health::FailKind::Hang
+            })
+        );
+        assert!(h.heartbeat_timeout.is_some());
+        let c = load(None, &["sync.path=disk".into()]).unwrap();
+        assert_eq!(
+            c.sync_options(Path::new("runs/x")).path,
+            sluice_runtime::sync::SyncPath::Disk(PathBuf::from("runs/x/sync"))
+        );
     }
 }

@@ -937,6 +937,8 @@ impl RunContext<'_> {
             reset_optimizer: cfg.sync.reset_optimizer,
             cost: cfg.cost,
             barrier_every: (cfg.run.checkpoint_every > 0).then_some(cfg.run.checkpoint_every),
+            sync: cfg.sync_options(self.out_dir),
+            health: cfg.health(),
         };
         let engine_weights = Arc::new(Publication {
             version: WeightVersion(engine_version),

@@ -317,6 +317,116 @@ fn print_defaults_is_configs_default_toml() {
     assert_eq!(out, file);
 }
 
+/// The last line of metrics.jsonl.
+fn last_line(dir: &Path) -> serde_json::Value {
+    metrics_without_wall(dir).pop().expect("a metrics line")
+}
+
+#[test]
+fn every_sync_path_trains_the_same_weights_in_a_replay() {
+    // Two replicas; the per-byte sync charges at 0 so the three paths cost the same on the
+    // virtual clock: the runs must end on the same weights, so every replica ran on exactly
+    // the learner's weights whichever way they travelled.
+    let dir = scratch("sync-paths");
+    let cfg = short_config(&dir);
+    let run = |path: &str| {
+        let out = dir.join(path);
+        run_ok(&[
+            "train",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--set",
+            "run.replay=true",
+            "--set",
+            "rollout.replicas=2",
+            "--set",
+            &format!("sync.path={path}"),
+            "--set",
+            "cost.sync_encode_byte_us=0",
+            "--set",
+            "cost.sync_transfer_byte_us=0",
+            "--set",
+            "cost.sync_apply_byte_us=0",
+            "--set",
+            "cost.sync_write_byte_us=0",
+        ]);
+        out
+    };
+    let base = run("inprocess");
+    for path in ["delta", "disk"] {
+        let out = run(path);
+        assert_eq!(
+            summary(&out)["final_weights_sha256"],
+            summary(&base)["final_weights_sha256"],
+            "sync.path={path}"
+        );
+        let lines = metrics_without_wall(&out);
+        assert_eq!(lines.len(), metrics_without_wall(&base).len());
+        for l in lines.iter().filter(|l| l["stage"] != "sft#0") {
+            let enc = l["sync_encoding"].as_str().unwrap_or("");
+            let want = if path == "delta" { "delta:" } else { "disk" };
+            assert!(enc.starts_with(want), "{path}: sync_encoding {enc:?}");
+            assert!(l["sync_bytes"].as_u64().unwrap() > 0);
+        }
+        assert_eq!(summary(&out)["zero_lag_mismatch_tokens"], 0);
+    }
+    // The disk path published into the run folder: the pointer and the last versions.
+    let sync = dir.join("disk").join("sync");
+    assert!(sync.join("weights.version").is_file());
+    let files = std::fs::read_dir(&sync)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".safetensors")
+        })
+        .count();
+    assert_eq!(files, 3);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_replica_killed_mid_run_is_restarted_and_the_run_completes() {
+    let dir = scratch("fail-drill");
+    let cfg = short_config(&dir);
+    for kind in ["die", "hang"] {
+        let out = dir.join(kind);
+        run_ok(&[
+            "train",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--set",
+            "run.replay=true",
+            "--set",
+            "rollout.replicas=2",
+            "--set",
+            "sync.path=delta",
+            "--set",
+            &format!("rollout.fail_kind={kind}"),
+            "--set",
+            "rollout.fail_replica=1",
+            "--set",
+            "rollout.fail_at_step=20",
+            "--set",
+            "rollout.heartbeat_timeout_s=1.0",
+        ]);
+        let last = last_line(&out);
+        assert_eq!(last["replicas_lost"], 1, "{kind}");
+        assert_eq!(last["replica_restarts"], 1, "{kind}");
+        assert!(last["trajectories_lost"].as_u64().unwrap() > 0, "{kind}");
+        let s = summary(&out);
+        assert_eq!(s["learner_steps"], 12, "{kind}: the 12 RL steps");
+        assert_eq!(s["zero_lag_mismatch_tokens"], 0, "{kind}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_resumed_replay_run_ends_with_the_same_weights() {
     let dir = scratch("resume");

@@ -21,6 +21,7 @@ use sluice_model::{Arena, ModelConfig};
 use std::collections::VecDeque;
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// The pointer file's name in the publication folder.
 pub const POINTER_FILE: &str = "weights.version";
@@ -158,6 +159,8 @@ pub struct DiskPublisher {
     keep: usize,
     /// Versions written, oldest first.
     written: VecDeque<WeightVersion>,
+    /// The newest file's bytes (to rewrite it if a reader finds it damaged, see [`repair`]).
+    last: Option<Arc<[u8]>>,
 }
 
 impl DiskPublisher {
@@ -169,11 +172,17 @@ impl DiskPublisher {
             dir: dir.to_path_buf(),
             keep: keep.max(2),
             written: VecDeque::new(),
+            last: None,
         })
     }
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The bytes of the newest file written (one copy of the file, kept in memory).
+    pub fn last_file(&self) -> Option<Arc<[u8]>> {
+        self.last.clone()
     }
 
     /// Writes `params` as version `version` (newer than any before), then points the pointer at
@@ -203,10 +212,12 @@ impl DiskPublisher {
         })?;
         let hash = ContentHash::of(&bytes);
         checkpoint::write_atomic(&path, &bytes).map_err(|e| io_err(&path, e))?;
+        let len = bytes.len() as u64;
+        self.last = Some(Arc::from(bytes));
         let pointer = Pointer {
             version,
             file,
-            bytes: bytes.len() as u64,
+            bytes: len,
             hash,
         };
         let pointer_path = self.dir.join(POINTER_FILE);
@@ -223,10 +234,31 @@ impl DiskPublisher {
         Ok(DiskPublication {
             version,
             path,
-            bytes: bytes.len() as u64,
+            bytes: len,
             hash,
         })
     }
+}
+
+/// Rewrites the file of `publication` whole from `bytes` (atomically), after a reader found it
+/// short or damaged; the pointer already names it with its length and hash. Refuses bytes
+/// that are not the published file.
+pub fn repair(publication: &DiskPublication, bytes: &[u8]) -> Result<(), DiskError> {
+    let got = ContentHash::of(bytes);
+    if got != publication.hash || bytes.len() as u64 != publication.bytes {
+        return Err(DiskError::Checkpoint {
+            path: publication.path.clone(),
+            message: format!(
+                "repair with {} bytes hashing to {got}, but {} was published as {} bytes \
+                 hashing to {}",
+                bytes.len(),
+                publication.version,
+                publication.bytes,
+                publication.hash
+            ),
+        });
+    }
+    checkpoint::write_atomic(&publication.path, bytes).map_err(|e| io_err(&publication.path, e))
 }
 
 /// A version loaded by the poller.
@@ -237,6 +269,8 @@ pub struct DiskUpdate {
     pub params: Arena,
     /// blake3 of the file.
     pub hash: ContentHash,
+    /// The file's length.
+    pub bytes: u64,
     pub path: PathBuf,
 }
 
@@ -264,6 +298,14 @@ impl DiskPoller {
             dir: dir.to_path_buf(),
             installed: None,
             stats: PollerStats::default(),
+        }
+    }
+
+    /// A poller of `dir` whose engine already runs `version` (it loads only newer ones).
+    pub fn starting_at(dir: &Path, version: WeightVersion) -> DiskPoller {
+        DiskPoller {
+            installed: Some(version),
+            ..DiskPoller::new(dir)
         }
     }
 
@@ -354,6 +396,7 @@ impl DiskPoller {
             config,
             params,
             hash,
+            bytes: pointer.bytes,
             path,
         }))
     }

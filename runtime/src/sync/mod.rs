@@ -10,20 +10,28 @@
 //! - [`disk`]: safetensors checkpoints written atomically plus a pointer file, and a poller that
 //!   hot-reloads a new version and never loads a partial file.
 //! - [`content_hash`]: blake3 of an image.
+//! - [`lane`]: the three paths inside a run (`sync.path`): the learner lane's [`SyncSource`],
+//!   each replica lane's [`SyncSink`], and the faults tests inject.
 //!
-//! Everything works on byte slices (the f32 parameter arena's bytes today, a bf16 copy later),
-//! so the codec knows nothing of the engine; docs/runtime.md ("Weight sync") shows the wiring.
+//! The codec, the publisher and the disk files work on byte slices (the f32 parameter arena's
+//! bytes today, a bf16 copy later) and know nothing of the engine; [`lane`] wires them to the
+//! engine, and docs/runtime.md ("Weight sync") describes it.
 
 pub mod chunk;
 pub mod content_hash;
 pub mod delta;
 pub mod disk;
+pub mod lane;
 pub mod publish;
 
 pub use chunk::{ElemType, Encoding};
 pub use content_hash::ContentHash;
 pub use delta::{DeltaError, EncodeParams, EncodingSummary, Image};
 pub use disk::{DiskError, DiskPoller, DiskPublication, DiskPublisher, DiskUpdate};
+pub use lane::{
+    Delivery, Outgoing, StartImage, SyncFault, SyncOptions, SyncPath, SyncReport, SyncSink,
+    SyncSource,
+};
 pub use publish::{
     NeedsFullSync, Payload, Publication, PublishError, Publisher, PublisherStats, Receiver,
     ReceiverStats,
