@@ -46,8 +46,8 @@ use crate::health::{BackendSpec, FailKind, HealthConfig, Heartbeats};
 use crate::learner::{Learner, Publication, StepReport};
 use crate::metrics::{metrics_line, LearnerTotals, LineInputs, RolloutCounters, Trace, Track};
 use crate::orchestrator::{
-    Action, EngineCmd, EngineResult, EnvCall, LostSessions, Orchestrator, OrchestratorError,
-    Pace, TaskStats,
+    Action, EngineCmd, EngineResult, EnvCall, LostSessions, Orchestrator, OrchestratorError, Pace,
+    TaskStats,
 };
 use crate::router::{ReplicaId, Router};
 use crate::sync::lane::{
@@ -255,6 +255,11 @@ pub struct StageReport {
     pub trace: Trace,
     /// Steps whose publication happened (versions sent to the replicas).
     pub publications: u64,
+    /// Events the scheduler handled (timers and lane results).
+    pub events: u64,
+    /// Wall time spent running lanes inline (the virtual clock's compute); the rest of `wall`
+    /// is the scheduler's own work.
+    pub inline_time: Duration,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -658,6 +663,9 @@ pub fn run_stage(
 
 struct Scheduler<'a> {
     cfg: &'a StageConfig,
+    /// Events handled, and wall time spent in inline lanes (the StageReport's figures).
+    events: u64,
+    inline_time: Duration,
     clock: Clock,
     stage_start: Micros,
     wall_start: Instant,
@@ -818,6 +826,8 @@ impl<'a> Scheduler<'a> {
             published: 0,
             next_barrier,
             empty_batches: 0,
+            events: 0,
+            inline_time: Duration::ZERO,
         };
         if wall {
             sched.start_threads()?;
@@ -906,6 +916,7 @@ impl<'a> Scheduler<'a> {
                 return Err(RunError::Stalled(self.stall_report()));
             }
             self.wait_and_handle(observer)?;
+            self.events += 1;
             observer.on_tick(&Tick {
                 now: self.clock.now(),
                 started: self.orch.counters().trajectories_started,
@@ -1132,7 +1143,9 @@ impl<'a> Scheduler<'a> {
         self.learner.busy_since = Some(now);
         match &mut self.learner.exec {
             Exec::Inline(side) => {
+                let t0 = Instant::now();
                 let done = learner_run(side, &work, false);
+                self.inline_time += t0.elapsed();
                 let mut cost = self.cfg.cost.learner_step(tokens);
                 if work.publish {
                     let image = (side.learner.model().params.tensor().numel() * 4) as u64;
@@ -1175,7 +1188,12 @@ impl<'a> Scheduler<'a> {
             r.busy_since = Some(now);
             let incarnation = r.incarnation;
             let outcome = match &mut r.exec {
-                Exec::Inline(rep) => replica_run(rep, work),
+                Exec::Inline(rep) => {
+                    let t0 = Instant::now();
+                    let out = replica_run(rep, work);
+                    self.inline_time += t0.elapsed();
+                    out
+                }
                 Exec::Thread { tx, .. } => {
                     // A lane whose thread ended (an injected death) takes nothing; heartbeats
                     // find it.
@@ -1946,6 +1964,8 @@ impl<'a> Scheduler<'a> {
             tasks,
             trace: self.trace,
             publications: self.published,
+            events: self.events,
+            inline_time: self.inline_time,
         };
         Ok((Parts { learner, engines }, self.orch, self.buffer, report))
     }

@@ -588,6 +588,10 @@ struct RlTotals {
     engine_busy_s: f64,
     learner_busy_s: f64,
     shares: BTreeMap<String, (f64, u64)>,
+    /// Per task: trajectories finished, trajectories the learner consumed (G per consumed
+    /// group), and the sum of their completion times (seconds).
+    #[serde(default)]
+    flow: BTreeMap<String, (u64, u64, f64)>,
 }
 
 impl RunContext<'_> {
@@ -1019,11 +1023,15 @@ impl RunContext<'_> {
         t.elapsed_s = self.state.clock.secs();
         t.engine_busy_s += report.rollout.engine_busy.secs();
         t.learner_busy_s += report.rollout.learner_busy.secs();
-        for (name, target, _) in &report.tasks {
+        for (name, target, st) in &report.tasks {
             let groups = l.per_task.get(name).map_or(0, |x| x.groups);
             let e = t.shares.entry(name.clone()).or_insert((*target, 0));
             e.0 = *target;
             e.1 += groups;
+            let f = t.flow.entry(name.clone()).or_insert((0, 0, 0.0));
+            f.0 += st.trajectories_finished;
+            f.1 += st.groups_consumed * cfg.buffer.group_size as u64;
+            f.2 += st.completion_sum.secs();
         }
         let (_, model, _) = parts.learner.into_parts();
         Ok(model)
@@ -1047,11 +1055,17 @@ impl RunContext<'_> {
             let (target, groups) = t
                 .and_then(|t| t.shares.get(&name).copied())
                 .unwrap_or((0.0, 0));
+            let (finished, consumed, completion) = t
+                .and_then(|t| t.flow.get(&name).copied())
+                .unwrap_or((0, 0, 0.0));
             tasks.insert(
                 name.clone(),
                 json!({
                     "target_share": target,
                     "learner_share": ratio(groups, total_groups),
+                    // q: the share of the task's finished trajectories the learner trained on.
+                    "acceptance_rate": ratio(consumed, finished),
+                    "mean_completion_s": if finished > 0 { completion / finished as f64 } else { 0.0 },
                     "pass_rate_before": self.state.pass_before.get(&name).map(PassRate::rate),
                     "pass_rate_after": self.pass_after.get(&name).map(PassRate::rate),
                 }),
@@ -1088,18 +1102,21 @@ impl RunContext<'_> {
         };
         let _ = writeln!(
             t,
-            "\n| task | pass rate before RL | after RL | target share | learner share |"
+            "\n| task | pass rate before RL | after RL | target share | learner share | \
+             trajectories trained | mean completion |"
         );
-        let _ = writeln!(t, "|---|---|---|---|---|");
+        let _ = writeln!(t, "|---|---|---|---|---|---|---|");
         if let Some(tasks) = s["tasks"].as_object() {
             for (name, v) in tasks {
                 let _ = writeln!(
                     t,
-                    "| {name} | {} | {} | {} | {} |",
+                    "| {name} | {} | {} | {} | {} | {} | {:.2}s |",
                     pct(&v["pass_rate_before"]),
                     pct(&v["pass_rate_after"]),
                     pct(&v["target_share"]),
-                    pct(&v["learner_share"])
+                    pct(&v["learner_share"]),
+                    pct(&v["acceptance_rate"]),
+                    v["mean_completion_s"].as_f64().unwrap_or(0.0)
                 );
             }
         }

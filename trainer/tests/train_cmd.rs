@@ -159,6 +159,38 @@ fn a_run_leaves_the_run_folder() {
             .count();
         assert!(n > 0, "no {cat} span in trace.json");
     }
+    // `sluice eval` reads the run's own config for the task and prints both modes.
+    let ck = out.join("final.safetensors");
+    let text = run_ok(&[
+        "eval",
+        "--checkpoint",
+        ck.to_str().unwrap(),
+        "--task",
+        "tool",
+        "--samples",
+        "4",
+        "--show",
+        "1",
+    ]);
+    assert!(
+        text.contains("greedy") && text.contains("sampled"),
+        "{text}"
+    );
+    assert!(
+        text.contains("<call>") || text.contains("<eot>"),
+        "a transcript: {text}"
+    );
+    let o = sluice(&[
+        "eval",
+        "--checkpoint",
+        ck.to_str().unwrap(),
+        "--task",
+        "nosuch",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("nosuch"));
+    let o = sluice(&["eval", "--checkpoint", "no/such/file", "--task", "tool"]);
+    assert_eq!(o.status.code(), Some(2));
     // The resolved config loads back.
     run_ok(&[
         "train",
