@@ -1,7 +1,7 @@
 //! Held-out pass rates: a task's held-out problems run through an engine and answered by the
 //! task's environment directly (no latency, no injected faults), greedy or sampled.
 
-use crate::engine::{Engine, EngineError, Event, Request, StopReason};
+use crate::engine::{Engine, EngineError, Request};
 use crate::env::{Reply, Split, Task};
 use crate::hash::{hash_str, mix64};
 use crate::trajectory::{SamplingParams, TerminalReason};
@@ -97,28 +97,14 @@ pub fn pass_rate_with(
             )));
         }
         for ev in engine.step()? {
-            let (handle, reason, generated, single) = match ev {
-                Event::TurnEnded {
-                    handle,
-                    reason,
-                    generated,
-                    ..
-                } => (handle, reason, generated, false),
-                Event::Finished {
-                    handle,
-                    reason,
-                    sample,
-                } => {
-                    let start = sample.turns.last().map_or(sample.prompt_len, |b| b.start);
-                    (handle, reason, sample.tokens[start..].to_vec(), true)
-                }
-            };
+            let ev = ev.into_ended_turn();
+            let (handle, single) = (ev.handle, ev.sample.is_some());
             let Some((i, turn)) = live.remove(&handle) else {
                 continue;
             };
             // As in training: a turn cut by a length limit is still scored by the task, and
             // the episode ends with it.
-            let cut = matches!(reason, StopReason::MaxNewTokens | StopReason::Capacity);
+            let (cut, generated) = (ev.cut, ev.generated);
             let reply = task
                 .respond(&probs[i], turn, &generated)
                 .unwrap_or(Reply::End {

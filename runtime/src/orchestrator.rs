@@ -31,7 +31,7 @@
 //! resulting skew.
 
 use crate::clock::Micros;
-use crate::engine::{Event, Request, SeqHandle, StopReason};
+use crate::engine::{Event, Request, SeqHandle};
 use crate::env::faults::{garbage_tokens, plan_call, CallFault, CallKey, FaultRates};
 use crate::env::latency::LatencyModel;
 use crate::env::{Problem, Reply, Split, Task};
@@ -597,38 +597,20 @@ impl Orchestrator {
 
     /// An engine event (a turn ended, or a single-turn trajectory finished).
     pub fn on_event(&mut self, replica: usize, ev: Event, now: Micros) -> OrchResult<Vec<Action>> {
-        let (handle, reason, generated, sample) = match ev {
-            Event::TurnEnded {
-                handle,
-                reason,
-                generated,
-                ..
-            } => (handle, reason, generated, None),
-            Event::Finished {
-                handle,
-                reason,
-                sample,
-            } => {
-                let start = sample.turns.last().map_or(sample.prompt_len, |b| b.start);
-                let generated = sample.tokens[start..].to_vec();
-                (handle, reason, generated, Some(*sample))
-            }
-        };
-        let m = *self.by_handle.get(&(replica, handle)).ok_or_else(|| {
+        let turn = ev.into_ended_turn();
+        let m = *self.by_handle.get(&(replica, turn.handle)).ok_or_else(|| {
             internal(format!(
                 "event for unknown handle {} on replica {replica}",
-                handle.0
+                turn.handle.0
             ))
         })?;
-        {
-            let mem = self.member_mut(m)?;
-            mem.generated = generated;
-            mem.sample = sample;
-        }
         // A turn cut by a length limit still goes to the environment (its verifier scores
         // what was written, and a crash there is still an `environment` end), but the episode
         // ends with it as `budget`.
-        self.member_mut(m)?.cut = matches!(reason, StopReason::MaxNewTokens | StopReason::Capacity);
+        let mem = self.member_mut(m)?;
+        mem.generated = turn.generated;
+        mem.sample = turn.sample;
+        mem.cut = turn.cut;
         Ok(vec![self.call_env(m, now)?])
     }
 

@@ -184,6 +184,47 @@ pub enum Event {
     },
 }
 
+/// An event as an environment reads it: which trajectory, the tokens of the turn that just
+/// ended, whether a length limit cut that turn, and the whole sample when the engine is done
+/// with the trajectory (single-turn).
+#[derive(Clone, Debug)]
+pub struct EndedTurn {
+    pub handle: SeqHandle,
+    pub generated: Vec<TokenId>,
+    /// Stopped by `max_new_tokens` or the context capacity rather than by a stop token: the
+    /// task still scores what was written, but the episode ends with this turn as `budget`.
+    pub cut: bool,
+    pub sample: Option<Sample>,
+}
+
+impl Event {
+    pub fn into_ended_turn(self) -> EndedTurn {
+        let (handle, reason, generated, sample) = match self {
+            Event::TurnEnded {
+                handle,
+                reason,
+                generated,
+                ..
+            } => (handle, reason, generated, None),
+            Event::Finished {
+                handle,
+                reason,
+                sample,
+            } => {
+                let start = sample.turns.last().map_or(sample.prompt_len, |b| b.start);
+                let generated = sample.tokens[start..].to_vec();
+                (handle, reason, generated, Some(*sample))
+            }
+        };
+        EndedTurn {
+            handle,
+            generated,
+            cut: matches!(reason, StopReason::MaxNewTokens | StopReason::Capacity),
+            sample,
+        }
+    }
+}
+
 #[derive(Debug)]
 pub enum EngineError {
     /// A bad request or call, named.
