@@ -4,7 +4,9 @@
 //!
 //! Numerics: F32 inputs compute in true f32 (never tf32) on every device; BF16 inputs are
 //! multiplied exactly (a bf16 x bf16 product fits in f32) and accumulated in f32. The output is
-//! always F32.
+//! always F32. On `cpu`, BF16 inputs run [`super::gemm_chain`]: one ascending FMA chain per
+//! output over all of K, the order the emulated tensor-core path sums in, so cpu and emu give
+//! the same bits for BF16 inputs at any K.
 //!
 //! Batch invariance: row i of C is bit-identical whatever M is and wherever the row sits. No
 //! device splits K; every output element sums its K products in one fixed order that depends on
@@ -17,6 +19,7 @@
 //!   yet, so it is used only when `SLUICE_GEMM_PATH=wgmma` is set (or [`GemmPath::Wgmma`] is
 //!   asked for); scripts/gpu-check tests it so the first GPU run can verify it.
 
+pub use super::gemm_chain::{gemm_chain_into, gemm_chain_strided_into};
 pub use super::gemm_small::{gemm_packed_into, PackedB};
 use crate::device::Backend;
 use crate::dtype::DType;
@@ -510,6 +513,21 @@ fn batched(
         Backend::Cpu => {
             let af = a.f32_data()?;
             let c = c.host_slice_mut::<f32>()?;
+            if dtype == DType::BF16 {
+                let bf = b.f32_data()?;
+                for i in 0..batch {
+                    let bi = if shared_b { 0 } else { i };
+                    gemm_chain_into(
+                        &af[i * m * k..(i + 1) * m * k],
+                        &bf[bi * n * k..(bi + 1) * n * k],
+                        &mut c[i * m * n..(i + 1) * m * n],
+                        m,
+                        n,
+                        k,
+                    );
+                }
+                return Ok(());
+            }
             if batch == 1 || shared_b {
                 if let Some(pb) = small_rows_rhs(b, 1, m, n, k) {
                     for i in 0..batch {
@@ -637,7 +655,16 @@ pub fn gemm_grouped_with_path(
             let packed = small_rows_rhs(b_stack, groups, largest, n, k);
             for g in 0..groups {
                 let (r0, r1) = (bounds[g], bounds[g + 1]);
-                if let (Some(pb), true) = (&packed, r1 > r0) {
+                if dtype == DType::BF16 {
+                    gemm_chain_into(
+                        &af[r0 * k..r1 * k],
+                        &bf[g * n * k..(g + 1) * n * k],
+                        &mut c[r0 * n..r1 * n],
+                        r1 - r0,
+                        n,
+                        k,
+                    );
+                } else if let (Some(pb), true) = (&packed, r1 > r0) {
                     gemm_packed_into(&af[r0 * k..r1 * k], pb, g, &mut c[r0 * n..r1 * n], r1 - r0);
                 } else if r1 > r0 && n > 0 {
                     gemm_reference_into(
