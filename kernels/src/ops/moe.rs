@@ -48,7 +48,7 @@
 use super::elementwise::{softmax, softmax_backward_reference, softmax_reference};
 use super::gemm::{
     gemm, gemm_chain_into, gemm_chain_strided_into, gemm_grouped, gemm_packed_into, gemm_reference,
-    gemm_reference_into, gemm_strided_into, small_rows_rhs, PackedB,
+    gemm_reference_into, gemm_strided_into, small_rows_rhs, PackedB, BF16_PACKED_MAX_K,
 };
 use super::swiglu::{swiglu, swiglu_backward, swiglu_backward_reference, swiglu_reference_into};
 use super::topk::{topk, topk_reference, MAX_E, MAX_K};
@@ -409,12 +409,17 @@ fn experts_forward(
     }
     let product =
         |src: &[f32], w: &[f32], pb: Option<&PackedB>, g, out: &mut [f32], rows, nn, kk| {
-            let wg = &w[g * nn * kk..(g + 1) * nn * kk];
+            // The plain weights are read only off the packed path (and may be empty on it).
+            let wg = || &w[g * nn * kk..(g + 1) * nn * kk];
             match pb {
-                // BF16 operands: the device's summation order (gemm_chain).
-                _ if bf16 => gemm_chain_into(src, wg, out, rows, nn, kk),
+                // BF16 operands: the device's summation order (gemm_chain; the packed kernel is
+                // that order when K fits one of its chunks).
+                Some(pb) if bf16 && kk <= BF16_PACKED_MAX_K => {
+                    gemm_packed_into(src, pb, g, out, rows)
+                }
+                _ if bf16 => gemm_chain_into(src, wg(), out, rows, nn, kk),
                 Some(pb) => gemm_packed_into(src, pb, g, out, rows),
-                None => gemm_reference_into(src, wg, out, rows, nn, kk),
+                None => gemm_reference_into(src, wg(), out, rows, nn, kk),
             }
         };
     let run = |t: ExpertTask<'_>| {
@@ -445,8 +450,8 @@ pub struct MoePacked {
 }
 
 impl MoePacked {
-    /// The packed weights when a call of `t` tokens should use them (host F32 weights, and few
-    /// enough rows per expert: `t <= SMALL_M`, so no segment can exceed it).
+    /// The packed weights when a call of `t` tokens should use them (host F32 or BF16 weights,
+    /// and few enough rows per expert: `t <= SMALL_M`, so no segment can exceed it).
     fn for_call(inp: &Inputs<'_>) -> Option<MoePacked> {
         let MoeDims { t, d, f, e } = inp.dims;
         Some(MoePacked {
@@ -970,16 +975,29 @@ pub fn moe_forward_saved(
     let k = cfg.k;
     if let Backend::Cpu = backend {
         let packed = MoePacked::for_call(&inp);
+        let bf16 = x.dtype() == DType::BF16;
+        // BF16 weights packed (kept on the tensors, widened once) with every K within one chunk:
+        // the router and expert products read only the packed copies, so the weights are not
+        // widened again on every call (a decode step's cost otherwise).
+        let f = inp.dims.f;
+        let packed_only = bf16 && packed.is_some() && d.max(f) <= BF16_PACKED_MAX_K;
+        fn weights(w: &Tensor, packed_only: bool) -> Result<std::borrow::Cow<'_, [f32]>> {
+            if packed_only {
+                Ok(std::borrow::Cow::Borrowed(&[]))
+            } else {
+                w.f32_data()
+            }
+        }
         let mut state = forward_state(
             &x.f32_data()?,
-            &w_router.f32_data()?,
-            &w1.f32_data()?,
-            &w3.f32_data()?,
-            &w2.f32_data()?,
+            &weights(w_router, packed_only)?,
+            &weights(w1, packed_only)?,
+            &weights(w3, packed_only)?,
+            &weights(w2, packed_only)?,
             inp.dims,
             cfg,
             packed.as_ref(),
-            x.dtype() == DType::BF16,
+            bf16,
         );
         let r = &state.routing;
         let out = MoeOutput {
