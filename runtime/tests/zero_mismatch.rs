@@ -31,6 +31,7 @@ mod common;
 
 use common::*;
 use sluice_kernels::Backend;
+use sluice_model::infer::KvCache;
 use sluice_model::{Model, ModelConfig, Precision};
 use sluice_runtime::engine::{EngineConfig, PreemptMode, SwapMode};
 use sluice_runtime::trajectory::WeightVersion;
@@ -71,6 +72,14 @@ fn engine_logps_equal_the_learner_bit_for_bit_small(p: Precision) {
     let m = model_in(ModelConfig::small(), 3, &Backend::Cpu, p);
     let jobs = workload(m.config.vocab, 11);
     let mut eng = engine(&m, Backend::Cpu, config(&m, 64, 4, PreemptMode::Recompute));
+    // The engine computes in the model's precision, with its KV cache in that dtype (64 blocks
+    // of 4 slots: 2 bytes a value in bf16, 4 in f32).
+    assert_eq!(eng.precision(), p);
+    assert_eq!(eng.num_blocks(), 64);
+    assert_eq!(
+        eng.kv_cache_bytes(),
+        64 * KvCache::block_bytes(&m.config, p.dtype(), 4)
+    );
     let res = drive(&mut eng, &jobs, &SUBMIT, |_, _| {});
     let st = eng.stats();
     assert!(st.kv.prefix_hit_tokens >= 32, "no prefix-cache hit: {st:?}");
