@@ -465,26 +465,37 @@ impl Tensor {
         }
     }
 
-    /// This host F32 tensor, viewed as `groups` stacked `[n, k]` matrices, packed as the
-    /// right-hand operand of the CPU small-row GEMM ([`crate::ops::gemm_small`]). Packed on the
-    /// first call and kept with the tensor (weights are multiplied many times); any change to
-    /// the contents or shape drops it. A request with other dimensions than the kept copy's is
-    /// packed afresh and not kept. `None` off the host or for other dtypes.
+    /// This host F32 or BF16 tensor, viewed as `groups` stacked `[n, k]` matrices, packed as
+    /// the right-hand operand of the CPU small-row GEMM ([`crate::ops::gemm_small`]; BF16
+    /// values widened to f32 exactly). Packed on the first call and kept with the tensor
+    /// (weights are multiplied many times); any change to the contents or shape drops it. A
+    /// request with other dimensions than the kept copy's is packed afresh and not kept. `None`
+    /// off the host or for other dtypes.
     pub fn packed_rhs(&self, groups: usize, n: usize, k: usize) -> Option<Arc<PackedB>> {
         let Storage::Host(h) = &self.storage else {
             return None;
         };
-        if self.dtype != DType::F32 || groups * n * k != self.numel() {
+        if groups * n * k != self.numel() {
             return None;
         }
-        let data: &[f32] = bytemuck::cast_slice(h.as_bytes());
-        let kept = self
-            .packed
-            .get_or_init(|| Arc::new(PackedB::new(data, groups, n, k)));
+        let pack = || -> PackedB {
+            match self.dtype {
+                DType::BF16 => {
+                    let v: &[half::bf16] = bytemuck::cast_slice(h.as_bytes());
+                    let wide: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
+                    PackedB::new(&wide, groups, n, k)
+                }
+                _ => PackedB::new(bytemuck::cast_slice(h.as_bytes()), groups, n, k),
+            }
+        };
+        if !matches!(self.dtype, DType::F32 | DType::BF16) {
+            return None;
+        }
+        let kept = self.packed.get_or_init(|| Arc::new(pack()));
         if (kept.groups, kept.n, kept.k) == (groups, n, k) {
             Some(kept.clone())
         } else {
-            Some(Arc::new(PackedB::new(data, groups, n, k)))
+            Some(Arc::new(pack()))
         }
     }
 

@@ -17,9 +17,9 @@
 use half::bf16;
 use rayon::prelude::*;
 use sluice_kernels::ops::gemm::{
-    gemm, gemm_batched, gemm_batched_reference, gemm_grouped, gemm_grouped_reference,
-    gemm_grouped_with_path, gemm_into, gemm_packed_into, gemm_reference, gemm_reference_bf16,
-    gemm_strided_into, gemm_with_path, GemmPath, PackedB,
+    gemm, gemm_batched, gemm_batched_reference, gemm_batched_with_path, gemm_grouped,
+    gemm_grouped_reference, gemm_grouped_with_path, gemm_into, gemm_packed_into, gemm_reference,
+    gemm_reference_bf16, gemm_strided_into, gemm_with_path, GemmPath, PackedB,
 };
 use sluice_kernels::testing::{
     check_matmul_elementwise, matmul_abs_sums, matmul_bound_factor, rel_norm, Rng, F32_TOL,
@@ -869,4 +869,96 @@ fn cuda_is_batch_invariant() {
             );
         }
     }
+}
+
+/// BF16 inputs on `cpu` (kernels/src/ops/gemm_chain.rs: one ascending FMA chain per output over
+/// all of K) and on emu (`gemm_bf16_mma`, whose emulated mma.sync adds its products one `fmaf` at
+/// a time, k ascending): the same bits, for ragged M and N (1, 17, 127) and for K past the f32
+/// reference's 256-long chunks (300, 513), in the plain, batched and grouped forms. This is what
+/// makes the cpu bf16 model bit-identical to the emulated kernels (model/tests/bf16.rs). Only
+/// the mma path: the wgmma emulation is checked against the reference by norm above.
+#[test]
+fn emu_mma_bf16_equals_cpu_bf16_bit_for_bit() {
+    let emu = Backend::emu_with_seed(5);
+    let cpu = Backend::Cpu;
+    let mut rng = Rng::new(21);
+    for &(m, n, k) in &[(1, 1, 1), (17, 33, 40), (127, 17, 300), (5, 130, 513)] {
+        let a =
+            Tensor::from_f32_as(&cpu, &[m, k], DType::BF16, &rng.normal_vec(m * k, 1.0)).unwrap();
+        let b =
+            Tensor::from_f32_as(&cpu, &[n, k], DType::BF16, &rng.normal_vec(n * k, 1.0)).unwrap();
+        let want = gemm_with_path(&cpu, &a, &b, GemmPath::Mma).unwrap();
+        let got = gemm_with_path(
+            &emu,
+            &a.to_backend(&emu).unwrap(),
+            &b.to_backend(&emu).unwrap(),
+            GemmPath::Mma,
+        )
+        .unwrap();
+        assert_bits_eq(
+            &format!("bf16 {m}x{n}x{k}"),
+            &got.to_vec::<f32>().unwrap(),
+            &want.to_vec::<f32>().unwrap(),
+        );
+    }
+    // Batched (own B per entry) and grouped (empty and one-row segments), K = 300.
+    let (batch, m, n, k) = (2, 17, 20, 300);
+    let a = Tensor::from_f32_as(
+        &cpu,
+        &[batch, m, k],
+        DType::BF16,
+        &rng.normal_vec(batch * m * k, 1.0),
+    )
+    .unwrap();
+    let b = Tensor::from_f32_as(
+        &cpu,
+        &[batch, n, k],
+        DType::BF16,
+        &rng.normal_vec(batch * n * k, 1.0),
+    )
+    .unwrap();
+    let want = gemm_batched_with_path(&cpu, &a, &b, GemmPath::Mma).unwrap();
+    let got = gemm_batched_with_path(
+        &emu,
+        &a.to_backend(&emu).unwrap(),
+        &b.to_backend(&emu).unwrap(),
+        GemmPath::Mma,
+    )
+    .unwrap();
+    assert_bits_eq(
+        "bf16 batched",
+        &got.to_vec::<f32>().unwrap(),
+        &want.to_vec::<f32>().unwrap(),
+    );
+    let rows = *GROUP_OFFSETS.last().unwrap() as usize;
+    let groups = GROUP_OFFSETS.len() - 1;
+    let ga = Tensor::from_f32_as(
+        &cpu,
+        &[rows, k],
+        DType::BF16,
+        &rng.normal_vec(rows * k, 1.0),
+    )
+    .unwrap();
+    let gb = Tensor::from_f32_as(
+        &cpu,
+        &[groups, n, k],
+        DType::BF16,
+        &rng.normal_vec(groups * n * k, 1.0),
+    )
+    .unwrap();
+    let off = Tensor::from_slice(&cpu, &[groups + 1], &GROUP_OFFSETS).unwrap();
+    let want = gemm_grouped_with_path(&cpu, &ga, &gb, &off, GemmPath::Mma).unwrap();
+    let got = gemm_grouped_with_path(
+        &emu,
+        &ga.to_backend(&emu).unwrap(),
+        &gb.to_backend(&emu).unwrap(),
+        &off.to_backend(&emu).unwrap(),
+        GemmPath::Mma,
+    )
+    .unwrap();
+    assert_bits_eq(
+        "bf16 grouped",
+        &got.to_vec::<f32>().unwrap(),
+        &want.to_vec::<f32>().unwrap(),
+    );
 }

@@ -1,5 +1,5 @@
 //! Checkpoints: safetensors files with one F32 tensor per named view (docs/model.md,
-//! "Checkpoints").
+//! "Checkpoints"). A BF16 arena (the bf16 compute copy) is saved widened to F32, exactly.
 //!
 //! Metadata (all strings, as safetensors requires):
 //! - `sluice.format` = `sluice-checkpoint`, `sluice.format_version` = `1`;
@@ -144,13 +144,25 @@ pub fn to_bytes_with_meta(
             "save: the parameter arena's layout is not the config's layout".into(),
         ));
     }
-    // One download per arena (a single copy from the GPU), then views into those bytes.
+    // One download per arena (a single copy from the GPU), then views into those bytes. A
+    // BF16 arena (a bf16 compute copy) is written widened to F32, which is exact: loading it
+    // and rounding back to bf16 gives the same bits.
     let mut downloads = Vec::with_capacity(groups.len());
     for (prefix, arena) in &groups {
-        arena
-            .tensor()
-            .expect_dtype(&format!("arena `{prefix}`"), DType::F32)?;
-        downloads.push(arena.tensor().to_bytes()?);
+        let bytes = match arena.dtype() {
+            DType::BF16 => arena
+                .to_vec()?
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect(),
+            _ => {
+                arena
+                    .tensor()
+                    .expect_dtype(&format!("arena `{prefix}`"), DType::F32)?;
+                arena.tensor().to_bytes()?
+            }
+        };
+        downloads.push(bytes);
     }
     let mut views: Vec<(String, TensorView<'_>)> = Vec::new();
     let mut checksums = BTreeMap::new();

@@ -8,6 +8,11 @@
 //! is_gate_loss op, runs the backward layer by layer in reverse, and writes each gradient into
 //! its view of the gradient arena.
 //!
+//! Precision: the forward and backward read the model's compute weights
+//! ([`Model::compute_weights`]): the f32 parameters, or in bf16 the bf16 compute copy, whose
+//! dtype makes every GEMM bf16 (the rounding points of [`crate::layers`]). Gradients are
+//! always f32 and go to the f32 gradient arena, for the f32 master weights.
+//!
 //! Each function comes in two forms: `*_on(backend, ...)` runs on the given backend (the one
 //! the model's arenas live on), and the plain form picks the backend from the arena's storage
 //! (`cpu` for host memory, `emu` with the schedule seed of `SLUICE_EMU_SEED` for emulator
@@ -85,7 +90,7 @@ fn forward_all(
 /// The logits `[T, vocab]` of a packed batch, downloaded.
 pub fn logits_on(backend: &Backend, model: &Model, batch: &PackedBatch) -> Result<Vec<f32>> {
     let dims = Dims::new(&model.config)?;
-    let w = ModelWeights::from_arena(backend, &model.params)?;
+    let w = ModelWeights::from_arena(backend, model.compute_weights())?;
     forward_all(backend, &dims, &w, batch)?
         .logits
         .to_vec::<f32>()
@@ -184,7 +189,7 @@ fn scalar(t: &Tensor) -> Result<f32> {
         .ok_or_else(|| Error::Invalid("internal: an empty loss tensor".into()))
 }
 
-/// The supervised loss of a batch (forward only).
+/// The supervised loss of a batch (forward only, on the model's compute weights).
 pub fn loss_on(
     backend: &Backend,
     model: &Model,
@@ -192,7 +197,8 @@ pub fn loss_on(
     targets: &[i32],
     mask: &[f32],
 ) -> Result<f32> {
-    loss_of_on(backend, &model.config, &model.params, batch, targets, mask)
+    let w = model.compute_weights();
+    loss_of_on(backend, &model.config, w, batch, targets, mask)
 }
 
 /// [`loss_on`] on the backend of the model's arena.
@@ -200,7 +206,8 @@ pub fn loss(model: &Model, batch: &PackedBatch, targets: &[i32], mask: &[f32]) -
     loss_on(&backend_of(&model.params)?, model, batch, targets, mask)
 }
 
-/// The supervised loss of a batch for a config and a parameter arena (forward only).
+/// The supervised loss of a batch for a config and a parameter arena (forward only; a BF16
+/// arena computes in bf16).
 pub fn loss_of_on(
     backend: &Backend,
     cfg: &ModelConfig,
@@ -239,7 +246,7 @@ pub fn loss_and_grad_on(
     mask: &[f32],
 ) -> Result<f32> {
     let dims = Dims::new(&model.config)?;
-    let w = ModelWeights::from_arena(backend, &model.params)?;
+    let w = ModelWeights::from_arena(backend, model.compute_weights())?;
     let fwd = forward_all(backend, &dims, &w, batch)?;
     let (loss, dlogits) = lm_loss(backend, &fwd.logits, targets, mask)?;
     backward(backend, &dims, &w, fwd, &dlogits, &mut model.grads)?;
@@ -269,7 +276,7 @@ pub fn policy_loss_and_grad_on(
     params: &GateParams,
 ) -> Result<GateReference> {
     let dims = Dims::new(&model.config)?;
-    let w = ModelWeights::from_arena(backend, &model.params)?;
+    let w = ModelWeights::from_arena(backend, model.compute_weights())?;
     let fwd = forward_all(backend, &dims, &w, batch)?;
     let (out, dlogits) = gate_objective(backend, &fwd.logits, inputs, params)?;
     backward(backend, &dims, &w, fwd, &dlogits, &mut model.grads)?;

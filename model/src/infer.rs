@@ -4,8 +4,9 @@
 //! residual_add), so the same code runs on `cpu`, `emu` and `cuda`.
 //!
 //! - [`InferWeights`]: one tensor per view of the layout on the engine's backend, built from a
-//!   parameter [`Arena`], with the version it holds.
-//! - [`KvCache`]: per layer a K and a V cache of shape [NB, BS, Hkv, D] (F32).
+//!   parameter [`Arena`] in the engine's [`Precision`], with the version it holds.
+//! - [`KvCache`]: per layer a K and a V cache of shape [NB, BS, Hkv, D], F32 or BF16 (the
+//!   precision's dtype: a bf16 cache holds twice the tokens in the same bytes).
 //! - [`prefill`]: new tokens of several sequences (a chunk each; their K/V are appended at the
 //!   given slots, and each token attends to its sequence's cached keys plus the chunk's own,
 //!   causally) -> logits of the rows asked for.
@@ -19,35 +20,44 @@
 //! this end to end.
 //!
 //! The layer pieces are the learner's own ([`crate::layers`]): the weights as tensors
-//! ([`ModelWeights`]), the q/k/v projections with RoPE ([`layers::project_qkv`]), the output
-//! projection with its residual ([`layers::attn_output`]) and the FFN half
-//! ([`layers::ffn_block`]); only the attention itself differs (the paged cache instead of the
-//! packed batch), so the engine and the learner compute a token's activations with the same code.
+//! ([`ModelWeights`]), the norm, q/k/v projections and RoPE ([`layers::qkv`]), the output
+//! projection with its residual ([`layers::attn_output`]), the FFN half
+//! ([`layers::ffn_block`]) and the head ([`layers::head`]); only the attention itself differs
+//! (the paged cache instead of the packed batch), so the engine and the learner compute a
+//! token's activations with the same code and round to bf16 at the same points. In bf16 the
+//! cache holds k and v exactly as the learner's attention takes them (bf16, rounded after
+//! RoPE), and the paged kernels widen them to f32 as the training kernel does.
 
 use crate::arena::Arena;
 use crate::config::ModelConfig;
 use crate::layers::{self, Dims, LayerWeights, ModelWeights};
 use crate::layout::Layout;
+use crate::precision::Precision;
 use sluice_kernels::ops::embedding::embedding;
+use sluice_kernels::ops::optim::cast_bf16_into;
 use sluice_kernels::ops::paged_attention::{kv_append, paged_attention, paged_prefill};
-use sluice_kernels::ops::rmsnorm::rmsnorm;
 use sluice_kernels::{Backend, DType, Error, Result, Tensor};
 
-/// The model's weights as F32 tensors on one backend, and the version they are.
+/// The model's weights as tensors on one backend, in the engine's precision, and the version
+/// they are.
 pub struct InferWeights {
     pub config: ModelConfig,
     pub version: u64,
+    pub precision: Precision,
     pub weights: ModelWeights,
 }
 
 impl InferWeights {
-    /// Copies every view of `arena` (F32 or BF16, on any device) to `backend` as F32 tensors
-    /// of the view's shape.
+    /// Every view of `arena` (F32 or BF16, on any device) as a tensor on `backend`, in
+    /// `precision`: f32 takes F32 weights (a BF16 arena is widened exactly); bf16 takes the
+    /// bf16 compute copy as it is, or rounds F32 master weights to bf16 (nearest even, the
+    /// `cast_bf16` op: the same bits as the learner's compute copy of those weights).
     pub fn from_arena(
         backend: &Backend,
         config: &ModelConfig,
         arena: &Arena,
         version: u64,
+        precision: Precision,
     ) -> Result<InferWeights> {
         config.validate()?;
         let expected = Layout::new(config)?;
@@ -56,22 +66,35 @@ impl InferWeights {
                 "InferWeights: the arena's layout is not the layout of the model config".into(),
             ));
         }
-        // The views are copied out as tensors; an arena that is not F32 on the engine's device
-        // is first cast / moved there whole (one copy, not one per view).
-        let weights = if arena.dtype() == DType::F32 && arena.tensor().is_on(backend.device()) {
-            ModelWeights::from_arena(backend, arena)?
-        } else {
-            ModelWeights::from_arena(backend, &arena.cast_copy(backend, DType::F32)?)?
-        };
+        let converted = compute_arena(backend, arena, precision.dtype())?;
+        let weights = ModelWeights::from_arena(backend, converted.as_ref().unwrap_or(arena))?;
         Ok(InferWeights {
             config: config.clone(),
             version,
+            precision,
             weights,
         })
     }
 }
 
-/// The paged K/V caches: per layer K and V of shape [NB, BS, Hkv, D], F32.
+/// `arena` in `dtype` on `backend`: None when it already is (use it as it is: the views are
+/// copied out next), the `cast_bf16` op's copy for F32 on the same device, else a converted
+/// upload.
+fn compute_arena(backend: &Backend, arena: &Arena, dtype: DType) -> Result<Option<Arena>> {
+    let here = arena.tensor().is_on(backend.device());
+    if here && arena.dtype() == dtype {
+        return Ok(None);
+    }
+    if here && arena.dtype() == DType::F32 && dtype == DType::BF16 {
+        let mut c = Arena::zeros(backend, arena.layout().clone(), DType::BF16)?;
+        cast_bf16_into(backend, arena.tensor(), c.tensor_mut())?;
+        return Ok(Some(c));
+    }
+    Ok(Some(arena.cast_copy(backend, dtype)?))
+}
+
+/// The paged K/V caches: per layer K and V of shape [NB, BS, Hkv, D], in the engine's
+/// precision (F32, or BF16: half the bytes per token).
 pub struct KvCache {
     pub k: Vec<Tensor>,
     pub v: Vec<Tensor>,
@@ -81,12 +104,14 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// Zeroed caches of `num_blocks` blocks of `block_size` slots for every layer of `config`.
+    /// Zeroed caches of `num_blocks` blocks of `block_size` slots of `dtype` (F32 or BF16) for
+    /// every layer of `config`.
     pub fn new(
         backend: &Backend,
         config: &ModelConfig,
         num_blocks: usize,
         block_size: usize,
+        dtype: DType,
     ) -> Result<KvCache> {
         if num_blocks == 0 || block_size == 0 {
             return Err(Error::param(
@@ -94,12 +119,18 @@ impl KvCache {
                 format!("num_blocks {num_blocks} and block_size {block_size} must be >= 1"),
             ));
         }
+        if !dtype.is_float() {
+            return Err(Error::param(
+                "kv_cache",
+                format!("the cache holds F32 or BF16, not {dtype}"),
+            ));
+        }
         let shape = [num_blocks, block_size, config.n_kv_heads, config.head_dim];
         let mut k = Vec::with_capacity(config.n_layers);
         let mut v = Vec::with_capacity(config.n_layers);
         for _ in 0..config.n_layers {
-            k.push(Tensor::zeros(backend, &shape, DType::F32)?);
-            v.push(Tensor::zeros(backend, &shape, DType::F32)?);
+            k.push(Tensor::zeros(backend, &shape, dtype)?);
+            v.push(Tensor::zeros(backend, &shape, dtype)?);
         }
         Ok(KvCache {
             k,
@@ -108,6 +139,39 @@ impl KvCache {
             block_size,
             row: config.n_kv_heads * config.head_dim,
         })
+    }
+
+    /// Bytes of one block in every layer's K and V cache: 2 * n_layers * block_size * Hkv * D
+    /// elements of `dtype`.
+    pub fn block_bytes(config: &ModelConfig, dtype: DType, block_size: usize) -> usize {
+        2 * config.n_layers * block_size * config.kv_dim() * dtype.size_bytes()
+    }
+
+    /// The blocks a pool of `bytes` holds (whole blocks; what is left over is not allocated).
+    /// Err, naming `kv_bytes`, when not even one block fits.
+    pub fn blocks_for_bytes(
+        config: &ModelConfig,
+        dtype: DType,
+        block_size: usize,
+        bytes: usize,
+    ) -> Result<usize> {
+        let per = Self::block_bytes(config, dtype, block_size);
+        if block_size == 0 || per == 0 {
+            return Err(Error::param("block_size", "must be >= 1"));
+        }
+        let n = bytes / per;
+        if n == 0 {
+            return Err(Error::param(
+                "kv_bytes",
+                format!(
+                    "{bytes} bytes hold no block: one block of {block_size} slots is {per} bytes \
+                     in {dtype} for this model ({} layers, K and V of {} values per slot)",
+                    config.n_layers,
+                    config.kv_dim()
+                ),
+            ));
+        }
+        Ok(n)
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -122,13 +186,24 @@ impl KvCache {
         self.k.len()
     }
 
+    /// The caches' dtype.
+    pub fn dtype(&self) -> DType {
+        self.k.first().map_or(DType::F32, |t| t.dtype())
+    }
+
+    /// Bytes of every layer's K and V caches.
+    pub fn bytes(&self) -> usize {
+        self.k.iter().chain(&self.v).map(|t| t.len_bytes()).sum()
+    }
+
     /// Values of one slot row (Hkv * D).
     pub fn row_len(&self) -> usize {
         self.row
     }
 
     /// Reads the K and V rows of `slots` in every layer: per layer ([n, Hkv*D], [n, Hkv*D]) as
-    /// F32 tensors on `backend` (a gather through the embedding op, an exact copy).
+    /// tensors of the caches' dtype on `backend` (an exact copy: a gather through the embedding
+    /// op, whose f32 rows a BF16 cache's values survive unchanged on the way back to BF16).
     pub fn gather(&mut self, backend: &Backend, slots: &[i32]) -> Result<Vec<(Tensor, Tensor)>> {
         let idx = Tensor::from_slice(backend, &[slots.len()], slots)?;
         let n_slots = self.num_blocks * self.block_size;
@@ -138,16 +213,43 @@ impl KvCache {
             self.row / self.k_head_dim(),
             self.k_head_dim(),
         ];
+        let dtype = self.dtype();
         let mut out = Vec::with_capacity(self.layers());
+        if let (Backend::Cpu, DType::BF16) = (backend, dtype) {
+            // The embedding reference would widen the whole cache to f32 on every call; the
+            // rows are copied as they are instead (the same values).
+            if let Some(&bad) = slots.iter().find(|&&s| s < 0 || s as usize >= n_slots) {
+                return Err(Error::Invalid(format!(
+                    "KvCache::gather: slot {bad} is not a slot of the cache (0..{n_slots})"
+                )));
+            }
+            let rows = |t: &Tensor| -> Result<Tensor> {
+                let data = t.host_slice::<half::bf16>()?;
+                let mut v = Vec::with_capacity(slots.len() * self.row);
+                for &s in slots {
+                    let s = s as usize;
+                    v.extend_from_slice(&data[s * self.row..(s + 1) * self.row]);
+                }
+                Tensor::from_slice(backend, &[slots.len(), self.row], &v)
+            };
+            for l in 0..self.layers() {
+                out.push((rows(&self.k[l])?, rows(&self.v[l])?));
+            }
+            return Ok(out);
+        }
         for l in 0..self.layers() {
             let k = gather_rows(backend, &mut self.k[l], &idx, [n_slots, self.row], shape4)?;
             let v = gather_rows(backend, &mut self.v[l], &idx, [n_slots, self.row], shape4)?;
-            out.push((k, v));
+            out.push((
+                layers::into_dtype(backend, k, dtype)?,
+                layers::into_dtype(backend, v, dtype)?,
+            ));
         }
         Ok(out)
     }
 
-    /// Writes per-layer K/V rows ([n, Hkv*D] each, as from [`KvCache::gather`]) into `slots`.
+    /// Writes per-layer K/V rows ([n, Hkv*D] each in the caches' dtype, as from
+    /// [`KvCache::gather`]) into `slots`.
     pub fn scatter(
         &mut self,
         backend: &Backend,
@@ -210,7 +312,7 @@ fn gather_rows(
     flat: [usize; 2],
     shape4: [usize; 4],
 ) -> Result<Tensor> {
-    let placeholder = Tensor::zeros(backend, &[0], DType::F32)?;
+    let placeholder = Tensor::zeros(backend, &[0], cache.dtype())?;
     let whole = std::mem::replace(cache, placeholder).reshape(&flat)?;
     let rows = embedding(backend, &whole, idx);
     *cache = whole.reshape(&shape4)?;
@@ -280,8 +382,7 @@ pub fn attention_block(
     attn: &AttnInputs<'_>,
 ) -> Result<Tensor> {
     let t = x.shape()[0];
-    let h1 = rmsnorm(backend, x, &lw.attn.norm, dims.norm_eps)?;
-    let (q, k, v) = layers::project_qkv(backend, dims, &lw.attn, &h1, positions)?;
+    let layers::Qkv { q, k, v, .. } = layers::qkv(backend, dims, &lw.attn, x, positions)?;
     kv_append(backend, &k, &v, slots, k_cache, v_cache)?;
     let o = match attn {
         AttnInputs::Prefill {
@@ -345,14 +446,14 @@ pub fn lm_head_rows(
     rows: &[i32],
 ) -> Result<Tensor> {
     let all = rows.len() == x.shape()[0] && rows.iter().enumerate().all(|(i, &r)| r as usize == i);
-    let hf = if all {
-        rmsnorm(backend, x, &w.final_norm, dims.norm_eps)?
+    let (_, logits) = if all {
+        layers::head(backend, dims, &w.final_norm, &w.lm_head, x)?
     } else {
         let idx = Tensor::from_slice(backend, &[rows.len()], rows)?;
         let picked = embedding(backend, x, &idx)?;
-        rmsnorm(backend, &picked, &w.final_norm, dims.norm_eps)?
+        layers::head(backend, dims, &w.final_norm, &w.lm_head, &picked)?
     };
-    layers::linear(backend, &hf, &w.lm_head)
+    Ok(logits)
 }
 
 fn check_tokens(cfg: &ModelConfig, tokens: &[i32]) -> Result<()> {

@@ -10,11 +10,21 @@
 //! same code.
 //!
 //! Shapes: T packed tokens, d = d_model, H query heads, Hkv KV heads, D = head_dim, f the hidden
-//! width of an FFN, E experts, V the vocabulary. Activations are F32 `[T, ...]`, row-major.
+//! width of an FFN, E experts, V the vocabulary. Activations are F32 `[T, ...]`, row-major,
+//! except the GEMM inputs kept for the backward, which are in the GEMM dtype.
 //!
 //! Linear layers are `y = x W^T` (W `[out, in]`, the kernels' GEMM form). The backward's other
 //! two forms go through the elementwise transpose (a copy, so no rounding is added):
 //! `dX = dY W` is `gemm(dY, W^T)` and `dW = dY^T X` is `gemm(dY^T, X^T)`.
+//!
+//! Precision (docs/model.md, "Precision and rounding points"): a GEMM runs in the dtype of its
+//! weight, and its activation operand is rounded to that dtype at the GEMM's input
+//! ([`as_dtype`]). With F32 weights nothing is rounded. With the BF16 compute copy
+//! ([`ModelWeights::from_arena`] of a BF16 arena) every GEMM operand is bf16 with f32
+//! accumulation, q/k/v are rounded to bf16 after RoPE (the attention inputs, and what the
+//! engine's KV cache holds), and the norm scales are widened to f32 (exactly), so norms,
+//! softmax statistics, the residual stream and every output stay f32. The casts are
+//! elementwise, so batch invariance is kept.
 //!
 //! Every op has a fixed summation order, so results are bit-identical run to run, and every op
 //! of the forward works row by row (a token's row does not depend on the other rows or on T), so
@@ -31,10 +41,11 @@ use sluice_kernels::ops::gemm::gemm;
 use sluice_kernels::ops::moe::{
     moe_backward_saved, moe_forward_saved, MoeConfig, MoeSaved, ScoreFn as MoeScoreFn,
 };
+use sluice_kernels::ops::optim::cast_bf16_into;
 use sluice_kernels::ops::rmsnorm::{rmsnorm, rmsnorm_backward};
 use sluice_kernels::ops::rope::{rope, rope_backward};
 use sluice_kernels::ops::swiglu::{swiglu, swiglu_backward};
-use sluice_kernels::{Backend, Error, Result, Tensor};
+use sluice_kernels::{Backend, DType, Error, Result, Tensor};
 
 // ---------------------------------------------------------------------------------------------
 // Sizes, weights, batch inputs.
@@ -133,9 +144,13 @@ pub struct ModelWeights {
 }
 
 impl ModelWeights {
-    /// Every view of `arena` as a tensor on `backend` (one copy of the arena).
+    /// Every view of `arena` as a tensor on `backend` (one copy of the arena), in the arena's
+    /// dtype: F32 weights compute in f32; a BF16 arena (the bf16 compute copy) gives BF16
+    /// matrices (bf16 GEMMs), a BF16 embedding table (its lookup widens to f32) and the RMSNorm
+    /// scales widened to F32 exactly (norms compute in f32).
     pub fn from_arena(backend: &Backend, arena: &Arena) -> Result<ModelWeights> {
         let view = |i: usize| arena.view_tensor(backend, i);
+        let norm = |i: usize| widen_to_f32(backend, view(i)?);
         let swiglu = |(w1, w3, w2): (usize, usize, usize)| -> Result<SwigluWeights> {
             Ok(SwigluWeights {
                 w1: view(w1)?,
@@ -164,20 +179,20 @@ impl ModelWeights {
             };
             layers.push(LayerWeights {
                 attn: AttnWeights {
-                    norm: view(lv.attn_norm)?,
+                    norm: norm(lv.attn_norm)?,
                     wq: view(lv.wq)?,
                     wk: view(lv.wk)?,
                     wv: view(lv.wv)?,
                     wo: view(lv.wo)?,
                 },
-                ffn_norm: view(lv.ffn_norm)?,
+                ffn_norm: norm(lv.ffn_norm)?,
                 ffn,
             });
         }
         Ok(ModelWeights {
             embed: view(layout.embed())?,
             layers,
-            final_norm: view(layout.final_norm())?,
+            final_norm: norm(layout.final_norm())?,
             lm_head: view(layout.lm_head())?,
         })
     }
@@ -286,22 +301,92 @@ impl BatchTensors {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Linear layers.
+// Dtypes: the rounding points.
+
+/// A GEMM operand: the caller's tensor as it is, or a rounded copy.
+pub enum Operand<'a> {
+    Borrowed(&'a Tensor),
+    Owned(Tensor),
+}
+
+impl std::ops::Deref for Operand<'_> {
+    type Target = Tensor;
+    fn deref(&self) -> &Tensor {
+        match self {
+            Operand::Borrowed(t) => t,
+            Operand::Owned(t) => t,
+        }
+    }
+}
+
+/// `t` as an operand of dtype `dtype`: itself when it has that dtype, else (F32 to BF16) a copy
+/// rounded to nearest even by the `cast_bf16` op on `backend` (the device kernel on emu and
+/// cuda, its reference on cpu). This is the rounding point at every bf16 GEMM input.
+pub fn as_dtype<'a>(backend: &Backend, t: &'a Tensor, dtype: DType) -> Result<Operand<'a>> {
+    if t.dtype() == dtype {
+        return Ok(Operand::Borrowed(t));
+    }
+    Ok(Operand::Owned(round_to(backend, t, dtype)?))
+}
+
+/// [`as_dtype`] for an owned tensor: `t` itself, or its rounded copy.
+pub fn into_dtype(backend: &Backend, t: Tensor, dtype: DType) -> Result<Tensor> {
+    if t.dtype() == dtype {
+        return Ok(t);
+    }
+    round_to(backend, &t, dtype)
+}
+
+fn round_to(backend: &Backend, t: &Tensor, dtype: DType) -> Result<Tensor> {
+    if t.dtype() != DType::F32 || dtype != DType::BF16 {
+        return Err(Error::Invalid(format!(
+            "internal: a {} activation cannot become a {dtype} GEMM operand (only F32 is \
+             rounded to BF16)",
+            t.dtype()
+        )));
+    }
+    let mut out = Tensor::zeros(backend, t.shape(), DType::BF16)?;
+    cast_bf16_into(backend, t, &mut out)?;
+    Ok(out)
+}
+
+/// A BF16 vector widened to F32 exactly (an F32 one as it is): the norm scales of the bf16
+/// compute copy, for the f32 RMSNorm. On every device the embedding lookup of row 0 of the
+/// vector seen as a `[1, n]` table, which copies (and widens) it on the device.
+fn widen_to_f32(backend: &Backend, t: Tensor) -> Result<Tensor> {
+    if t.dtype() == DType::F32 {
+        return Ok(t);
+    }
+    let shape = t.shape().to_vec();
+    let n = t.numel();
+    let row0 = Tensor::from_slice(backend, &[1], &[0i32])?;
+    embedding(backend, &t.reshape(&[1, n])?, &row0)?.reshape(&shape)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Linear layers. Each GEMM runs in the dtype of its weight (or, for the weight gradient, of the
+// saved input); the activation or gradient operand is rounded to it at the input.
 
 /// y[T, n] = x[T, k] w[n, k]^T.
 pub fn linear(backend: &Backend, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    gemm(backend, x, w)
+    gemm(backend, &*as_dtype(backend, x, w.dtype())?, w)
 }
 
 /// dx[T, k] = dy[T, n] w[n, k]: the input gradient of [`linear`].
 pub fn linear_dx(backend: &Backend, dy: &Tensor, w: &Tensor) -> Result<Tensor> {
-    gemm(backend, dy, &transpose(backend, w)?)
+    gemm(
+        backend,
+        &*as_dtype(backend, dy, w.dtype())?,
+        &transpose(backend, w)?,
+    )
 }
 
-/// dw[n, k] = dy[T, n]^T x[T, k], given `x_t` = x^T `[k, T]` (transposed once by the caller
-/// when several weights share the input): the weight gradient of [`linear`].
+/// dw[n, k] = dy[T, n]^T x[T, k], given `x_t` = x^T `[k, T]` (the forward's GEMM input,
+/// transposed once by the caller when several weights share it): the weight gradient of
+/// [`linear`].
 pub fn linear_dw(backend: &Backend, dy: &Tensor, x_t: &Tensor) -> Result<Tensor> {
-    gemm(backend, &transpose(backend, dy)?, x_t)
+    let dy = as_dtype(backend, dy, x_t.dtype())?;
+    gemm(backend, &transpose(backend, &dy)?, x_t)
 }
 
 /// The rows of a 2-D or 3-D tensor.
@@ -312,8 +397,9 @@ fn rows(t: &Tensor) -> usize {
 // ---------------------------------------------------------------------------------------------
 // Attention half: x_mid = x + attention(rope(rmsnorm(x) W_{q,k,v}^T)) wo^T.
 
-/// The attention inputs of a layer: `h = rmsnorm(x)`, and q `[T,H,D]`, k, v `[T,Hkv,D]` with
-/// RoPE applied to q and k.
+/// The attention inputs of a layer: `h = rmsnorm(x)` in the GEMM dtype (the q/k/v projections'
+/// input, kept for their weight gradients), and q `[T,H,D]`, k, v `[T,Hkv,D]` with RoPE applied
+/// to q and k, in the weights' dtype (bf16-rounded in bf16 precision).
 pub struct Qkv {
     pub h: Tensor,
     pub q: Tensor,
@@ -330,13 +416,15 @@ pub fn qkv(
     positions: &Tensor,
 ) -> Result<Qkv> {
     let h = rmsnorm(backend, x, &w.norm, dims.norm_eps)?;
+    let h = into_dtype(backend, h, w.wq.dtype())?;
     let (q, k, v) = project_qkv(backend, dims, w, &h, positions)?;
     Ok(Qkv { h, q, k, v })
 }
 
 /// The q/k/v projections of the normalised input h `[T, d]` and RoPE at `positions [T]` (I32):
 /// q `[T,H,D]`, k and v `[T,Hkv,D]` (what a paged-KV engine appends to its cache and attends
-/// with).
+/// with), in the weights' dtype: RoPE runs in f32 on the f32 GEMM outputs, then q, k and v are
+/// rounded to bf16 when the weights are bf16.
 pub fn project_qkv(
     backend: &Backend,
     dims: &Dims,
@@ -346,16 +434,22 @@ pub fn project_qkv(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let t = rows(h);
     let (hq, hkv, hd) = (dims.n_heads, dims.n_kv_heads, dims.head_dim);
-    let q = linear(backend, h, &w.wq)?.reshape(&[t, hq, hd])?;
-    let k = linear(backend, h, &w.wk)?.reshape(&[t, hkv, hd])?;
-    let v = linear(backend, h, &w.wv)?.reshape(&[t, hkv, hd])?;
+    let dtype = w.wq.dtype();
+    let h = as_dtype(backend, h, dtype)?;
+    let q = linear(backend, &h, &w.wq)?.reshape(&[t, hq, hd])?;
+    let k = linear(backend, &h, &w.wk)?.reshape(&[t, hkv, hd])?;
+    let v = linear(backend, &h, &w.wv)?.reshape(&[t, hkv, hd])?;
     let q = rope(backend, &q, positions, dims.rope_theta)?;
     let k = rope(backend, &k, positions, dims.rope_theta)?;
-    Ok((q, k, v))
+    Ok((
+        into_dtype(backend, q, dtype)?,
+        into_dtype(backend, k, dtype)?,
+        into_dtype(backend, v, dtype)?,
+    ))
 }
 
-/// Causal varlen attention over a packed batch: the output `[T, H*D]` and its log-sum-exp
-/// `[T, H]` (the backward's saved state).
+/// Causal varlen attention over a packed batch: the output `[T, H*D]` (F32) and its
+/// log-sum-exp `[T, H]` (the backward's saved state).
 pub fn attention(
     backend: &Backend,
     dims: &Dims,
@@ -384,7 +478,7 @@ pub fn attn_output(backend: &Backend, w: &AttnWeights, x: &Tensor, out: &Tensor)
 pub struct AttnSaved {
     pub x: Tensor,
     pub qkv: Qkv,
-    /// The attention output `[T, H*D]` and its log-sum-exp `[T, H]`.
+    /// The attention output `[T, H*D]` (F32) and its log-sum-exp `[T, H]`.
     pub out: Tensor,
     pub lse: Tensor,
 }
@@ -417,9 +511,15 @@ pub fn attn_block_backward(
     let Qkv { h, q, k, v } = qkv;
     let t = rows(&x);
     let (hq, hkv, hd) = (dims.n_heads, dims.n_kv_heads, dims.head_dim);
-    // Output projection.
-    let dwo = linear_dw(backend, &dx_mid, &transpose(backend, &out)?)?;
-    let dout = linear_dx(backend, &dx_mid, &w.wo)?.reshape(&[t, hq, hd])?;
+    let dtype = w.wo.dtype();
+    // Output projection (dx_mid rounded once for both of its GEMMs; the output rounded as the
+    // forward rounded it).
+    let dxm = as_dtype(backend, &dx_mid, dtype)?;
+    let out_t = transpose(backend, &*as_dtype(backend, &out, dtype)?)?;
+    let dwo = linear_dw(backend, &dxm, &out_t)?;
+    drop(out_t);
+    let dout = linear_dx(backend, &dxm, &w.wo)?.reshape(&[t, hq, hd])?;
+    drop(dxm);
     let out = out.reshape(&[t, hq, hd])?;
     // Attention, then RoPE.
     let g = attention_backward_saved(
@@ -438,8 +538,14 @@ pub fn attn_block_backward(
     let dq = rope_backward(backend, &g.dq, &batch.positions, theta)?.reshape(&[t, hq * hd])?;
     let dk = rope_backward(backend, &g.dk, &batch.positions, theta)?.reshape(&[t, hkv * hd])?;
     let dv = g.dv.reshape(&[t, hkv * hd])?;
-    // q/k/v projections: one transpose of h serves all three weight gradients.
+    // q/k/v projections: one transpose of h serves all three weight gradients; each gradient
+    // is rounded once for its two GEMMs.
     let h_t = transpose(backend, &h)?;
+    let (dq, dk, dv) = (
+        into_dtype(backend, dq, dtype)?,
+        into_dtype(backend, dk, dtype)?,
+        into_dtype(backend, dv, dtype)?,
+    );
     let dwq = linear_dw(backend, &dq, &h_t)?;
     let dwk = linear_dw(backend, &dk, &h_t)?;
     let dwv = linear_dw(backend, &dv, &h_t)?;
@@ -467,7 +573,8 @@ pub fn attn_block_backward(
 // ---------------------------------------------------------------------------------------------
 // FFN half: x_out = x_mid + ffn(rmsnorm(x_mid)).
 
-/// What a SwiGLU FFN's backward needs: u = h w1^T, g = h w3^T, s = silu(u) * g (all [T, f]).
+/// What a SwiGLU FFN's backward needs: u = h w1^T, g = h w3^T (both [T, f], F32) and
+/// s = silu(u) * g in the GEMM dtype (the input of w2, kept for its weight gradient).
 pub struct SwigluSaved {
     pub u: Tensor,
     pub g: Tensor,
@@ -480,14 +587,16 @@ pub fn swiglu_ffn(
     w: &SwigluWeights,
     h: &Tensor,
 ) -> Result<(SwigluSaved, Tensor)> {
-    let u = linear(backend, h, &w.w1)?;
-    let g = linear(backend, h, &w.w3)?;
-    let s = swiglu(backend, &u, &g)?;
+    let h = as_dtype(backend, h, w.w1.dtype())?;
+    let u = linear(backend, &h, &w.w1)?;
+    let g = linear(backend, &h, &w.w3)?;
+    let s = into_dtype(backend, swiglu(backend, &u, &g)?, w.w2.dtype())?;
     let y = linear(backend, &s, &w.w2)?;
     Ok((SwigluSaved { u, g, s }, y))
 }
 
-/// The backward of [`swiglu_ffn`] given `h_t` = h^T `[d, T]`: returns dh and the gradients.
+/// The backward of [`swiglu_ffn`] given `h_t` = h^T `[d, T]` (h in the GEMM dtype): returns dh
+/// and the gradients.
 pub fn swiglu_ffn_backward(
     backend: &Backend,
     w: &SwigluWeights,
@@ -496,9 +605,15 @@ pub fn swiglu_ffn_backward(
     dy: &Tensor,
 ) -> Result<(Tensor, SwigluWeights)> {
     let SwigluSaved { u, g, s } = saved;
-    let dw2 = linear_dw(backend, dy, &transpose(backend, &s)?)?;
-    let ds = linear_dx(backend, dy, &w.w2)?;
+    let dtype = w.w2.dtype();
+    let dy = as_dtype(backend, dy, dtype)?;
+    let dw2 = linear_dw(backend, &dy, &transpose(backend, &s)?)?;
+    let ds = linear_dx(backend, &dy, &w.w2)?;
     let (du, dg) = swiglu_backward(backend, &u, &g, &ds)?;
+    let (du, dg) = (
+        into_dtype(backend, du, dtype)?,
+        into_dtype(backend, dg, dtype)?,
+    );
     let dw1 = linear_dw(backend, &du, h_t)?;
     let dw3 = linear_dw(backend, &dg, h_t)?;
     let dh = residual_add(
@@ -525,19 +640,22 @@ pub struct MoeFfnSaved {
 }
 
 /// The routed experts (the moe family: router, top-k gates, stable expert sort, grouped SwiGLU,
-/// combine) plus the shared expert when there is one.
+/// combine) plus the shared expert when there is one. `h` in the GEMM dtype (the moe op takes
+/// its input in the experts' dtype: with bf16 weights it runs the router in f32 on h widened
+/// exactly and the expert GEMMs in bf16, the hidden state rounded to bf16 before W2).
 pub fn moe_ffn(
     backend: &Backend,
     dims: &Dims,
     w: &MoeWeights,
     h: &Tensor,
 ) -> Result<(MoeFfnSaved, Tensor)> {
+    let h = as_dtype(backend, h, w.w1.dtype())?;
     let (out, routed_saved) =
-        moe_forward_saved(backend, h, &w.router, &w.w1, &w.w3, &w.w2, dims.moe)?;
+        moe_forward_saved(backend, &h, &w.router, &w.w1, &w.w3, &w.w2, dims.moe)?;
     let routed = out.y;
     match &w.shared {
         Some(sw) => {
-            let (saved, ys) = swiglu_ffn(backend, sw, h)?;
+            let (saved, ys) = swiglu_ffn(backend, sw, &h)?;
             let y = residual_add(backend, &routed, &ys)?;
             Ok((
                 MoeFfnSaved {
@@ -569,8 +687,9 @@ pub fn moe_ffn_backward(
     dy: &Tensor,
 ) -> Result<(Tensor, MoeWeights)> {
     let MoeFfnSaved { shared, routed } = saved;
+    let h = as_dtype(backend, h, w.w1.dtype())?;
     let g = moe_backward_saved(
-        backend, h, &w.router, &w.w1, &w.w3, &w.w2, dy, dims.moe, routed,
+        backend, &h, &w.router, &w.w1, &w.w3, &w.w2, dy, dims.moe, routed,
     )?;
     let (dh, shared_grads) = match (&w.shared, shared, h_t) {
         (Some(sw), Some(saved), Some(h_t)) => {
@@ -603,6 +722,16 @@ pub enum FfnSaved {
     Moe(MoeFfnSaved),
 }
 
+impl FfnWeights {
+    /// The dtype of the FFN's GEMMs (its weights').
+    pub fn dtype(&self) -> DType {
+        match self {
+            FfnWeights::Dense(s) => s.w1.dtype(),
+            FfnWeights::Moe(m) => m.w1.dtype(),
+        }
+    }
+}
+
 /// A layer's FFN (dense or MoE) on h = rmsnorm(x_mid) `[T, d]`.
 pub fn ffn(
     backend: &Backend,
@@ -622,7 +751,8 @@ pub fn ffn(
     }
 }
 
-/// The backward of [`ffn`]: returns dh and the FFN's gradients.
+/// The backward of [`ffn`]: returns dh and the FFN's gradients. `h` is the forward's input in
+/// the GEMM dtype.
 pub fn ffn_backward(
     backend: &Backend,
     dims: &Dims,
@@ -633,13 +763,13 @@ pub fn ffn_backward(
 ) -> Result<(Tensor, FfnWeights)> {
     match (w, saved) {
         (FfnWeights::Dense(sw), FfnSaved::Dense(saved)) => {
-            let h_t = transpose(backend, h)?;
+            let h_t = transpose(backend, &*as_dtype(backend, h, sw.w1.dtype())?)?;
             let (dh, g) = swiglu_ffn_backward(backend, sw, &h_t, saved, dy)?;
             Ok((dh, FfnWeights::Dense(g)))
         }
         (FfnWeights::Moe(mw), FfnSaved::Moe(saved)) => {
             let h_t = match saved.shared {
-                Some(_) => Some(transpose(backend, h)?),
+                Some(_) => Some(transpose(backend, &*as_dtype(backend, h, mw.w1.dtype())?)?),
                 None => None,
             };
             let (dh, g) = moe_ffn_backward(backend, dims, mw, h, h_t.as_ref(), saved, dy)?;
@@ -653,7 +783,7 @@ pub fn ffn_backward(
 
 /// What the FFN half's backward needs.
 pub struct FfnBlockSaved {
-    /// The half's input x_mid and h = rmsnorm(x_mid).
+    /// The half's input x_mid, and h = rmsnorm(x_mid) in the GEMM dtype.
     pub x: Tensor,
     pub h: Tensor,
     pub ffn: FfnSaved,
@@ -668,6 +798,7 @@ pub fn ffn_block(
     x: Tensor,
 ) -> Result<(FfnBlockSaved, Tensor)> {
     let h = rmsnorm(backend, &x, norm, dims.norm_eps)?;
+    let h = into_dtype(backend, h, w.dtype())?;
     let (saved, y) = ffn(backend, dims, w, &h)?;
     let x_out = residual_add(backend, &x, &y)?;
     Ok((FfnBlockSaved { x, h, ffn: saved }, x_out))
@@ -734,7 +865,8 @@ pub fn layer_backward(
     ))
 }
 
-/// The token embedding: rows of `table [V, d]` at `tokens [T]` (I32).
+/// The token embedding: rows of `table [V, d]` at `tokens [T]` (I32), as F32 (a BF16 table's
+/// rows widened exactly).
 pub fn embed(backend: &Backend, table: &Tensor, tokens: &Tensor) -> Result<Tensor> {
     embedding(backend, table, tokens)
 }
@@ -749,7 +881,8 @@ pub fn embed_backward(
     embedding_backward(backend, dx, tokens, dims.vocab)
 }
 
-/// The final RMSNorm and the LM head: (hf = rmsnorm(x) [T, d], logits = hf lm_head^T [T, V]).
+/// The final RMSNorm and the LM head: (hf = rmsnorm(x) [T, d] in the GEMM dtype,
+/// logits = hf lm_head^T [T, V] F32).
 pub fn head(
     backend: &Backend,
     dims: &Dims,
@@ -758,6 +891,7 @@ pub fn head(
     x: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
     let hf = rmsnorm(backend, x, final_norm, dims.norm_eps)?;
+    let hf = into_dtype(backend, hf, lm_head.dtype())?;
     let logits = linear(backend, &hf, lm_head)?;
     Ok((hf, logits))
 }
@@ -772,8 +906,10 @@ pub fn head_backward(
     hf: &Tensor,
     dlogits: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let dlm = linear_dw(backend, dlogits, &transpose(backend, hf)?)?;
-    let dhf = linear_dx(backend, dlogits, lm_head)?;
+    // d loss / d logits rounded once for both of its GEMMs.
+    let dl = as_dtype(backend, dlogits, lm_head.dtype())?;
+    let dlm = linear_dw(backend, &dl, &transpose(backend, hf)?)?;
+    let dhf = linear_dx(backend, &dl, lm_head)?;
     let (dx, dnorm) = rmsnorm_backward(backend, x, final_norm, &dhf, dims.norm_eps)?;
     Ok((dx, dnorm, dlm))
 }

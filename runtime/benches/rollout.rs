@@ -10,7 +10,7 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use sluice_kernels::Backend;
 use sluice_model::infer::token_flops;
-use sluice_model::{Model, ModelConfig};
+use sluice_model::{Model, ModelConfig, Precision};
 use sluice_runtime::engine::{Engine, EngineConfig, Request};
 use sluice_runtime::trajectory::WeightVersion;
 use std::path::Path;
@@ -28,7 +28,7 @@ fn small() -> Model {
 
 fn engine(m: &Model, max_seqs: usize, num_blocks: usize) -> Engine {
     let cfg = EngineConfig {
-        num_blocks,
+        kv_bytes: EngineConfig::kv_bytes_for_blocks(&m.config, Precision::F32, 16, num_blocks),
         block_size: 16,
         max_batch_tokens: 8192,
         max_seqs,

@@ -13,6 +13,11 @@
 //! learner's logp equals the rollout's behavior_logp bit for bit (same kernels, batch-invariant,
 //! the sampler and the loss sharing one row reduction); the learner counts them and every one
 //! whose bits differ (`zero_lag_mismatch_tokens`, expected 0).
+//!
+//! Precision: the learner computes in its model's precision ([`Model::precision`]). In bf16 the
+//! forward and backward read the bf16 compute copy, the optimizer updates the f32 master
+//! weights and refreshes the copy after every step, and a publication carries the copy: the
+//! weights the engines run on are exactly the ones the learner's logp is computed with.
 
 use crate::buffer::ReadyGroup;
 use crate::trajectory::{Sample, WeightVersion};
@@ -56,7 +61,8 @@ impl Default for LearnerConfig {
 #[derive(Clone, Debug)]
 pub struct Publication {
     pub version: WeightVersion,
-    /// The parameter arena at `version` (a copy; the learner keeps training its own).
+    /// The learner's compute weights at `version` (a copy; the learner keeps training its
+    /// own): the f32 parameters, or in bf16 the bf16 compute copy (half the bytes).
     pub params: Arc<Arena>,
 }
 
@@ -182,11 +188,13 @@ impl Learner {
         (self.backend, self.model, self.state)
     }
 
-    /// The current weights as a publication (a copy of the parameter arena).
+    /// The current weights as a publication (a copy of the compute weights: the parameter
+    /// arena in f32, the bf16 compute copy in bf16).
     pub fn publish(&self) -> Result<Publication> {
+        let w = self.model.compute_weights();
         Ok(Publication {
             version: self.version(),
-            params: Arc::new(self.model.params.cast_copy(&self.backend, DType::F32)?),
+            params: Arc::new(w.cast_copy(&self.backend, w.dtype())?),
         })
     }
 
@@ -208,6 +216,7 @@ impl Learner {
         let cfg = self.model.config.clone();
         self.state
             .load(path, &self.backend, &cfg, &mut self.model.params)?;
+        self.model.refresh_compute(&self.backend)?;
         self.steps = steps;
         Ok(())
     }
@@ -333,7 +342,7 @@ impl Learner {
             &mut self.model.params,
             &self.model.grads,
             &mut self.state,
-            None,
+            self.model.compute.as_mut(),
         )?;
         self.steps += 1;
         report.version = self.version();

@@ -726,6 +726,21 @@ impl<'a> Scheduler<'a> {
             ));
         }
         let n = parts.engines.len();
+        // Zero mismatch needs the engines to compute in the learner's precision (the same
+        // rounding points on both sides).
+        let precision = parts.learner.model().precision();
+        if let Some((i, e)) = parts
+            .engines
+            .iter()
+            .enumerate()
+            .find(|(_, e)| e.precision() != precision)
+        {
+            return Err(RunError::Config(format!(
+                "model.precision: engine replica {i} computes in {}, the learner in {precision}; \
+                 both must use the same precision",
+                e.precision()
+            )));
+        }
         cfg.sync.validate(n).map_err(RunError::Config)?;
         cfg.health.validate(n).map_err(RunError::Config)?;
         cfg.cost.validate().map_err(RunError::Config)?;
@@ -1148,7 +1163,7 @@ impl<'a> Scheduler<'a> {
                 self.inline_time += t0.elapsed();
                 let mut cost = self.cfg.cost.learner_step(tokens);
                 if work.publish {
-                    let image = (side.learner.model().params.tensor().numel() * 4) as u64;
+                    let image = side.learner.model().compute_weights().tensor().len_bytes() as u64;
                     cost = cost.plus(self.cfg.cost.publish());
                     cost = cost.plus(match self.cfg.sync.path {
                         SyncPath::InProcess => Micros(0),
@@ -1742,7 +1757,7 @@ impl<'a> Scheduler<'a> {
     }
 
     fn engine_image_bytes(&self) -> u64 {
-        (self.engine_weights.params.tensor().numel() * 4) as u64
+        self.engine_weights.params.tensor().len_bytes() as u64
     }
 
     /// A fresh engine for replica `i` from a full sync of the newest weights.

@@ -8,21 +8,29 @@ mod common;
 use common::*;
 use sluice_kernels::testing::Rng;
 use sluice_kernels::Backend;
-use sluice_model::ModelConfig;
+use sluice_model::{ModelConfig, Precision};
 use sluice_runtime::engine::replicas::Replicas;
 use sluice_runtime::engine::{
     EngineConfig, EngineError, Event, PreemptMode, Request, StopConfig, StopReason, SwapMode,
 };
 use sluice_runtime::trajectory::{SamplingParams, TerminalReason, WeightVersion};
 
-fn config(num_blocks: usize, block_size: usize, max_batch_tokens: usize) -> EngineConfig {
+/// An engine config whose pool (sized in bytes) holds `num_blocks` blocks of `model`'s f32
+/// cache.
+fn config(
+    model: &ModelConfig,
+    num_blocks: usize,
+    block_size: usize,
+    max_batch_tokens: usize,
+) -> EngineConfig {
     EngineConfig {
-        num_blocks,
+        kv_bytes: EngineConfig::kv_bytes_for_blocks(model, Precision::F32, block_size, num_blocks),
         block_size,
         max_batch_tokens,
         max_seqs: 16,
         preempt: PreemptMode::Recompute,
         swap: SwapMode::Continue,
+        precision: Precision::F32,
     }
 }
 
@@ -54,7 +62,7 @@ fn assert_same(a: &Results, b: &Results, what: &str) {
 fn reference_run() -> (sluice_model::Model, Vec<Job>, Results) {
     let m = model(ModelConfig::small(), 3, &Backend::Cpu);
     let jobs = workload(m.config.vocab, 11);
-    let mut eng = engine(&m, Backend::Cpu, config(256, 4, 48));
+    let mut eng = engine(&m, Backend::Cpu, config(&m.config, 256, 4, 48));
     let res = drive(&mut eng, &jobs, &SUBMIT, |_, _| {});
     (m, jobs, res)
 }
@@ -64,7 +72,7 @@ fn continuous_batching_equals_each_request_alone() {
     let (m, jobs, together) = reference_run();
     let mut alone = Results::new();
     for j in &jobs {
-        let mut eng = engine(&m, Backend::Cpu, config(256, 4, 48));
+        let mut eng = engine(&m, Backend::Cpu, config(&m.config, 256, 4, 48));
         alone.extend(drive(&mut eng, std::slice::from_ref(j), &[0], |_, _| {}));
     }
     assert_same(&together, &alone, "together vs alone");
@@ -74,7 +82,7 @@ fn continuous_batching_equals_each_request_alone() {
         Backend::Cpu,
         EngineConfig {
             max_seqs: 1,
-            ..config(64, 16, 3)
+            ..config(&m.config, 64, 16, 3)
         },
     );
     let res = drive(&mut eng, &jobs, &SUBMIT, |_, _| {});
@@ -99,7 +107,7 @@ fn preemption_under_a_small_pool_gives_the_unconstrained_trajectories() {
                 Backend::Cpu,
                 EngineConfig {
                     preempt: mode,
-                    ..config(blocks, 4, 48)
+                    ..config(&m.config, blocks, 4, 48)
                 },
             );
             let res = drive(&mut eng, &jobs, &SUBMIT, |_, _| {});
@@ -121,7 +129,7 @@ fn preemption_under_a_small_pool_gives_the_unconstrained_trajectories() {
 #[test]
 fn runs_are_deterministic() {
     let (m, jobs, a) = reference_run();
-    let mut eng = engine(&m, Backend::Cpu, config(256, 4, 48));
+    let mut eng = engine(&m, Backend::Cpu, config(&m.config, 256, 4, 48));
     let b = drive(&mut eng, &jobs, &SUBMIT, |_, _| {});
     assert_same(&a, &b, "two runs");
 }
@@ -132,7 +140,7 @@ fn stop_conditions() {
     let mut rng = Rng::new(5);
     let p = prompt(&mut rng, 7, m.config.vocab);
     let greedy = |stop: StopConfig, max_new: u32| {
-        let mut eng = engine(&m, Backend::Cpu, config(64, 4, 48));
+        let mut eng = engine(&m, Backend::Cpu, config(&m.config, 64, 4, 48));
         let mut r = Request::new("s", p.clone(), max_new);
         r.sampling.temperature = 0.0;
         r.stop = stop;
@@ -188,11 +196,11 @@ fn mixed_sampling_parameters_in_one_batch() {
     jobs[1].req.sampling.top_k = 5;
     jobs[2].req.sampling.top_p = 0.8;
     jobs[3].req.sampling.seed = 99;
-    let mut eng = engine(&m, Backend::Cpu, config(256, 4, 48));
+    let mut eng = engine(&m, Backend::Cpu, config(&m.config, 256, 4, 48));
     let together = drive(&mut eng, &jobs, &SUBMIT, |_, _| {});
     let mut alone = Results::new();
     for j in &jobs {
-        let mut eng = engine(&m, Backend::Cpu, config(256, 4, 48));
+        let mut eng = engine(&m, Backend::Cpu, config(&m.config, 256, 4, 48));
         alone.extend(drive(&mut eng, std::slice::from_ref(j), &[0], |_, _| {}));
     }
     assert_same(&together, &alone, "mixed parameters");
@@ -224,7 +232,7 @@ fn weight_swap_bookkeeping() {
     let m0 = model(ModelConfig::small(), 3, &Backend::Cpu);
     let m1 = model(ModelConfig::small(), 4, &Backend::Cpu);
     let tiny = model(ModelConfig::tiny(), 4, &Backend::Cpu);
-    let mut eng = engine(&m0, Backend::Cpu, config(64, 4, 48));
+    let mut eng = engine(&m0, Backend::Cpu, config(&m0.config, 64, 4, 48));
     let mut rng = Rng::new(1);
     let r = Request::new("w", prompt(&mut rng, 10, 64), 8);
     eng.submit(r.clone()).unwrap();
@@ -263,7 +271,7 @@ fn weight_swap_bookkeeping() {
 #[test]
 fn prefix_cache_is_reused_across_requests_of_one_version() {
     let m = model(ModelConfig::small(), 3, &Backend::Cpu);
-    let mut eng = engine(&m, Backend::Cpu, config(64, 4, 48));
+    let mut eng = engine(&m, Backend::Cpu, config(&m.config, 64, 4, 48));
     let mut rng = Rng::new(2);
     let r = Request::new("p", prompt(&mut rng, 21, 64), 3);
     eng.submit(r.clone()).unwrap();
@@ -283,7 +291,7 @@ fn prefix_cache_is_reused_across_requests_of_one_version() {
 fn replicas_route_by_session_and_export_counters() {
     let (m, jobs, single) = reference_run();
     let engines = (0..3)
-        .map(|_| engine(&m, Backend::Cpu, config(256, 4, 48)))
+        .map(|_| engine(&m, Backend::Cpu, config(&m.config, 256, 4, 48)))
         .collect();
     let mut reps = Replicas::new(engines).unwrap();
     let mut owner = std::collections::BTreeMap::new();
@@ -344,7 +352,7 @@ fn replicas_route_by_session_and_export_counters() {
 #[test]
 fn bad_requests_are_clear_errors() {
     let m = model(ModelConfig::small(), 3, &Backend::Cpu);
-    let mut eng = engine(&m, Backend::Cpu, config(4, 4, 48));
+    let mut eng = engine(&m, Backend::Cpu, config(&m.config, 4, 4, 48));
     let msg = |r: Request, eng: &mut sluice_runtime::engine::Engine| match eng.submit(r) {
         Err(e) => e.to_string(),
         Ok(_) => panic!("accepted"),
@@ -408,7 +416,7 @@ fn bad_requests_are_clear_errors() {
         WeightVersion(0),
         EngineConfig {
             max_seqs: 0,
-            ..config(4, 4, 4)
+            ..config(&m.config, 4, 4, 4)
         }
     )
     .is_err());
@@ -417,7 +425,7 @@ fn bad_requests_are_clear_errors() {
 #[test]
 fn multi_turn_sessions_keep_their_kv_between_turns() {
     let m = model(ModelConfig::small(), 3, &Backend::Cpu);
-    let mut eng = engine(&m, Backend::Cpu, config(64, 4, 48));
+    let mut eng = engine(&m, Backend::Cpu, config(&m.config, 64, 4, 48));
     let mut rng = Rng::new(9);
     let mut r = Request::new("mt", prompt(&mut rng, 6, 64), 3);
     r.multi_turn = true;
@@ -471,7 +479,7 @@ fn emu_preemption_and_batching_give_the_same_trajectories() {
             Backend::emu_with_seed(1),
             EngineConfig {
                 preempt: mode,
-                ..config(blocks, 4, 48)
+                ..config(&m.config, blocks, 4, 48)
             },
         );
         let res = drive(&mut eng, &jobs, &[0, 0, 1], |_, _| {});
@@ -486,4 +494,43 @@ fn emu_preemption_and_batching_give_the_same_trajectories() {
         );
         assert_same(&free, &res, &format!("emu {mode:?}"));
     }
+}
+
+/// The KV pool is sized in bytes: the same `kv_bytes` holds twice the blocks (and tokens) in
+/// bf16 as in f32, in the same cache bytes; a budget below one block is an error naming
+/// `kv_bytes`.
+#[test]
+fn kv_pool_from_a_byte_budget_holds_twice_the_tokens_in_bf16() {
+    let bytes = EngineConfig::kv_bytes_for_blocks(&ModelConfig::small(), Precision::F32, 4, 64);
+    let mut pools = Vec::new();
+    for p in [Precision::F32, Precision::Bf16] {
+        let m = model_in(ModelConfig::small(), 3, &Backend::Cpu, p);
+        let cfg = EngineConfig {
+            kv_bytes: bytes,
+            ..config(&m.config, 1, 4, 48)
+        };
+        let eng = engine(&m, Backend::Cpu, cfg);
+        assert_eq!(eng.precision(), p);
+        pools.push((eng.num_blocks(), eng.kv_cache_bytes()));
+    }
+    assert_eq!(pools[0].0, 64);
+    assert_eq!(pools[1].0, 128, "bf16 pool: {pools:?}");
+    assert_eq!(pools[0].1, pools[1].1);
+    assert!(pools[0].1 <= bytes);
+    let m = model(ModelConfig::small(), 3, &Backend::Cpu);
+    let small = EngineConfig {
+        kv_bytes: 100,
+        ..config(&m.config, 1, 4, 48)
+    };
+    let err = sluice_runtime::engine::Engine::new(
+        Backend::Cpu,
+        &m.config,
+        &m.params,
+        WeightVersion(0),
+        small,
+    )
+    .err()
+    .expect("a 100-byte pool was accepted")
+    .to_string();
+    assert!(err.contains("kv_bytes"), "{err}");
 }

@@ -4,7 +4,7 @@
 
 use sluice_kernels::{Backend, Device};
 use sluice_model::optim::OptimConfig;
-use sluice_model::{Model, ModelConfig};
+use sluice_model::{Model, ModelConfig, Precision};
 use sluice_runtime::buffer::{BufferConfig, DataBuffer, ReadyGroup};
 use sluice_runtime::clock::{ClockMode, CostModel, Micros};
 use sluice_runtime::engine::{Engine, EngineConfig};
@@ -92,7 +92,7 @@ impl Setup {
         let be = backend(self.device);
         let model = Model::new(cfg.clone(), &be).unwrap();
         let engine_cfg = EngineConfig {
-            num_blocks: 4096,
+            kv_bytes: EngineConfig::kv_bytes_for_blocks(&cfg, Precision::F32, 16, 4096),
             max_seqs: self.max_seqs,
             ..EngineConfig::default()
         };

@@ -31,18 +31,27 @@ mod common;
 
 use common::*;
 use sluice_kernels::Backend;
-use sluice_model::ModelConfig;
+use sluice_model::infer::KvCache;
+use sluice_model::{Model, ModelConfig, Precision};
 use sluice_runtime::engine::{EngineConfig, PreemptMode, SwapMode};
 use sluice_runtime::trajectory::WeightVersion;
 
-fn config(num_blocks: usize, block_size: usize, preempt: PreemptMode) -> EngineConfig {
+/// An engine config whose pool (sized in bytes) holds `num_blocks` blocks of `m`'s cache in
+/// `m`'s precision.
+fn config(m: &Model, num_blocks: usize, block_size: usize, preempt: PreemptMode) -> EngineConfig {
     EngineConfig {
-        num_blocks,
+        kv_bytes: EngineConfig::kv_bytes_for_blocks(
+            &m.config,
+            m.precision(),
+            block_size,
+            num_blocks,
+        ),
         block_size,
         max_batch_tokens: 48,
         max_seqs: 16,
         preempt,
         swap: SwapMode::Continue,
+        precision: m.precision(),
     }
 }
 
@@ -59,11 +68,18 @@ fn set_temperatures(jobs: &mut [Job], temps: &[f32]) {
     }
 }
 
-#[test]
-fn engine_logps_equal_the_learner_bit_for_bit_small() {
-    let m = model(ModelConfig::small(), 3, &Backend::Cpu);
+fn engine_logps_equal_the_learner_bit_for_bit_small(p: Precision) {
+    let m = model_in(ModelConfig::small(), 3, &Backend::Cpu, p);
     let jobs = workload(m.config.vocab, 11);
-    let mut eng = engine(&m, Backend::Cpu, config(64, 4, PreemptMode::Recompute));
+    let mut eng = engine(&m, Backend::Cpu, config(&m, 64, 4, PreemptMode::Recompute));
+    // The engine computes in the model's precision, with its KV cache in that dtype (64 blocks
+    // of 4 slots: 2 bytes a value in bf16, 4 in f32).
+    assert_eq!(eng.precision(), p);
+    assert_eq!(eng.num_blocks(), 64);
+    assert_eq!(
+        eng.kv_cache_bytes(),
+        64 * KvCache::block_bytes(&m.config, p.dtype(), 4)
+    );
     let res = drive(&mut eng, &jobs, &SUBMIT, |_, _| {});
     let st = eng.stats();
     assert!(st.kv.prefix_hit_tokens >= 32, "no prefix-cache hit: {st:?}");
@@ -75,28 +91,26 @@ fn engine_logps_equal_the_learner_bit_for_bit_small() {
     assert!(c.turns.len() >= 5, "turns {:?}", c.turns);
 }
 
-#[test]
-fn engine_logps_equal_the_learner_bit_for_bit_tiny_all_ffn_kinds() {
+fn engine_logps_equal_the_learner_bit_for_bit_tiny_all_ffn_kinds(p: Precision) {
     // tiny: dense first layer, shared expert, GQA; block size 16 and 1.
     for bs in [16, 1] {
-        let m = model(ModelConfig::tiny(), 5, &Backend::Cpu);
+        let m = model_in(ModelConfig::tiny(), 5, &Backend::Cpu, p);
         let jobs = workload(m.config.vocab, 12);
         let mut eng = engine(
             &m,
             Backend::Cpu,
-            config(2048 / bs, bs, PreemptMode::Recompute),
+            config(&m, 2048 / bs, bs, PreemptMode::Recompute),
         );
         let res = drive(&mut eng, &jobs, &SUBMIT, |_, _| {});
         assert!(assert_bit_identical(&m, &res, |_| true) > 100);
     }
 }
 
-#[test]
-fn preempted_sequences_still_match_the_learner() {
+fn preempted_sequences_still_match_the_learner(p: Precision) {
     for mode in [PreemptMode::Recompute, PreemptMode::SwapToHost] {
-        let m = model(ModelConfig::small(), 3, &Backend::Cpu);
+        let m = model_in(ModelConfig::small(), 3, &Backend::Cpu, p);
         let jobs = workload(m.config.vocab, 11);
-        let mut eng = engine(&m, Backend::Cpu, config(16, 4, mode));
+        let mut eng = engine(&m, Backend::Cpu, config(&m, 16, 4, mode));
         let res = drive(&mut eng, &jobs, &SUBMIT, |_, _| {});
         let st = eng.stats();
         assert!(
@@ -111,12 +125,11 @@ fn preempted_sequences_still_match_the_learner() {
 /// Temperatures other than 1, several in one engine batch: the sampler's log-prob is
 /// log_softmax(logits * (1/T)); the learner scales each sequence's logits by its own 1/T with the
 /// same f32 multiply and must match bit for bit.
-#[test]
-fn tempered_sampling_matches_the_learner_bit_for_bit() {
-    let m = model(ModelConfig::small(), 3, &Backend::Cpu);
+fn tempered_sampling_matches_the_learner_bit_for_bit(p: Precision) {
+    let m = model_in(ModelConfig::small(), 3, &Backend::Cpu, p);
     let mut jobs = workload(m.config.vocab, 11);
     set_temperatures(&mut jobs, &TEMPERATURES);
-    let mut eng = engine(&m, Backend::Cpu, config(64, 4, PreemptMode::Recompute));
+    let mut eng = engine(&m, Backend::Cpu, config(&m, 64, 4, PreemptMode::Recompute));
     let res = drive(&mut eng, &jobs, &SUBMIT, |_, _| {});
     let n = assert_bit_identical(&m, &res, |_| true);
     let tempered: usize = res
@@ -128,18 +141,18 @@ fn tempered_sampling_matches_the_learner_bit_for_bit() {
     assert!(tempered > 50, "only {tempered} tokens sampled at T != 1");
 }
 
-#[test]
-fn preemption_across_a_continue_swap_loses_nothing() {
+fn preemption_across_a_continue_swap_loses_nothing(p: Precision) {
     // Sequences preempted (recompute or swap to host) around a Continue swap: all finish, all
     // valid, tokens sampled before the swap match the learner at v0.
     for mode in [PreemptMode::Recompute, PreemptMode::SwapToHost] {
-        let m0 = model(ModelConfig::small(), 3, &Backend::Cpu);
-        let m1 = model(ModelConfig::small(), 4, &Backend::Cpu);
+        let m0 = model_in(ModelConfig::small(), 3, &Backend::Cpu, p);
+        let m1 = model_in(ModelConfig::small(), 4, &Backend::Cpu, p);
         let jobs = workload(m0.config.vocab, 11);
-        let mut eng = engine(&m0, Backend::Cpu, config(16, 4, mode));
+        let mut eng = engine(&m0, Backend::Cpu, config(&m0, 16, 4, mode));
         let res = drive(&mut eng, &jobs, &SUBMIT, |e, step| {
             if step == 9 {
-                e.swap_weights(&m1.params, WeightVersion(1), None).unwrap();
+                e.swap_weights(m1.compute_weights(), WeightVersion(1), None)
+                    .unwrap();
             }
         });
         let st = eng.stats();
@@ -152,16 +165,23 @@ fn preemption_across_a_continue_swap_loses_nothing() {
     }
 }
 
-#[test]
-fn swap_with_recompute_matches_the_learner_at_each_tokens_version() {
-    let m0 = model(ModelConfig::small(), 3, &Backend::Cpu);
-    let m1 = model(ModelConfig::small(), 4, &Backend::Cpu);
+fn swap_with_recompute_matches_the_learner_at_each_tokens_version(p: Precision) {
+    let m0 = model_in(ModelConfig::small(), 3, &Backend::Cpu, p);
+    let m1 = model_in(ModelConfig::small(), 4, &Backend::Cpu, p);
     let jobs = workload(m0.config.vocab, 11);
-    let mut eng = engine(&m0, Backend::Cpu, config(64, 4, PreemptMode::Recompute));
+    let mut eng = engine(
+        &m0,
+        Backend::Cpu,
+        config(&m0, 64, 4, PreemptMode::Recompute),
+    );
     let res = drive(&mut eng, &jobs, &SUBMIT, |e, step| {
         if step == 6 {
-            e.swap_weights(&m1.params, WeightVersion(1), Some(SwapMode::Recompute))
-                .unwrap();
+            e.swap_weights(
+                m1.compute_weights(),
+                WeightVersion(1),
+                Some(SwapMode::Recompute),
+            )
+            .unwrap();
         }
     });
     let before = assert_bit_identical(&m0, &res, |v| v == WeightVersion(0));
@@ -175,15 +195,19 @@ fn swap_with_recompute_matches_the_learner_at_each_tokens_version() {
     }
 }
 
-#[test]
-fn swap_with_continue_keeps_kv_and_records_the_new_version() {
-    let m0 = model(ModelConfig::small(), 3, &Backend::Cpu);
-    let m1 = model(ModelConfig::small(), 4, &Backend::Cpu);
+fn swap_with_continue_keeps_kv_and_records_the_new_version(p: Precision) {
+    let m0 = model_in(ModelConfig::small(), 3, &Backend::Cpu, p);
+    let m1 = model_in(ModelConfig::small(), 4, &Backend::Cpu, p);
     let jobs = workload(m0.config.vocab, 11);
-    let mut eng = engine(&m0, Backend::Cpu, config(64, 4, PreemptMode::Recompute));
+    let mut eng = engine(
+        &m0,
+        Backend::Cpu,
+        config(&m0, 64, 4, PreemptMode::Recompute),
+    );
     let res = drive(&mut eng, &jobs, &SUBMIT, |e, step| {
         if step == 6 {
-            e.swap_weights(&m1.params, WeightVersion(1), None).unwrap();
+            e.swap_weights(m1.compute_weights(), WeightVersion(1), None)
+                .unwrap();
         }
     });
     // Pre-swap tokens: bit-identical at v0.
@@ -203,9 +227,8 @@ fn swap_with_continue_keeps_kv_and_records_the_new_version() {
 /// one-shot recomputation on emu (a single prefill over each full sequence, then the sampler's
 /// row reduction through is_gate_loss on emu): decode vs prefill, forks, and sampler vs loss
 /// are bit-identical on the device. (Against the learner's training forward: the next test.)
-#[test]
-fn emu_engine_matches_its_full_sequence_recompute() {
-    let m = model(ModelConfig::tiny(), 5, &Backend::Cpu);
+fn emu_engine_matches_its_full_sequence_recompute(p: Precision) {
+    let m = model_in(ModelConfig::tiny(), 5, &Backend::Cpu, p);
     let mut jobs = workload(m.config.vocab, 13);
     jobs.truncate(3);
     for j in &mut jobs {
@@ -216,7 +239,7 @@ fn emu_engine_matches_its_full_sequence_recompute() {
     let mut eng = engine(
         &m,
         Backend::emu_with_seed(1),
-        config(64, 4, PreemptMode::Recompute),
+        config(&m, 64, 4, PreemptMode::Recompute),
     );
     let res = drive(&mut eng, &jobs, &[0, 0, 1], |_, _| {});
     let n = assert_full_recompute_identical(eng.backend(), &m, &res);
@@ -238,21 +261,22 @@ fn small_wide_vocab() -> ModelConfig {
 /// emu arena: every op the emulated CUDA kernel), bit for bit: the small model with V = 2050,
 /// temperatures 0.7, 1 and 1.3 mixed in the engine's batches, and the learner packing every
 /// trajectory into one batch of more than 64 rows (GEMM row tiles crossed).
-#[test]
-fn emu_engine_logps_equal_the_learner_on_emu() {
-    check_engine_against_learner(Backend::emu_with_seed(1), "emu");
+fn emu_engine_logps_equal_the_learner_on_emu(p: Precision) {
+    check_engine_against_learner(Backend::emu_with_seed(1), "emu", p);
 }
 
 /// The same on a GPU, where one exists.
 #[test]
 fn cuda_engine_logps_equal_the_learner_on_cuda() {
-    if let Some(gpu) = sluice_kernels::device::cuda_for_tests("zero_mismatch cuda") {
-        check_engine_against_learner(gpu, "cuda");
+    for p in [Precision::F32, Precision::Bf16] {
+        if let Some(gpu) = sluice_kernels::device::cuda_for_tests("zero_mismatch cuda") {
+            check_engine_against_learner(gpu, &format!("cuda {p}"), p);
+        }
     }
 }
 
-fn check_engine_against_learner(backend: Backend, what: &str) {
-    let m = model(small_wide_vocab(), 5, &backend);
+fn check_engine_against_learner(backend: Backend, what: &str, p: Precision) {
+    let m = model_in(small_wide_vocab(), 5, &backend, p);
     let mut jobs = workload(m.config.vocab, 13);
     jobs.truncate(3);
     for j in &mut jobs {
@@ -263,7 +287,7 @@ fn check_engine_against_learner(backend: Backend, what: &str) {
     // Each engine step is a whole model pass under the emulator: prompts prefilled in one step.
     let cfg = EngineConfig {
         max_batch_tokens: 128,
-        ..config(64, 4, PreemptMode::Recompute)
+        ..config(&m, 64, 4, PreemptMode::Recompute)
     };
     let mut eng = engine(&m, backend, cfg);
     let res = drive(&mut eng, &jobs, &[0, 0, 0], |_, _| {});
@@ -284,4 +308,97 @@ fn check_engine_against_learner(backend: Backend, what: &str) {
         "{what}: only {} tokens at T != 1: {c:?}",
         c.tempered_tokens
     );
+}
+
+// Every check above in f32 and in bf16 (the bf16 compute copy, bf16 GEMM operands and a bf16
+// KV cache on both sides).
+
+#[test]
+fn engine_logps_equal_the_learner_bit_for_bit_small_f32() {
+    engine_logps_equal_the_learner_bit_for_bit_small(Precision::F32);
+}
+
+#[test]
+fn engine_logps_equal_the_learner_bit_for_bit_small_bf16() {
+    engine_logps_equal_the_learner_bit_for_bit_small(Precision::Bf16);
+}
+
+#[test]
+fn engine_logps_equal_the_learner_bit_for_bit_tiny_all_ffn_kinds_f32() {
+    engine_logps_equal_the_learner_bit_for_bit_tiny_all_ffn_kinds(Precision::F32);
+}
+
+#[test]
+fn engine_logps_equal_the_learner_bit_for_bit_tiny_all_ffn_kinds_bf16() {
+    engine_logps_equal_the_learner_bit_for_bit_tiny_all_ffn_kinds(Precision::Bf16);
+}
+
+#[test]
+fn preempted_sequences_still_match_the_learner_f32() {
+    preempted_sequences_still_match_the_learner(Precision::F32);
+}
+
+#[test]
+fn preempted_sequences_still_match_the_learner_bf16() {
+    preempted_sequences_still_match_the_learner(Precision::Bf16);
+}
+
+#[test]
+fn tempered_sampling_matches_the_learner_bit_for_bit_f32() {
+    tempered_sampling_matches_the_learner_bit_for_bit(Precision::F32);
+}
+
+#[test]
+fn tempered_sampling_matches_the_learner_bit_for_bit_bf16() {
+    tempered_sampling_matches_the_learner_bit_for_bit(Precision::Bf16);
+}
+
+#[test]
+fn preemption_across_a_continue_swap_loses_nothing_f32() {
+    preemption_across_a_continue_swap_loses_nothing(Precision::F32);
+}
+
+#[test]
+fn preemption_across_a_continue_swap_loses_nothing_bf16() {
+    preemption_across_a_continue_swap_loses_nothing(Precision::Bf16);
+}
+
+#[test]
+fn swap_with_recompute_matches_the_learner_at_each_tokens_version_f32() {
+    swap_with_recompute_matches_the_learner_at_each_tokens_version(Precision::F32);
+}
+
+#[test]
+fn swap_with_recompute_matches_the_learner_at_each_tokens_version_bf16() {
+    swap_with_recompute_matches_the_learner_at_each_tokens_version(Precision::Bf16);
+}
+
+#[test]
+fn swap_with_continue_keeps_kv_and_records_the_new_version_f32() {
+    swap_with_continue_keeps_kv_and_records_the_new_version(Precision::F32);
+}
+
+#[test]
+fn swap_with_continue_keeps_kv_and_records_the_new_version_bf16() {
+    swap_with_continue_keeps_kv_and_records_the_new_version(Precision::Bf16);
+}
+
+#[test]
+fn emu_engine_matches_its_full_sequence_recompute_f32() {
+    emu_engine_matches_its_full_sequence_recompute(Precision::F32);
+}
+
+#[test]
+fn emu_engine_matches_its_full_sequence_recompute_bf16() {
+    emu_engine_matches_its_full_sequence_recompute(Precision::Bf16);
+}
+
+#[test]
+fn emu_engine_logps_equal_the_learner_on_emu_f32() {
+    emu_engine_logps_equal_the_learner_on_emu(Precision::F32);
+}
+
+#[test]
+fn emu_engine_logps_equal_the_learner_on_emu_bf16() {
+    emu_engine_logps_equal_the_learner_on_emu(Precision::Bf16);
 }

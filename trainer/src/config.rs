@@ -59,7 +59,8 @@ pub struct RunSection {
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelSection {
     pub config: PathBuf,
-    pub precision: String,
+    /// `model.precision` resolved for `run.device` (`auto`: bf16 on cuda, f32 on cpu and emu).
+    pub precision: sluice_model::Precision,
     pub init: Option<PathBuf>,
 }
 
@@ -90,7 +91,9 @@ pub struct RolloutSection {
     pub replicas: usize,
     pub max_seqs: usize,
     pub max_batch_tokens: usize,
-    pub num_blocks: usize,
+    /// Bytes of each replica's KV pool (every layer's K and V); the blocks it holds depend on
+    /// the model and the precision.
+    pub kv_bytes: usize,
     pub block_size: usize,
     pub temperature: f32,
     pub top_k: u32,
@@ -264,6 +267,14 @@ fn merge_table(
     for (k, v) in user {
         let key = join(prefix, &k);
         let Some(def) = schema.get(&k) else {
+            if key == "rollout.num_blocks" {
+                return Err(err(
+                    &key,
+                    "was replaced by rollout.kv_bytes: the KV pool is sized in bytes (per \
+                     replica, every layer's K and V), and holds as many blocks as fit in the \
+                     run's precision (a bf16 cache twice as many as an f32 one)",
+                ));
+            }
             let known: Vec<&str> = schema.keys().map(String::as_str).collect();
             return Err(err(
                 &key,
@@ -612,16 +623,17 @@ fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
     };
 
     let model = Get::section(&table, "model")?;
-    let precision = model.str("precision")?.to_string();
-    if precision != "f32" {
-        return Err(err(
-            "model.precision",
-            format!(
-                "{precision:?}: only \"f32\" is available (the bf16 learner and engine are not \
-                 built yet)"
-            ),
-        ));
-    }
+    let precision = match model.str("precision")? {
+        "auto" => sluice_model::Precision::default_for(device),
+        "f32" => sluice_model::Precision::F32,
+        "bf16" => sluice_model::Precision::Bf16,
+        other => {
+            return Err(err(
+                "model.precision",
+                format!("{other:?} is not auto, f32 or bf16"),
+            ))
+        }
+    };
     let init = model.str("init")?;
     let model_s = ModelSection {
         config: PathBuf::from(model.str("config")?),
@@ -703,7 +715,7 @@ fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         replicas,
         max_seqs: rollout.int("max_seqs", 1, 1 << 20)? as usize,
         max_batch_tokens: rollout.int("max_batch_tokens", 1, 1 << 24)? as usize,
-        num_blocks: rollout.int("num_blocks", 1, 1 << 24)? as usize,
+        kv_bytes: rollout.int("kv_bytes", 1, 1 << 40)? as usize,
         block_size: rollout.int("block_size", 1, 1024)? as usize,
         temperature: rollout.float("temperature", |x| x >= 0.0, ">= 0 (0 = greedy)")? as f32,
         top_k: rollout.int("top_k", 0, u32::MAX as i64)? as u32,
@@ -923,6 +935,15 @@ fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
                 ),
             ));
         }
+    }
+    // The run folder's config.toml records the precision the run computes in (`auto` resolved
+    // for run.device), so loading it elsewhere reproduces the run.
+    let mut table = table;
+    if let Some(Value::Table(m)) = table.get_mut("model") {
+        m.insert(
+            "precision".into(),
+            Value::String(model_s.precision.as_str().into()),
+        );
     }
     Ok(TrainConfig {
         run: run_s,

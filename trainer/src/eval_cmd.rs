@@ -4,12 +4,14 @@
 //!
 //! The task comes from a config: `--config` if given, else the config.toml of the run folder
 //! the checkpoint lives in (runs/NAME/final.safetensors, runs/NAME/checkpoints/*/...), else the
-//! defaults.
+//! defaults. The engine computes in the config's `model.precision` unless `--precision` says
+//! otherwise (bf16: the checkpoint's f32 weights rounded to the bf16 compute copy, a bf16 KV
+//! cache).
 
 use crate::config::{self, ConfigError, TrainConfig};
 use crate::train_cmd::{make_task, TrainError};
 use sluice_kernels::Backend;
-use sluice_model::Model;
+use sluice_model::{Model, Precision};
 use sluice_runtime::engine::{Engine, EngineConfig};
 use sluice_runtime::eval::{pass_rate_with, PassRate};
 use sluice_runtime::trajectory::{SamplingParams, TokenId, WeightVersion};
@@ -24,6 +26,8 @@ pub struct EvalOptions {
     pub config: Option<PathBuf>,
     /// Transcripts to print per mode.
     pub show: usize,
+    /// `auto`, `f32` or `bf16`; None: the config's `model.precision`.
+    pub precision: Option<String>,
 }
 
 /// The config that defines the tasks for `checkpoint`.
@@ -78,8 +82,17 @@ pub fn run_eval(o: &EvalOptions, out: &mut dyn Write) -> Result<(PassRate, PassR
             message: e.to_string(),
         })
     })?;
-    let model = Model::from_checkpoint(&o.checkpoint, &backend)
+    let precision = match o.precision.as_deref() {
+        None => cfg.model.precision,
+        Some("auto") => Precision::default_for(cfg.run.device),
+        Some(p) => Precision::parse(p)
+            .map_err(|_| TrainError::Input(format!("--precision {p:?}: use auto, f32 or bf16")))?,
+    };
+    let mut model = Model::from_checkpoint(&o.checkpoint, &backend)
         .map_err(|e| TrainError::Input(format!("--checkpoint: {e}")))?;
+    model
+        .set_precision(&backend, precision)
+        .map_err(|e| TrainError::Run(e.to_string()))?;
     let task = make_task(&section, model.config.vocab).map_err(|m| {
         TrainError::Config(ConfigError {
             key: format!("tasks.{}.kind", section.name),
@@ -92,15 +105,16 @@ pub fn run_eval(o: &EvalOptions, out: &mut dyn Write) -> Result<(PassRate, PassR
     let mut engine = Engine::new(
         backend,
         &model.config,
-        &model.params,
+        model.compute_weights(),
         WeightVersion(0),
         EngineConfig {
-            num_blocks: r.num_blocks,
+            kv_bytes: r.kv_bytes,
             block_size: r.block_size,
             max_batch_tokens: r.max_batch_tokens,
             max_seqs: r.max_seqs,
             preempt: r.preempt,
             swap: r.swap,
+            precision,
         },
     )
     .map_err(|e| TrainError::Run(e.to_string()))?;
@@ -130,7 +144,7 @@ pub fn run_eval(o: &EvalOptions, out: &mut dyn Write) -> Result<(PassRate, PassR
     })?;
     let _ = writeln!(
         out,
-        "{} on {} held-out problems of task {} ({}):",
+        "{} on {} held-out problems of task {} ({}), {precision}:",
         o.checkpoint.display(),
         n,
         o.task,

@@ -102,6 +102,9 @@ enum Command {
         /// Print this many transcripts per mode.
         #[arg(long, default_value_t = 0)]
         show: usize,
+        /// auto, f32 or bf16 (default: model.precision of the config).
+        #[arg(long)]
+        precision: Option<String>,
     },
     /// Config helpers.
     Config {
@@ -128,6 +131,9 @@ enum Command {
         /// cpu, emu, cuda or cuda:N.
         #[arg(long, default_value = "cpu")]
         device: String,
+        /// auto (bf16 on cuda, f32 on cpu and emu), f32 or bf16.
+        #[arg(long, default_value = "auto")]
+        precision: String,
         #[arg(long, default_value_t = 300)]
         steps: u64,
         /// Sequences per step.
@@ -235,6 +241,7 @@ fn main() -> ExitCode {
         Command::Sft {
             model,
             device,
+            precision,
             steps,
             batch,
             min_digits,
@@ -250,9 +257,20 @@ fn main() -> ExitCode {
                 Ok(d) => d,
                 Err(e) => return fail(&e),
             };
+            let precision = match precision.as_str() {
+                "auto" => None,
+                p => match sluice_model::Precision::parse(p) {
+                    Ok(p) => Some(p),
+                    Err(_) => {
+                        eprintln!("error: --precision {p:?}: use auto, f32 or bf16");
+                        return ExitCode::from(2);
+                    }
+                },
+            };
             let opts = sluice_trainer::sft_cmd::SftOptions {
                 model_config: model,
                 device,
+                precision,
                 steps,
                 batch,
                 min_digits,
@@ -301,6 +319,7 @@ fn main() -> ExitCode {
             samples,
             config,
             show,
+            precision,
         } => {
             let opts = sluice_trainer::eval_cmd::EvalOptions {
                 checkpoint,
@@ -308,6 +327,7 @@ fn main() -> ExitCode {
                 samples,
                 config,
                 show,
+                precision,
             };
             match sluice_trainer::eval_cmd::run_eval(&opts, &mut std::io::stdout()) {
                 Ok(_) => ExitCode::SUCCESS,

@@ -1,14 +1,16 @@
 //! `sluice sft`: supervised training of the model on the synthetic digit-reversal task
 //! (sluice_model::synthetic) with Muon + AdamW, on any device. It is the smoke test
 //! (model/tests/smoke.rs) as a command: progress lines, a metrics file, a held-out accuracy and
-//! a checkpoint with the optimizer state at the end.
+//! a checkpoint with the optimizer state at the end. `--precision bf16` trains in mixed
+//! precision (the bf16 compute copy, refreshed after every step; docs/model.md, "Precision");
+//! the default, `auto`, is bf16 on cuda and f32 on cpu and emu.
 
 use sluice_kernels::testing::Rng;
 use sluice_kernels::{Backend, Device, Error, Result};
 use sluice_model::forward::{logits_on, loss_and_grad_on};
 use sluice_model::optim::{LrSchedule, OptimConfig, Optimizer};
 use sluice_model::synthetic::{reverse_digits, TaskBatch, EOS};
-use sluice_model::{Model, ModelConfig};
+use sluice_model::{Model, ModelConfig, Precision};
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -19,6 +21,8 @@ pub struct SftOptions {
     /// Model config (TOML); the architecture and the init seed.
     pub model_config: PathBuf,
     pub device: Device,
+    /// None: the device's default ([`Precision::default_for`]).
+    pub precision: Option<Precision>,
     pub steps: u64,
     /// Sequences per step.
     pub batch: usize,
@@ -37,6 +41,7 @@ pub struct SftOptions {
 
 /// The end of a run.
 pub struct SftSummary {
+    pub precision: Precision,
     pub first_loss: f32,
     /// Mean loss over the last (up to) 20 steps.
     pub final_loss: f32,
@@ -102,7 +107,11 @@ pub fn run_sft(o: &SftOptions, progress: &mut dyn std::io::Write) -> Result<SftS
         ));
     }
     let backend = Backend::open(o.device)?;
+    let precision = o
+        .precision
+        .unwrap_or_else(|| Precision::default_for(o.device));
     let mut model = Model::new(cfg.clone(), &backend)?;
+    model.set_precision(&backend, precision)?;
     let conf = OptimConfig::with_lrs(
         o.muon_lr,
         o.adamw_lr,
@@ -124,8 +133,8 @@ pub fn run_sft(o: &SftOptions, progress: &mut dyn std::io::Write) -> Result<SftS
     say(
         progress,
         format!(
-            "sft: {} ({} parameters) on {}, {} steps of {} sequences ({}..={} digits); metrics \
-             to {}",
+            "sft: {} ({} parameters) on {} in {precision}, {} steps of {} sequences ({}..={} \
+             digits); metrics to {}",
             o.model_config.display(),
             model.layout().param_count(),
             o.device,
@@ -147,7 +156,13 @@ pub fn run_sft(o: &SftOptions, progress: &mut dyn std::io::Write) -> Result<SftS
                 "step {step}: the loss is {loss}; lower --muon-lr / --adamw-lr"
             )));
         }
-        let stats = opt.step(&backend, &mut model.params, &model.grads, &mut state, None)?;
+        let stats = opt.step(
+            &backend,
+            &mut model.params,
+            &model.grads,
+            &mut state,
+            model.compute.as_mut(),
+        )?;
         tokens += t.batch.len();
         first.get_or_insert(loss);
         recent.push(loss);
@@ -182,6 +197,7 @@ pub fn run_sft(o: &SftOptions, progress: &mut dyn std::io::Write) -> Result<SftS
     state.save(&checkpoint, &cfg, &model.params)?;
     let final_loss = recent.iter().sum::<f32>() / recent.len().max(1) as f32;
     let summary = SftSummary {
+        precision,
         first_loss: first.unwrap_or(f32::NAN),
         final_loss,
         held_out_accuracy,

@@ -407,12 +407,16 @@ pub fn run_train(o: &TrainOptions, out: &mut dyn Write) -> Result<TrainSummary, 
         (None, Some(init)) => Model::from_checkpoint(init, &backend).map_err(run_err)?,
         (None, None) => Model::new(p.model_cfg.clone(), &backend).map_err(run_err)?,
     };
+    model
+        .set_precision(&backend, cfg.model.precision)
+        .map_err(run_err)?;
     let _ = writeln!(
         out,
-        "sluice train: {} ({} parameters) on {}, {} mode{}, {} stage(s); run folder {}{}",
+        "sluice train: {} ({} parameters) on {} in {}, {} mode{}, {} stage(s); run folder {}{}",
         cfg.model.config.display(),
         model.layout().param_count(),
         cfg.run.device,
+        cfg.model.precision,
         cfg.run.mode.as_str(),
         if cfg.run.replay {
             ", replay (virtual clock)"
@@ -709,7 +713,13 @@ impl RunContext<'_> {
                 )));
             }
             let stats = opt
-                .step(backend, &mut model.params, &model.grads, &mut state, None)
+                .step(
+                    backend,
+                    &mut model.params,
+                    &model.grads,
+                    &mut state,
+                    model.compute.as_mut(),
+                )
                 .map_err(run_err)?;
             tokens += n as u64;
             let secs = start.elapsed().as_secs_f64();
@@ -754,7 +764,7 @@ impl RunContext<'_> {
         let mut engine = Engine::new(
             backend,
             &model.config,
-            &model.params,
+            model.compute_weights(),
             WeightVersion(self.state.rl_version),
             self.engine_config(),
         )
@@ -791,12 +801,13 @@ impl RunContext<'_> {
     fn engine_config(&self) -> EngineConfig {
         let r = &self.cfg.rollout;
         EngineConfig {
-            num_blocks: r.num_blocks,
+            kv_bytes: r.kv_bytes,
             block_size: r.block_size,
             max_batch_tokens: r.max_batch_tokens,
             max_seqs: r.max_seqs,
             preempt: r.preempt,
             swap: r.swap,
+            precision: self.cfg.model.precision,
         }
     }
 
@@ -818,8 +829,10 @@ impl RunContext<'_> {
                 );
             }
         }
-        // The engines' weights: the model's (a new stage), or what they held at the barrier.
+        // The engines' weights: the model's compute weights (a new stage), or what they held
+        // at the barrier (saved as f32; a bf16 copy's values come back exactly).
         let learner_backend = Backend::open(cfg.run.device).map_err(run_err)?;
+        let dtype = cfg.model.precision.dtype();
         let (engine_params, engine_version) = match (&resume, &self.resume_from) {
             (Some(r), Some(ck)) => {
                 let (_, arena) = sluice_model::checkpoint::load_new(
@@ -827,12 +840,15 @@ impl RunContext<'_> {
                     &learner_backend,
                 )
                 .map_err(|e| TrainError::Input(format!("resume: {e}")))?;
-                (arena, r.engine_version)
+                (
+                    arena.cast_copy(&learner_backend, dtype).map_err(run_err)?,
+                    r.engine_version,
+                )
             }
             _ => (
                 model
-                    .params
-                    .cast_copy(&learner_backend, sluice_kernels::DType::F32)
+                    .compute_weights()
+                    .cast_copy(&learner_backend, dtype)
                     .map_err(run_err)?,
                 self.state.rl_version,
             ),

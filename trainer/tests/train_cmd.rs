@@ -317,6 +317,14 @@ fn bad_configs_name_the_key_exit_2_and_leave_no_folder() {
             "stage[0].tasks",
         ),
         (vec!["--device".into(), "gpu".into()], "run.device"),
+        (
+            vec!["--set".into(), "model.precision=\"fp16\"".into()],
+            "model.precision",
+        ),
+        (
+            vec!["--set".into(), "rollout.num_blocks=64".into()],
+            "rollout.num_blocks",
+        ),
     ];
     for (i, (args, key)) in cases.into_iter().enumerate() {
         let out = dir.join(format!("run{i}"));
@@ -570,5 +578,134 @@ fn rl_after_the_warm_up_teaches_the_tool_task() {
         let text = std::fs::read_to_string(out.join(f)).unwrap();
         assert!(roxmltree::Document::parse(&text).is_ok(), "{f} is not XML");
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--set model.precision=bf16`: the learner computes from the bf16 compute copy (refreshed
+/// after every optimizer step), publishes that copy, and the engines run on it with a bf16 KV
+/// cache; every zero-lag token's learner logp equals its behavior logp bit for bit, whichever
+/// way the weights travel (in-process, delta, disk). On cpu with the shortened configs/tiny.toml
+/// (two replicas, replay) and on emu with the tiny model. The f32 run of the same config ends
+/// on other weights (bf16 really rounds), and the resolved config records the precision.
+#[test]
+fn bf16_runs_have_zero_mismatch_on_cpu_and_emu() {
+    let dir = scratch("bf16");
+    let cfg = short_config(&dir);
+    let run = |name: &str, sets: &[&str]| {
+        let out = dir.join(name);
+        let mut args = vec![
+            "train".to_string(),
+            "--config".into(),
+            cfg.to_str().unwrap().into(),
+            "--out".into(),
+            out.to_str().unwrap().into(),
+            "--set".into(),
+            "run.replay=true".into(),
+            "--set".into(),
+            "rollout.replicas=2".into(),
+        ];
+        for s in sets {
+            args.push("--set".into());
+            args.push(s.to_string());
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let text = run_ok(&args);
+        (out, text)
+    };
+    let (f32_out, text) = run("f32", &["model.precision=f32"]);
+    assert!(text.contains("on cpu in f32"), "{text}");
+    for path in ["inprocess", "delta", "disk"] {
+        let (out, text) = run(
+            &format!("bf16-{path}"),
+            &["model.precision=bf16", &format!("sync.path={path}")],
+        );
+        assert!(text.contains("on cpu in bf16"), "{text}");
+        let s = summary(&out);
+        assert_eq!(s["zero_lag_mismatch_tokens"], 0, "bf16 {path}");
+        let zero_lag = s["zero_lag_tokens"].as_u64().unwrap();
+        assert!(
+            zero_lag >= 100,
+            "bf16 {path}: only {zero_lag} zero-lag tokens"
+        );
+        assert_ne!(
+            s["final_weights_sha256"],
+            summary(&f32_out)["final_weights_sha256"],
+            "bf16 {path} trained the f32 weights"
+        );
+        let resolved = std::fs::read_to_string(out.join("config.toml")).unwrap();
+        assert!(
+            resolved.contains("precision = \"bf16\""),
+            "config.toml: {resolved}"
+        );
+    }
+    // `sluice eval` takes the run's precision from its config.toml, or --precision.
+    let ck = dir.join("bf16-inprocess").join("final.safetensors");
+    for (flag, want) in [(None, "bf16"), (Some("f32"), "f32")] {
+        let mut args = vec![
+            "eval",
+            "--checkpoint",
+            ck.to_str().unwrap(),
+            "--task",
+            "sort",
+            "--samples",
+            "4",
+        ];
+        if let Some(p) = flag {
+            args.extend(["--precision", p]);
+        }
+        let text = run_ok(&args);
+        assert!(text.contains(&format!("), {want}:")), "{text}");
+    }
+
+    let emu_cfg = dir.join("emu.toml");
+    std::fs::write(
+        &emu_cfg,
+        r#"
+[model]
+config = "configs/model/tiny.toml"
+precision = "bf16"
+[[stage]]
+kind = "sft"
+steps = 4
+tasks = ["recall", "lookup"]
+[[stage]]
+kind = "rl"
+steps = 6
+tasks = ["recall", "lookup"]
+[optim]
+sft_batch = 8
+[rollout]
+max_new_tokens = 4
+eval_problems = 4
+[buffer]
+group_size = 4
+groups_per_step = 2
+[tasks.recall]
+kind = "recall"
+items = 3
+[tasks.lookup]
+kind = "lookup"
+"#,
+    )
+    .unwrap();
+    let out = dir.join("emu");
+    let text = run_ok(&[
+        "train",
+        "--config",
+        emu_cfg.to_str().unwrap(),
+        "--device",
+        "emu",
+        "--set",
+        "run.replay=true",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(text.contains("on emu in bf16"), "{text}");
+    let s = summary(&out);
+    assert_eq!(s["zero_lag_mismatch_tokens"], 0, "emu bf16");
+    assert!(
+        s["zero_lag_tokens"].as_u64().unwrap() >= 20,
+        "emu bf16: {s}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -4,7 +4,9 @@
 //!
 //! Numerics: F32 inputs compute in true f32 (never tf32) on every device; BF16 inputs are
 //! multiplied exactly (a bf16 x bf16 product fits in f32) and accumulated in f32. The output is
-//! always F32.
+//! always F32. On `cpu`, BF16 inputs run [`super::gemm_chain`]: one ascending FMA chain per
+//! output over all of K, the order the emulated tensor-core path sums in, so cpu and emu give
+//! the same bits for BF16 inputs at any K.
 //!
 //! Batch invariance: row i of C is bit-identical whatever M is and wherever the row sits. No
 //! device splits K; every output element sums its K products in one fixed order that depends on
@@ -17,6 +19,7 @@
 //!   yet, so it is used only when `SLUICE_GEMM_PATH=wgmma` is set (or [`GemmPath::Wgmma`] is
 //!   asked for); scripts/gpu-check tests it so the first GPU run can verify it.
 
+pub use super::gemm_chain::{gemm_chain_into, gemm_chain_strided_into};
 pub use super::gemm_small::{gemm_packed_into, PackedB};
 use crate::device::Backend;
 use crate::dtype::DType;
@@ -151,8 +154,16 @@ pub const SMALL_M: usize = 64;
 /// than matrixmultiply's blocking does).
 const SMALL_MAX_K: usize = 1024;
 
+/// The longest K for which a BF16 product on `cpu` may take the small-row packed kernel
+/// instead of [`gemm_chain_into`]: with K within one of its chunks
+/// ([`super::gemm_small::KC`]), each output is one FMA chain from +0 over all of K, which is
+/// exactly the chain's order, so the two give the same bits (and the packed copy of a weight is
+/// kept on it, which matters at decode's few rows).
+pub const BF16_PACKED_MAX_K: usize = super::gemm_small::KC;
+
 /// The packed form of `b` (`groups` stacked [n, k] matrices) when a product with `m` rows of A
-/// should take the small-row path: `b` a host F32 tensor, `m <= SMALL_M`, `k <= SMALL_MAX_K`.
+/// should take the small-row path: `b` a host F32 (or BF16) tensor, `m <= SMALL_M`,
+/// `k <= SMALL_MAX_K`.
 pub fn small_rows_rhs(
     b: &Tensor,
     groups: usize,
@@ -510,6 +521,37 @@ fn batched(
         Backend::Cpu => {
             let af = a.f32_data()?;
             let c = c.host_slice_mut::<f32>()?;
+            if dtype == DType::BF16 {
+                // Few rows and K within one chunk: the small-row kernel from B packed once (kept
+                // on the weight), whose single chunk is the same chain from +0 (same bits).
+                if (batch == 1 || shared_b) && k <= BF16_PACKED_MAX_K {
+                    if let Some(pb) = small_rows_rhs(b, 1, m, n, k) {
+                        for i in 0..batch {
+                            gemm_packed_into(
+                                &af[i * m * k..(i + 1) * m * k],
+                                &pb,
+                                0,
+                                &mut c[i * m * n..(i + 1) * m * n],
+                                m,
+                            );
+                        }
+                        return Ok(());
+                    }
+                }
+                let bf = b.f32_data()?;
+                for i in 0..batch {
+                    let bi = if shared_b { 0 } else { i };
+                    gemm_chain_into(
+                        &af[i * m * k..(i + 1) * m * k],
+                        &bf[bi * n * k..(bi + 1) * n * k],
+                        &mut c[i * m * n..(i + 1) * m * n],
+                        m,
+                        n,
+                        k,
+                    );
+                }
+                return Ok(());
+            }
             if batch == 1 || shared_b {
                 if let Some(pb) = small_rows_rhs(b, 1, m, n, k) {
                     for i in 0..batch {
@@ -637,7 +679,21 @@ pub fn gemm_grouped_with_path(
             let packed = small_rows_rhs(b_stack, groups, largest, n, k);
             for g in 0..groups {
                 let (r0, r1) = (bounds[g], bounds[g + 1]);
-                if let (Some(pb), true) = (&packed, r1 > r0) {
+                if let (DType::BF16, Some(pb), true) =
+                    (dtype, &packed, k <= BF16_PACKED_MAX_K && r1 > r0)
+                {
+                    // One chunk: the chain's bits (see BF16_PACKED_MAX_K).
+                    gemm_packed_into(&af[r0 * k..r1 * k], pb, g, &mut c[r0 * n..r1 * n], r1 - r0);
+                } else if dtype == DType::BF16 {
+                    gemm_chain_into(
+                        &af[r0 * k..r1 * k],
+                        &bf[g * n * k..(g + 1) * n * k],
+                        &mut c[r0 * n..r1 * n],
+                        r1 - r0,
+                        n,
+                        k,
+                    );
+                } else if let (Some(pb), true) = (&packed, r1 > r0) {
                     gemm_packed_into(&af[r0 * k..r1 * k], pb, g, &mut c[r0 * n..r1 * n], r1 - r0);
                 } else if r1 > r0 && n > 0 {
                     gemm_reference_into(

@@ -31,8 +31,11 @@
 //! weight gradients (one tensor-core `gemm` per expert over its transposed, BF16-rounded
 //! segment); the router (x and W_r widened to f32 exactly), scores, gates, SwiGLU, combine and
 //! dW_r stay f32.
-//! The CPU reference computes everything in f32 from the (exactly widened) BF16 inputs, so BF16
-//! device results agree with it to the BF16 tolerance. Outputs are F32 (topk_idx I32).
+//! On `cpu`, BF16 inputs run the CPU reference at the same rounding points: the inputs widened
+//! exactly, h, d(ye), da and db rounded to bf16 values (nearest even) where the device rounds
+//! them, every product and sum in f32, so BF16 device results agree with it to the BF16
+//! tolerance (the plain references [`moe_forward_reference`] and [`moe_backward_reference`]
+//! are all-f32). Outputs are F32 (topk_idx I32).
 //!
 //! Optional switch-style load-balancing auxiliary loss (`MoeConfig::aux_alpha`, default 0 = off):
 //! aux = alpha * E * sum_e f_e * P_e, with f_e the fraction of the T*k token-slots routed to
@@ -44,8 +47,8 @@
 
 use super::elementwise::{softmax, softmax_backward_reference, softmax_reference};
 use super::gemm::{
-    gemm, gemm_grouped, gemm_packed_into, gemm_reference, gemm_reference_into, gemm_strided_into,
-    small_rows_rhs, PackedB,
+    gemm, gemm_chain_into, gemm_chain_strided_into, gemm_grouped, gemm_packed_into, gemm_reference,
+    gemm_reference_into, gemm_strided_into, small_rows_rhs, PackedB, BF16_PACKED_MAX_K,
 };
 use super::swiglu::{swiglu, swiglu_backward, swiglu_backward_reference, swiglu_reference_into};
 use super::topk::{topk, topk_reference, MAX_E, MAX_K};
@@ -287,6 +290,16 @@ struct ForwardState {
     /// h W2^T, [N,d].
     ye: Vec<f32>,
     y: Vec<f32>,
+    /// The expert GEMMs' operands are rounded to bf16 values (BF16 inputs on `cpu`).
+    bf16: bool,
+}
+
+/// `v` rounded to the nearest bf16 value (ties to even), kept as f32: what a BF16 GEMM operand
+/// holds.
+fn round_bf16(v: &mut [f32]) {
+    for x in v {
+        *x = half::bf16::from_f32(*x).to_f32();
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -299,6 +312,7 @@ fn forward_state(
     dims: MoeDims,
     cfg: MoeConfig,
     packed: Option<&MoePacked>,
+    bf16: bool,
 ) -> ForwardState {
     let MoeDims { t, d, f, .. } = dims;
     let k = cfg.k;
@@ -309,7 +323,7 @@ fn forward_state(
         let tok = routing.perm[p] as usize / k;
         row.copy_from_slice(&x[tok * d..(tok + 1) * d]);
     });
-    let [a, b, h, ye] = experts_forward(&xs, [w1, w3, w2], packed, &routing.offsets, d, f);
+    let [a, b, h, ye] = experts_forward(&xs, [w1, w3, w2], packed, &routing.offsets, d, f, bf16);
     let mut y = vec![0.0f32; t * d];
     par::rows_mut(&mut y, d.max(1), 2 * k * d, |tok, row| {
         for j in 0..k {
@@ -328,6 +342,7 @@ fn forward_state(
         h,
         ye,
         y,
+        bf16,
     }
 }
 
@@ -344,7 +359,8 @@ struct ExpertTask<'a> {
 }
 
 /// Every expert's SwiGLU FFN on its segment of the sorted rows `xs` [N,d]: a = xs W1_e^T,
-/// b = xs W3_e^T (both [N,f]), h = silu(a) * b, ye = h W2_e^T [N,d]. One task per expert (all
+/// b = xs W3_e^T (both [N,f]), h = silu(a) * b (rounded to bf16 values when `bf16`: the
+/// device's BF16 operand of W2), ye = h W2_e^T [N,d]. One task per expert (all
 /// four steps of a segment in one task, so a call forks and joins the pool once, not once per
 /// product), in parallel when the call is large enough; every row's arithmetic is the plain
 /// references', so the bits do not depend on the grouping.
@@ -355,6 +371,7 @@ fn experts_forward(
     offsets: &[i32],
     d: usize,
     f: usize,
+    bf16: bool,
 ) -> [Vec<f32>; 4] {
     use rayon::prelude::*;
     let n = *offsets.last().unwrap_or(&0) as usize;
@@ -391,15 +408,28 @@ fn experts_forward(
         }
     }
     let product =
-        |src: &[f32], w: &[f32], pb: Option<&PackedB>, g, out: &mut [f32], rows, nn, kk| match pb {
-            Some(pb) => gemm_packed_into(src, pb, g, out, rows),
-            None => gemm_reference_into(src, &w[g * nn * kk..(g + 1) * nn * kk], out, rows, nn, kk),
+        |src: &[f32], w: &[f32], pb: Option<&PackedB>, g, out: &mut [f32], rows, nn, kk| {
+            // The plain weights are read only off the packed path (and may be empty on it).
+            let wg = || &w[g * nn * kk..(g + 1) * nn * kk];
+            match pb {
+                // BF16 operands: the device's summation order (gemm_chain; the packed kernel is
+                // that order when K fits one of its chunks).
+                Some(pb) if bf16 && kk <= BF16_PACKED_MAX_K => {
+                    gemm_packed_into(src, pb, g, out, rows)
+                }
+                _ if bf16 => gemm_chain_into(src, wg(), out, rows, nn, kk),
+                Some(pb) => gemm_packed_into(src, pb, g, out, rows),
+                None => gemm_reference_into(src, wg(), out, rows, nn, kk),
+            }
         };
     let run = |t: ExpertTask<'_>| {
         let x = &xs[t.r0 * d..(t.r0 + t.rows) * d];
         product(x, w1, packed.map(|p| &*p.w1), t.g, t.a, t.rows, f, d);
         product(x, w3, packed.map(|p| &*p.w3), t.g, t.b, t.rows, f, d);
         swiglu_reference_into(t.a, t.b, t.h).expect("moe: a, b and h are one segment");
+        if bf16 {
+            round_bf16(t.h);
+        }
         product(t.h, w2, packed.map(|p| &*p.w2), t.g, t.ye, t.rows, d, f);
     };
     if tasks.len() > 1 && par::pieces(n, 3 * d * f) > 1 {
@@ -420,8 +450,8 @@ pub struct MoePacked {
 }
 
 impl MoePacked {
-    /// The packed weights when a call of `t` tokens should use them (host F32 weights, and few
-    /// enough rows per expert: `t <= SMALL_M`, so no segment can exceed it).
+    /// The packed weights when a call of `t` tokens should use them (host F32 or BF16 weights,
+    /// and few enough rows per expert: `t <= SMALL_M`, so no segment can exceed it).
     fn for_call(inp: &Inputs<'_>) -> Option<MoePacked> {
         let MoeDims { t, d, f, e } = inp.dims;
         Some(MoePacked {
@@ -476,7 +506,7 @@ fn moe_forward_packed(
     packed: Option<&MoePacked>,
 ) -> MoeForwardOut {
     check_lengths(x, w_router, w1, w3, w2, None, dims);
-    let s = forward_state(x, w_router, w1, w3, w2, dims, cfg, packed);
+    let s = forward_state(x, w_router, w1, w3, w2, dims, cfg, packed, false);
     MoeForwardOut {
         y: s.y,
         topk_idx: s.routing.idx,
@@ -533,7 +563,13 @@ fn segment_wgrad_reference(
     offsets: &[i32],
     p: usize,
     q: usize,
+    bf16: bool,
 ) -> Vec<f32> {
+    let product = if bf16 {
+        gemm_chain_strided_into
+    } else {
+        gemm_strided_into
+    };
     let groups = offsets.len() - 1;
     let mut out = vec![0.0f32; groups * p * q];
     if p * q == 0 {
@@ -543,7 +579,7 @@ fn segment_wgrad_reference(
     let per_group = p * q * rows.div_ceil(groups.max(1));
     par::rows_mut(&mut out, p * q, per_group, |g, o| {
         let (r0, r1) = (offsets[g] as usize, offsets[g + 1] as usize);
-        gemm_strided_into(
+        product(
             p,
             q,
             r1 - r0,
@@ -557,8 +593,13 @@ fn segment_wgrad_reference(
 
 /// The grouped product with weights as stored: rows `offsets[g]..offsets[g+1]` of `a` [N,k]
 /// times `w[g]`, a row-major `[k, n]` matrix (the backward's `dY · W`, with no transposed
-/// copy of W).
-fn grouped_kn(a: &[f32], w: &[f32], offsets: &[i32], n: usize, k: usize) -> Vec<f32> {
+/// copy of W; with `bf16`, in the device's summation order).
+fn grouped_kn(a: &[f32], w: &[f32], offsets: &[i32], n: usize, k: usize, bf16: bool) -> Vec<f32> {
+    let product = if bf16 {
+        gemm_chain_strided_into
+    } else {
+        gemm_strided_into
+    };
     let bounds: Vec<usize> = offsets.iter().map(|&o| o as usize).collect();
     let rows = bounds.last().copied().unwrap_or(0);
     let mut c = vec![0.0f32; rows * n];
@@ -567,7 +608,7 @@ fn grouped_kn(a: &[f32], w: &[f32], offsets: &[i32], n: usize, k: usize) -> Vec<
     }
     par::segments_mut(&mut c, n, &bounds, n * k, |g, r0, cg| {
         let r1 = r0 + cg.len() / n;
-        gemm_strided_into(
+        product(
             r1 - r0,
             n,
             k,
@@ -596,7 +637,7 @@ pub fn moe_backward_reference(
     cfg: MoeConfig,
 ) -> MoeGrads {
     check_lengths(x, w_router, w1, w3, w2, Some(dy), dims);
-    let s = forward_state(x, w_router, w1, w3, w2, dims, cfg, None);
+    let s = forward_state(x, w_router, w1, w3, w2, dims, cfg, None, false);
     backward_with_state(&s, x, w_router, w1, w3, w2, dy, dims, cfg)
 }
 
@@ -645,16 +686,25 @@ fn backward_with_state(
     for (p, &slot) in r.perm.iter().enumerate() {
         dgate[slot as usize] = dgate_sorted[p];
     }
+    if s.bf16 {
+        // d(ye) is a BF16 operand of the dh GEMM and of dW2 on the device.
+        round_bf16(&mut dye);
+    }
 
     // Expert FFN backward.
     // dh = d(ye) W2_e (W2_e [d,f] read as stored), dxs = da W1_e + db W3_e (W1_e, W3_e [f,d]).
-    let dh = grouped_kn(&dye, w2, &r.offsets, f, d);
-    let (da, db) = swiglu_backward_reference(&s.a, &s.b, &dh).expect("moe: [N,f] operands");
-    let dxa = grouped_kn(&da, w1, &r.offsets, d, f);
-    let dxb = grouped_kn(&db, w3, &r.offsets, d, f);
-    let dw2 = segment_wgrad_reference(&dye, &s.h, &r.offsets, d, f);
-    let dw1 = segment_wgrad_reference(&da, &s.xs, &r.offsets, f, d);
-    let dw3 = segment_wgrad_reference(&db, &s.xs, &r.offsets, f, d);
+    let dh = grouped_kn(&dye, w2, &r.offsets, f, d, s.bf16);
+    let (mut da, mut db) = swiglu_backward_reference(&s.a, &s.b, &dh).expect("moe: [N,f] operands");
+    if s.bf16 {
+        // da and db are BF16 operands of the dx GEMMs and of dW1 / dW3 on the device.
+        round_bf16(&mut da);
+        round_bf16(&mut db);
+    }
+    let dxa = grouped_kn(&da, w1, &r.offsets, d, f, s.bf16);
+    let dxb = grouped_kn(&db, w3, &r.offsets, d, f, s.bf16);
+    let dw2 = segment_wgrad_reference(&dye, &s.h, &r.offsets, d, f, s.bf16);
+    let dw1 = segment_wgrad_reference(&da, &s.xs, &r.offsets, f, d, s.bf16);
+    let dw3 = segment_wgrad_reference(&db, &s.xs, &r.offsets, f, d, s.bf16);
 
     // Router backward: through the renormalisation, then the score function over all E.
     let mut dprobs = router_dprobs(&dgate, &r.kept, &r.idx, t, e, k, cfg.renorm);
@@ -677,7 +727,7 @@ fn backward_with_state(
     };
     let mut dx_router = vec![0.0f32; t * d];
     gemm_strided_into(t, d, e, (&dlogits, e, 1), (w_router, d, 1), &mut dx_router);
-    let dw_router = segment_wgrad_reference(&dlogits, x, &[0, t as i32], e, d);
+    let dw_router = segment_wgrad_reference(&dlogits, x, &[0, t as i32], e, d, false);
 
     // dx = router part + the expert parts of the token's k slots, j ascending.
     let mut dx = dx_router;
@@ -821,7 +871,10 @@ fn check_inputs<'a>(
         named.push(("dy", dy));
     }
     for (name, tensor) in &named {
-        if !tensor.dtype().is_float() || tensor.dtype() != x.dtype() {
+        // dy may also be F32 with BF16 inputs (an f32 gradient: the backward widens a BF16 dy
+        // to f32 before using it, so an F32 one skips a rounding).
+        let f32_dy = *name == "dy" && tensor.dtype() == DType::F32;
+        if !tensor.dtype().is_float() || (tensor.dtype() != x.dtype() && !f32_dy) {
             return Err(Error::DType {
                 tensor: name.to_string(),
                 expected: format!("F32 or BF16, the dtype of `x` ({})", x.dtype()),
@@ -922,15 +975,29 @@ pub fn moe_forward_saved(
     let k = cfg.k;
     if let Backend::Cpu = backend {
         let packed = MoePacked::for_call(&inp);
+        let bf16 = x.dtype() == DType::BF16;
+        // BF16 weights packed (kept on the tensors, widened once) with every K within one chunk:
+        // the router and expert products read only the packed copies, so the weights are not
+        // widened again on every call (a decode step's cost otherwise).
+        let f = inp.dims.f;
+        let packed_only = bf16 && packed.is_some() && d.max(f) <= BF16_PACKED_MAX_K;
+        fn weights(w: &Tensor, packed_only: bool) -> Result<std::borrow::Cow<'_, [f32]>> {
+            if packed_only {
+                Ok(std::borrow::Cow::Borrowed(&[]))
+            } else {
+                w.f32_data()
+            }
+        }
         let mut state = forward_state(
             &x.f32_data()?,
-            &w_router.f32_data()?,
-            &w1.f32_data()?,
-            &w3.f32_data()?,
-            &w2.f32_data()?,
+            &weights(w_router, packed_only)?,
+            &weights(w1, packed_only)?,
+            &weights(w3, packed_only)?,
+            &weights(w2, packed_only)?,
             inp.dims,
             cfg,
             packed.as_ref(),
+            bf16,
         );
         let r = &state.routing;
         let out = MoeOutput {
@@ -994,11 +1061,15 @@ pub fn moe_backward_saved(
     let inp = check_inputs(backend, x, w_router, w1, w3, w2, Some(dy), cfg)?;
     let MoeDims { t, d, f, e } = inp.dims;
     if let Some(s) = &saved {
-        if s.dims != inp.dims || s.cfg != cfg {
+        if s.dims != inp.dims || s.cfg != cfg || s.state.bf16 != (x.dtype() == DType::BF16) {
             return Err(Error::Invalid(format!(
-                "moe_backward_saved: the saved forward state is of {:?} / {:?}, the call of \
-                 {:?} / {cfg:?}",
-                s.dims, s.cfg, inp.dims
+                "moe_backward_saved: the saved forward state is of {:?} / {:?} (bf16 operands: \
+                 {}), the call of {:?} / {cfg:?} with {} inputs",
+                s.dims,
+                s.cfg,
+                s.state.bf16,
+                inp.dims,
+                x.dtype()
             )));
         }
     }
@@ -1011,12 +1082,21 @@ pub fn moe_backward_saved(
             w2.f32_data()?,
             dy.f32_data()?,
         );
-        let g = match saved {
-            Some(s) => {
-                backward_with_state(&s.state, &xs, &wr, &w1s, &w3s, &w2s, &dys, inp.dims, cfg)
-            }
-            None => moe_backward_reference(&xs, &wr, &w1s, &w3s, &w2s, &dys, inp.dims, cfg),
+        let state = match saved {
+            Some(s) => s.state,
+            None => Box::new(forward_state(
+                &xs,
+                &wr,
+                &w1s,
+                &w3s,
+                &w2s,
+                inp.dims,
+                cfg,
+                None,
+                x.dtype() == DType::BF16,
+            )),
         };
+        let g = backward_with_state(&state, &xs, &wr, &w1s, &w3s, &w2s, &dys, inp.dims, cfg);
         return Ok(MoeGradTensors {
             dx: Tensor::from_f32_vec(backend, &[t, d], g.dx)?,
             dw_router: Tensor::from_f32_vec(backend, &[e, d], g.dw_router)?,

@@ -476,13 +476,16 @@ pub fn paged_attention(
     match backend {
         Backend::Cpu => {
             let mut out = vec![0.0f32; b * h * d];
+            let table = block_table.to_vec::<i32>()?;
+            let ctx = context_lens.to_vec::<i32>()?;
+            let c = HostCaches::new(k_cache, v_cache, &table, &ctx, dims)?;
             paged_attention_reference(
                 &q.f32_data()?,
-                &k_cache.f32_data()?,
-                &v_cache.f32_data()?,
-                &block_table.to_vec::<i32>()?,
-                &context_lens.to_vec::<i32>()?,
-                dims,
+                &c.k,
+                &c.v,
+                &c.table,
+                &ctx,
+                c.dims,
                 scale,
                 &mut out,
             )?;
@@ -519,6 +522,66 @@ pub fn paged_attention(
             }
             Ok(out)
         }
+    }
+}
+
+/// The caches as the CPU references read them (f32): F32 caches as they are (no copy); BF16
+/// caches as only the blocks the call reads, widened exactly, with the block table renumbered
+/// into them (widening the whole pool on every call would cost a pass over it per step). The
+/// values each query attends to, and their order, are unchanged, so the bits are too.
+struct HostCaches<'a> {
+    k: std::borrow::Cow<'a, [f32]>,
+    v: std::borrow::Cow<'a, [f32]>,
+    table: std::borrow::Cow<'a, [i32]>,
+    dims: PagedDims,
+}
+
+impl<'a> HostCaches<'a> {
+    fn new(
+        k_cache: &'a Tensor,
+        v_cache: &'a Tensor,
+        table: &'a [i32],
+        context_lens: &[i32],
+        dims: PagedDims,
+    ) -> Result<HostCaches<'a>> {
+        use std::borrow::Cow;
+        if k_cache.dtype() != DType::BF16 {
+            return Ok(HostCaches {
+                k: k_cache.f32_data()?,
+                v: v_cache.f32_data()?,
+                table: Cow::Borrowed(table),
+                dims,
+            });
+        }
+        // Every block a context uses must exist before it is read here.
+        check_block_table(table, context_lens, dims)?;
+        let PagedDims { bs, hkv, d, mb, .. } = dims;
+        let block = bs * hkv * d;
+        let (k_all, v_all) = (k_cache.host_slice::<bf16>()?, v_cache.host_slice::<bf16>()?);
+        let mut index: std::collections::BTreeMap<i32, i32> = Default::default();
+        let mut renumbered = vec![0i32; table.len()];
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for (s, &len) in context_lens.iter().enumerate() {
+            for i in 0..(len.max(0) as usize).div_ceil(bs) {
+                let old = table[s * mb + i];
+                let new = *index.entry(old).or_insert_with(|| {
+                    let o = old as usize * block;
+                    k.extend(k_all[o..o + block].iter().map(|x| x.to_f32()));
+                    v.extend(v_all[o..o + block].iter().map(|x| x.to_f32()));
+                    (k.len() / block - 1) as i32
+                });
+                renumbered[s * mb + i] = new;
+            }
+        }
+        let nb = index.len().max(1);
+        k.resize(nb * block, 0.0);
+        v.resize(nb * block, 0.0);
+        Ok(HostCaches {
+            k: Cow::Owned(k),
+            v: Cow::Owned(v),
+            table: Cow::Owned(renumbered),
+            dims: PagedDims { nb, ..dims },
+        })
     }
 }
 
@@ -650,14 +713,16 @@ pub fn paged_prefill(
     match backend {
         Backend::Cpu => {
             let mut out = vec![0.0f32; t * h * d];
+            let table = block_table.to_vec::<i32>()?;
+            let c = HostCaches::new(k_cache, v_cache, &table, &ctx, dims)?;
             paged_prefill_reference(
                 &q.f32_data()?,
-                &k_cache.f32_data()?,
-                &v_cache.f32_data()?,
-                &block_table.to_vec::<i32>()?,
+                &c.k,
+                &c.v,
+                &c.table,
                 &cu,
                 &ctx,
-                dims,
+                c.dims,
                 scale,
                 &mut out,
             )?;

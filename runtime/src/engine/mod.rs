@@ -41,7 +41,7 @@ use sluice_kernels::ops::embedding::embedding;
 use sluice_kernels::ops::sample::{sample, SampleParams};
 use sluice_kernels::{Backend, Tensor};
 use sluice_model::infer::{self, DecodeBatch, InferWeights, KvCache, PrefillBatch};
-use sluice_model::{Arena, ModelConfig};
+use sluice_model::{Arena, ModelConfig, Precision};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 
@@ -68,8 +68,11 @@ pub enum PreemptMode {
 /// Engine limits and policies.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
-    /// Blocks in the KV pool.
-    pub num_blocks: usize,
+    /// Bytes of the KV pool (every layer's K and V caches): the engine holds as many whole
+    /// blocks as fit ([`KvCache::blocks_for_bytes`]), so a bf16 cache holds twice the tokens of
+    /// an f32 one in the same bytes. Use [`EngineConfig::kv_bytes_for_blocks`] for a pool of a
+    /// given block count.
+    pub kv_bytes: usize,
     /// Token slots per block.
     pub block_size: usize,
     /// Tokens computed per step (prefill chunks plus one per decoding sequence), >= 1.
@@ -80,17 +83,36 @@ pub struct EngineConfig {
     pub preempt: PreemptMode,
     /// The default for [`Engine::swap_weights`].
     pub swap: SwapMode,
+    /// What the engine computes in: f32, or bf16 (the bf16 weights of the learner's compute
+    /// copy, a bf16 KV cache, the learner's rounding points). Must be the learner's precision
+    /// for its log-probs to match the rollout's bit for bit.
+    pub precision: Precision,
+}
+
+impl EngineConfig {
+    /// The `kv_bytes` of a pool of `blocks` blocks of `block_size` slots for `model` in
+    /// `precision`.
+    pub fn kv_bytes_for_blocks(
+        model: &ModelConfig,
+        precision: Precision,
+        block_size: usize,
+        blocks: usize,
+    ) -> usize {
+        blocks * KvCache::block_bytes(model, precision.dtype(), block_size)
+    }
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
-            num_blocks: 256,
+            // 8 MiB: 256 blocks of 16 slots of the small model in f32, 512 in bf16.
+            kv_bytes: 8 << 20,
             block_size: crate::kv_blocks::DEFAULT_BLOCK_SIZE,
             max_batch_tokens: 2048,
             max_seqs: 64,
             preempt: PreemptMode::Recompute,
             swap: SwapMode::Continue,
+            precision: Precision::F32,
         }
     }
 }
@@ -290,8 +312,9 @@ enum Kv {
     None,
     /// In the pool (the block manager holds the sequence).
     Device,
-    /// In host memory: per layer (K rows, V rows) of `kv_len` tokens, each Hkv*D wide.
-    Host(Vec<(Vec<f32>, Vec<f32>)>),
+    /// In host memory: per layer (K rows, V rows) of `kv_len` tokens, each `[kv_len, Hkv*D]`
+    /// host tensors in the cache's dtype.
+    Host(Vec<(Tensor, Tensor)>),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -344,6 +367,8 @@ pub struct Engine {
     backend: Backend,
     weights: InferWeights,
     cache: KvCache,
+    /// Blocks in the pool (from `cfg.kv_bytes`).
+    num_blocks: usize,
     bm: BlockManager,
     cfg: EngineConfig,
     seqs: BTreeMap<SeqHandle, Seq>,
@@ -377,13 +402,16 @@ impl Engine {
                 cfg.max_batch_tokens, cfg.max_seqs
             )));
         }
-        let bm = BlockManager::new(cfg.num_blocks, cfg.block_size)?;
-        let weights = InferWeights::from_arena(&backend, config, arena, version.0)?;
-        let cache = KvCache::new(&backend, config, cfg.num_blocks, cfg.block_size)?;
+        let dtype = cfg.precision.dtype();
+        let num_blocks = KvCache::blocks_for_bytes(config, dtype, cfg.block_size, cfg.kv_bytes)?;
+        let bm = BlockManager::new(num_blocks, cfg.block_size)?;
+        let weights = InferWeights::from_arena(&backend, config, arena, version.0, cfg.precision)?;
+        let cache = KvCache::new(&backend, config, num_blocks, cfg.block_size, dtype)?;
         Ok(Engine {
             backend,
             weights,
             cache,
+            num_blocks,
             bm,
             cfg,
             seqs: BTreeMap::new(),
@@ -402,6 +430,21 @@ impl Engine {
 
     pub fn config(&self) -> &EngineConfig {
         &self.cfg
+    }
+
+    /// Blocks in the KV pool (as many as `kv_bytes` holds in the engine's precision).
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// The engine's precision (its weights' and KV cache's).
+    pub fn precision(&self) -> Precision {
+        self.cfg.precision
+    }
+
+    /// Bytes of the KV caches.
+    pub fn kv_cache_bytes(&self) -> usize {
+        self.cache.bytes()
     }
 
     pub fn model_config(&self) -> &ModelConfig {
@@ -443,14 +486,14 @@ impl Engine {
             )));
         }
         check_ids(&req.prompt, vocab, "prompt")?;
-        let capacity = self.cfg.num_blocks * self.cfg.block_size;
+        let capacity = self.num_blocks * self.cfg.block_size;
         if req.prompt.len() + 1 > capacity {
             return Err(bad(format!(
                 "prompt of {} tokens (plus one generated) is longer than the KV pool of {} slots \
                  ({} blocks of {})",
                 req.prompt.len(),
                 capacity,
-                self.cfg.num_blocks,
+                self.num_blocks,
                 self.cfg.block_size
             )));
         }
@@ -523,7 +566,7 @@ impl Engine {
     ) -> Result<()> {
         let vocab = self.weights.config.vocab;
         let version = self.version();
-        let capacity = self.cfg.num_blocks * self.cfg.block_size;
+        let capacity = self.num_blocks * self.cfg.block_size;
         let s = self
             .seqs
             .get_mut(&handle)
@@ -602,7 +645,8 @@ impl Engine {
             )));
         }
         let config = self.weights.config.clone();
-        let w = InferWeights::from_arena(&self.backend, &config, arena, version.0)?;
+        let w =
+            InferWeights::from_arena(&self.backend, &config, arena, version.0, self.cfg.precision)?;
         self.weights = w;
         self.epoch += 1;
         self.stats.weight_swaps += 1;
@@ -882,12 +926,14 @@ impl Engine {
                         s.bm_len = n;
                         let c = plan.cached_tokens;
                         let row = self.cache.row_len();
+                        // Rows c.. of each host tensor, back on the engine's device.
+                        let back = |t: &Tensor| -> Result<Tensor> {
+                            Ok(t.copy_range(&Backend::Cpu, c * row, &[n - c, row])?
+                                .to_backend(&self.backend)?)
+                        };
                         let mut tensors = Vec::with_capacity(rows.len());
-                        for (k, v) in rows {
-                            tensors.push((
-                                Tensor::from_slice(&self.backend, &[n - c, row], &k[c * row..])?,
-                                Tensor::from_slice(&self.backend, &[n - c, row], &v[c * row..])?,
-                            ));
+                        for (k, v) in &rows {
+                            tensors.push((back(k)?, back(v)?));
                         }
                         if n > c {
                             self.cache.scatter(&self.backend, tensors, &plan.slots)?;
@@ -961,7 +1007,7 @@ impl Engine {
                     let rows = self.cache.gather(&self.backend, &slots)?;
                     let mut host = Vec::with_capacity(rows.len());
                     for (k, v) in rows {
-                        host.push((k.to_f32_vec()?, v.to_f32_vec()?));
+                        host.push((k.to_backend(&Backend::Cpu)?, v.to_backend(&Backend::Cpu)?));
                     }
                     self.bm.finish(SeqId(h.0))?;
                     let s = self.seq_mut(h)?;

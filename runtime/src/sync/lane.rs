@@ -2,7 +2,8 @@
 //! makes of a publication ([`SyncSource`]) and what each engine replica lane installs
 //! ([`SyncSink`]).
 //!
-//! - `inprocess`: the learner's f32 arena copy (`Arc<Arena>`) goes to every replica as is.
+//! - `inprocess`: the learner's arena copy (`Arc<Arena>`: f32, or the bf16 compute copy) goes
+//!   to every replica as is.
 //! - `delta`: the learner side keeps the last images in a [`Publisher`]; each replica gets a
 //!   delta against the version it holds (or the full image when it holds nothing the publisher
 //!   still keeps); its [`Receiver`] installs only bytes whose blake3 matches. A refused
@@ -13,8 +14,11 @@
 //!   poller refuses (a file that is short or different from what the pointer says) is answered
 //!   by rewriting that file whole from the bytes the writer kept.
 //!
-//! The image every path is measured and hashed on is the engine's copy: the bytes of the f32
-//! parameter arena (little-endian, padding included), the same bytes the learner publishes.
+//! The image every path is measured and hashed on is the engine's copy: the bytes of the
+//! published arena in its dtype (little-endian, padding included: f32, or in bf16 the bf16
+//! compute copy, half the bytes), the same bytes the learner publishes. The disk path writes
+//! a bf16 copy as an f32 checkpoint (widened exactly); a replica narrows what it loads back to
+//! its engine's dtype (exact) before hashing, so the hash is the published image's.
 //! Every publication carries the blake3 of that image, and every install reports the blake3 of
 //! what the replica now runs on, so a run can check after every publication that each replica
 //! holds exactly the learner's weights.
@@ -30,7 +34,7 @@ use super::publish::{Payload, Publication, Publisher, Receiver};
 use crate::engine::Engine;
 use crate::learner;
 use crate::trajectory::WeightVersion;
-use sluice_kernels::Backend;
+use sluice_kernels::{Backend, DType, Tensor};
 use sluice_model::checkpoint;
 use sluice_model::{Arena, Layout, ModelConfig};
 use std::path::{Path, PathBuf};
@@ -159,34 +163,72 @@ impl SyncOptions {
     }
 }
 
-/// The little-endian bytes of an f32 arena (padding included), from any device.
+/// The little-endian bytes of an arena in its dtype (F32, or BF16: 2 bytes a value; padding
+/// included), from any device.
 pub fn arena_bytes(arena: &Arena) -> Result<Vec<u8>, String> {
-    let values = arena.to_vec().map_err(|e| e.to_string())?;
-    let mut out = Vec::with_capacity(values.len() * 4);
-    for v in values {
-        out.extend_from_slice(&v.to_le_bytes());
+    match arena.dtype() {
+        DType::BF16 => {
+            let values = arena
+                .tensor()
+                .to_vec::<half::bf16>()
+                .map_err(|e| e.to_string())?;
+            let mut out = Vec::with_capacity(values.len() * 2);
+            for v in values {
+                out.extend_from_slice(&v.to_bits().to_le_bytes());
+            }
+            Ok(out)
+        }
+        _ => {
+            let values = arena.to_vec().map_err(|e| e.to_string())?;
+            let mut out = Vec::with_capacity(values.len() * 4);
+            for v in values {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            Ok(out)
+        }
     }
-    Ok(out)
 }
 
-/// An f32 arena of `layout` on `backend` holding `bytes` (little-endian f32).
+/// An arena of `layout` on `backend` holding `bytes` (little-endian): F32 when there are 4
+/// bytes per value of the layout, BF16 when there are 2 (what [`arena_bytes`] made).
 pub fn arena_from_bytes(
     backend: &Backend,
     layout: &Arc<Layout>,
     bytes: &[u8],
 ) -> Result<Arena, String> {
-    if bytes.len() != layout.len() * 4 {
-        return Err(format!(
-            "{} bytes of weights for a layout of {} f32 values",
-            bytes.len(),
-            layout.len()
-        ));
+    let n = layout.len();
+    if bytes.len() == n * 4 {
+        let values: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        return Arena::from_f32(backend, layout.clone(), &values).map_err(|e| e.to_string());
     }
-    let values: Vec<f32> = bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    Arena::from_f32(backend, layout.clone(), &values).map_err(|e| e.to_string())
+    if bytes.len() == n * 2 {
+        let values: Vec<half::bf16> = bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+            .collect();
+        let t = Tensor::from_slice(backend, &[n], &values).map_err(|e| e.to_string())?;
+        return Arena::from_tensor(layout.clone(), t).map_err(|e| e.to_string());
+    }
+    Err(format!(
+        "{} bytes of weights for a layout of {n} values ({} as f32, {} as bf16)",
+        bytes.len(),
+        n * 4,
+        n * 2
+    ))
+}
+
+/// `arena` in the dtype `engine` computes in: itself when it is, else a converted copy (a disk
+/// checkpoint of a bf16 publication is f32 holding bf16 values, so narrowing it back is exact).
+fn in_engine_dtype(engine_dtype: DType, backend: &Backend, arena: Arena) -> Result<Arena, String> {
+    if arena.dtype() == engine_dtype {
+        return Ok(arena);
+    }
+    arena
+        .cast_copy(backend, engine_dtype)
+        .map_err(|e| e.to_string())
 }
 
 /// The image a stage starts from (what every engine was built with).
@@ -640,7 +682,7 @@ impl SyncSink {
                     .map_err(|e| e.to_string())?;
                 *version = Some(publication.version);
                 *hash = Some(*h);
-                let image = (publication.params.tensor().numel() * 4) as u64;
+                let image = publication.params.tensor().len_bytes() as u64;
                 Ok(SyncReport::Installed {
                     version: publication.version,
                     hash: *h,
@@ -712,10 +754,11 @@ impl SyncSink {
                 }))
             }
         };
-        let image = arena_bytes(&update.params)?;
+        let params = in_engine_dtype(engine.precision().dtype(), engine.backend(), update.params)?;
+        let image = arena_bytes(&params)?;
         let h = ContentHash::of(&image);
         engine
-            .swap_weights(&update.params, update.version, None)
+            .swap_weights(&params, update.version, None)
             .map_err(|e| e.to_string())?;
         *version = Some(update.version);
         *hash = Some(h);
@@ -758,7 +801,7 @@ pub fn restart_replica(
         FullSync::Arena(p, hash) => {
             let engine = Engine::new(backend, config, &p.params, p.version, engine_config)
                 .map_err(engine_err)?;
-            let image = (p.params.tensor().numel() * 4) as u64;
+            let image = p.params.tensor().len_bytes() as u64;
             Ok((
                 engine,
                 SyncSink::InProcess {
@@ -805,16 +848,11 @@ pub fn restart_replica(
                 .poll(&backend)
                 .map_err(|e| e.to_string())?
                 .ok_or_else(|| format!("{}: nothing is published", dir.display()))?;
-            let image = arena_bytes(&update.params)?;
+            let params = in_engine_dtype(engine_config.precision.dtype(), &backend, update.params)?;
+            let image = arena_bytes(&params)?;
             let hash = ContentHash::of(&image);
-            let engine = Engine::new(
-                backend,
-                config,
-                &update.params,
-                update.version,
-                engine_config,
-            )
-            .map_err(engine_err)?;
+            let engine = Engine::new(backend, config, &params, update.version, engine_config)
+                .map_err(engine_err)?;
             Ok((
                 engine,
                 SyncSink::Disk {

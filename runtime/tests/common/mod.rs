@@ -10,7 +10,7 @@ use sluice_kernels::ops::sample::SampleParams;
 use sluice_kernels::testing::Rng;
 use sluice_kernels::{Backend, Tensor};
 use sluice_model::infer::{self, InferWeights, KvCache, PrefillBatch};
-use sluice_model::{forward, Model, ModelConfig, PackedBatch};
+use sluice_model::{forward, Model, ModelConfig, PackedBatch, Precision};
 use sluice_runtime::engine::{
     Engine, EngineConfig, Event, Request, SeqHandle, StopConfig, StopReason,
 };
@@ -25,8 +25,28 @@ pub fn model(mut cfg: ModelConfig, seed: u64, backend: &Backend) -> Model {
     Model::new(cfg, backend).unwrap()
 }
 
+/// [`model`] computing in `precision` (bf16: with its bf16 compute copy).
+pub fn model_in(cfg: ModelConfig, seed: u64, backend: &Backend, precision: Precision) -> Model {
+    let mut m = model(cfg, seed, backend);
+    m.set_precision(backend, precision).unwrap();
+    m
+}
+
+/// An engine on `m`'s compute weights (its f32 parameters, or its bf16 compute copy) at version
+/// 0, in `m`'s precision (the learner's: what zero mismatch needs).
 pub fn engine(m: &Model, backend: Backend, cfg: EngineConfig) -> Engine {
-    Engine::new(backend, &m.config, &m.params, WeightVersion(0), cfg).unwrap()
+    let cfg = EngineConfig {
+        precision: m.precision(),
+        ..cfg
+    };
+    Engine::new(
+        backend,
+        &m.config,
+        m.compute_weights(),
+        WeightVersion(0),
+        cfg,
+    )
+    .unwrap()
 }
 
 pub fn prompt(rng: &mut Rng, n: usize, vocab: usize) -> Vec<u32> {
@@ -323,13 +343,14 @@ fn compare(s: &Sample, logp: &[f32], what: &str) -> usize {
 /// engine's behavior log-probs. Returns the tokens compared.
 #[must_use = "a zero-mismatch check must assert how many tokens it compared"]
 pub fn assert_full_recompute_identical(backend: &Backend, m: &Model, results: &Results) -> usize {
-    let w = InferWeights::from_arena(backend, &m.config, &m.params, 0).unwrap();
+    let w = InferWeights::from_arena(backend, &m.config, m.compute_weights(), 0, m.precision())
+        .unwrap();
     let mut compared = 0;
     for s in results.values() {
         let n = s.tokens.len();
         let bs = 4;
         let nb = n.div_ceil(bs);
-        let mut cache = KvCache::new(backend, &m.config, nb, bs).unwrap();
+        let mut cache = KvCache::new(backend, &m.config, nb, bs, m.precision().dtype()).unwrap();
         let batch = PrefillBatch {
             tokens: s.tokens.iter().map(|&t| t as i32).collect(),
             positions: (0..n as i32).collect(),

@@ -105,7 +105,12 @@ impl Setup {
             temperature: 1.0,
             seed: 5,
             engine: EngineConfig {
-                num_blocks: 2048,
+                kv_bytes: EngineConfig::kv_bytes_for_blocks(
+                    &Self::model_config(),
+                    sluice_model::Precision::F32,
+                    16,
+                    2048,
+                ),
                 max_seqs: 64,
                 ..EngineConfig::default()
             },
