@@ -7,7 +7,7 @@
 
 use sluice_kernels::Backend;
 use sluice_model::optim::OptimConfig;
-use sluice_model::{Model, ModelConfig};
+use sluice_model::{Model, ModelConfig, Precision};
 use sluice_runtime::buffer::{BufferConfig, DataBuffer};
 use sluice_runtime::clock::{ClockMode, CostModel, Micros};
 use sluice_runtime::engine::{Engine, EngineConfig};
@@ -65,7 +65,12 @@ fn run(sessions: u64) {
         &model.params,
         WeightVersion(0),
         EngineConfig {
-            num_blocks: 4 * sessions as usize + 64,
+            kv_bytes: EngineConfig::kv_bytes_for_blocks(
+                &cfg,
+                Precision::F32,
+                EngineConfig::default().block_size,
+                4 * sessions as usize + 64,
+            ),
             max_seqs: 4096,
             max_batch_tokens: 1 << 16,
             ..EngineConfig::default()
