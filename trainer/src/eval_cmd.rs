@@ -47,6 +47,27 @@ fn config_for(o: &EvalOptions) -> Result<TrainConfig, TrainError> {
     Ok(config::load(None, &[])?)
 }
 
+/// The weights file of `--checkpoint`: a safetensors file, or a checkpoint folder of a run
+/// (runs/NAME/checkpoints/NNN-XXXXXXXXX/), whose learner.safetensors holds the weights.
+fn weights_file(checkpoint: &Path) -> Result<PathBuf, TrainError> {
+    if checkpoint.is_file() {
+        return Ok(checkpoint.to_path_buf());
+    }
+    let inside = checkpoint.join("learner.safetensors");
+    if checkpoint.is_dir() && inside.is_file() {
+        return Ok(inside);
+    }
+    Err(TrainError::Input(format!(
+        "--checkpoint {}: {}",
+        checkpoint.display(),
+        if checkpoint.is_dir() {
+            "a folder without learner.safetensors (give a safetensors file or a checkpoint folder of a run)"
+        } else {
+            "no such file"
+        }
+    )))
+}
+
 fn render(ids: &[TokenId], text: bool) -> String {
     if text {
         crate::tasks::tokenizer::render(ids)
@@ -70,12 +91,7 @@ pub fn run_eval(o: &EvalOptions, out: &mut dyn Write) -> Result<(PassRate, PassR
             names.join(", ")
         )));
     };
-    if !o.checkpoint.is_file() {
-        return Err(TrainError::Input(format!(
-            "--checkpoint {}: not a file",
-            o.checkpoint.display()
-        )));
-    }
+    let weights = weights_file(&o.checkpoint)?;
     let backend = Backend::open(cfg.run.device).map_err(|e| {
         TrainError::Config(ConfigError {
             key: "run.device".into(),
@@ -88,7 +104,7 @@ pub fn run_eval(o: &EvalOptions, out: &mut dyn Write) -> Result<(PassRate, PassR
         Some(p) => Precision::parse(p)
             .map_err(|_| TrainError::Input(format!("--precision {p:?}: use auto, f32 or bf16")))?,
     };
-    let mut model = Model::from_checkpoint(&o.checkpoint, &backend)
+    let mut model = Model::from_checkpoint(&weights, &backend)
         .map_err(|e| TrainError::Input(format!("--checkpoint: {e}")))?;
     model
         .set_precision(&backend, precision)

@@ -7,8 +7,10 @@
 //!           summary.json     DESIGN 7.1's keys
 //!           trace.json       Chrome trace events (Perfetto): rollout, environment, learner, sync
 //!           *.svg            plots
-//!           checkpoints/     step-N/: learner.safetensors (weights + optimizer state),
-//!                            rollout.safetensors (the engines' weights), state.json
+//!           checkpoints/     SSS-NNNNNNNNN/ (stage SSS, at a barrier after learner step N) and
+//!                            SSS-end/: learner.safetensors (weights + optimizer state),
+//!                            rollout.safetensors (the engines' weights; barrier
+//!                            checkpoints only), state.json
 //!           final.safetensors
 //! ```
 //!

@@ -191,6 +191,31 @@ fn a_run_leaves_the_run_folder() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("nosuch"));
     let o = sluice(&["eval", "--checkpoint", "no/such/file", "--task", "tool"]);
     assert_eq!(o.status.code(), Some(2));
+    // A checkpoint folder of the run works too: its learner.safetensors is evaluated.
+    let stage_end = out.join("checkpoints").join("000-end");
+    let text = run_ok(&[
+        "eval",
+        "--checkpoint",
+        stage_end.to_str().unwrap(),
+        "--task",
+        "sort",
+        "--samples",
+        "4",
+    ]);
+    assert!(
+        text.contains("000-end on 4 held-out problems") && text.contains("greedy"),
+        "{text}"
+    );
+    // A folder that is not a checkpoint names what it lacks.
+    let o = sluice(&[
+        "eval",
+        "--checkpoint",
+        out.to_str().unwrap(),
+        "--task",
+        "sort",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("without learner.safetensors"));
     // The resolved config loads back.
     run_ok(&[
         "train",
