@@ -272,17 +272,15 @@ fn replay_runs_are_bit_reproducible_on_cpu() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-#[test]
-fn replay_runs_are_bit_reproducible_on_emu() {
-    // Every op runs through the emulated CUDA kernels: the tiny model of the gradient tests
-    // and the raw-id tasks, a few steps of each stage.
-    let dir = scratch("replay-emu");
-    let cfg = dir.join("emu.toml");
-    std::fs::write(
-        &cfg,
+/// Writes dir/emu.toml, the config of the emu runs: the tiny model of the gradient tests and the
+/// raw-id tasks, a few steps of each stage. `model_extra` and `recall_extra` are lines added to
+/// the `[model]` and `[tasks.recall]` sections.
+fn tiny_emu_config(dir: &Path, model_extra: &str, recall_extra: &str) -> PathBuf {
+    let text = format!(
         r#"
 [model]
 config = "configs/model/tiny.toml"
+{model_extra}
 [[stage]]
 kind = "sft"
 steps = 4
@@ -302,12 +300,26 @@ groups_per_step = 2
 [tasks.recall]
 kind = "recall"
 items = 3
-faults = { crash = 0.05, timeout = 0.0, garbage = 0.05 }
+{recall_extra}
 [tasks.lookup]
 kind = "lookup"
-"#,
-    )
-    .unwrap();
+"#
+    );
+    let path = dir.join("emu.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn replay_runs_are_bit_reproducible_on_emu() {
+    // Every op runs through the emulated CUDA kernels: the tiny model of the gradient tests
+    // and the raw-id tasks, a few steps of each stage.
+    let dir = scratch("replay-emu");
+    let cfg = tiny_emu_config(
+        &dir,
+        "",
+        "faults = { crash = 0.05, timeout = 0.0, garbage = 0.05 }",
+    );
     replay_pair("emu", &cfg, &dir);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -682,37 +694,7 @@ fn bf16_runs_have_zero_mismatch_on_cpu_and_emu() {
         assert!(text.contains(&format!("), {want}:")), "{text}");
     }
 
-    let emu_cfg = dir.join("emu.toml");
-    std::fs::write(
-        &emu_cfg,
-        r#"
-[model]
-config = "configs/model/tiny.toml"
-precision = "bf16"
-[[stage]]
-kind = "sft"
-steps = 4
-tasks = ["recall", "lookup"]
-[[stage]]
-kind = "rl"
-steps = 6
-tasks = ["recall", "lookup"]
-[optim]
-sft_batch = 8
-[rollout]
-max_new_tokens = 4
-eval_problems = 4
-[buffer]
-group_size = 4
-groups_per_step = 2
-[tasks.recall]
-kind = "recall"
-items = 3
-[tasks.lookup]
-kind = "lookup"
-"#,
-    )
-    .unwrap();
+    let emu_cfg = tiny_emu_config(&dir, "precision = \"bf16\"", "");
     let out = dir.join("emu");
     let text = run_ok(&[
         "train",

@@ -67,6 +67,36 @@ pub fn gemm_reference_into(a: &[f32], b: &[f32], c: &mut [f32], m: usize, n: usi
     gemm_strided_into(m, n, k, (a, k, 1), (b, 1, k), c);
 }
 
+/// The shared preamble of the strided CPU products: asserts that `c` holds m*n elements and
+/// that every stride stays inside its slice, and settles the empty cases (nothing to do when
+/// m or n is 0; C = 0 when k is 0). Returns whether a product remains to be computed.
+///
+/// # Panics
+/// If `c` is not m*n long or a stride reaches past the end of a slice (a caller bug).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn strided_operands_checked(
+    name: &str,
+    m: usize,
+    n: usize,
+    k: usize,
+    (a, rsa, csa): (&[f32], usize, usize),
+    (b, rsb, csb): (&[f32], usize, usize),
+    c: &mut [f32],
+) -> bool {
+    assert_eq!(c.len(), m * n, "{name}: c must hold m*n elements");
+    if m == 0 || n == 0 {
+        return false;
+    }
+    if k == 0 {
+        c.fill(0.0);
+        return false;
+    }
+    let last = |r: usize, rs: usize, cols: usize, cs: usize| (r - 1) * rs + (cols - 1) * cs;
+    assert!(last(m, rsa, k, csa) < a.len(), "{name}: A out of bounds");
+    assert!(last(k, rsb, n, csb) < b.len(), "{name}: B out of bounds");
+    true
+}
+
 /// C[m,n] = A · B in f32 for operands given by strides: element (i, kk) of A at
 /// `a[i * rsa + kk * csa]`, element (kk, j) of B at `b[kk * rsb + j * csb]`; C row-major,
 /// overwritten. The same arithmetic as [`gemm_reference_into`] (matrixmultiply packs either
@@ -84,27 +114,17 @@ pub fn gemm_strided_into(
     (b, rsb, csb): (&[f32], usize, usize),
     c: &mut [f32],
 ) {
-    assert_eq!(
-        c.len(),
-        m * n,
-        "gemm_strided_into: c must hold m*n elements"
-    );
-    if m == 0 || n == 0 {
+    if !strided_operands_checked(
+        "gemm_strided_into",
+        m,
+        n,
+        k,
+        (a, rsa, csa),
+        (b, rsb, csb),
+        c,
+    ) {
         return;
     }
-    if k == 0 {
-        c.fill(0.0);
-        return;
-    }
-    let last = |r: usize, rs: usize, cols: usize, cs: usize| (r - 1) * rs + (cols - 1) * cs;
-    assert!(
-        last(m, rsa, k, csa) < a.len(),
-        "gemm_strided_into: A out of bounds"
-    );
-    assert!(
-        last(k, rsb, n, csb) < b.len(),
-        "gemm_strided_into: B out of bounds"
-    );
     // Row panels over the pool as in gemm_reference_into (a row's bits do not depend on its
     // panel).
     let rows_per_panel = panel_rows(m, n, k);

@@ -18,6 +18,7 @@
 //! accumulators in registers for the whole of K. Row blocks are split over rayon's threads; a
 //! row's arithmetic does not depend on the block it is in, so the product is batch-invariant.
 
+use crate::ops::gemm::strided_operands_checked;
 use crate::par;
 
 /// Rows of A per register block.
@@ -40,23 +41,9 @@ pub fn gemm_chain_strided_into(
     (b, rsb, csb): (&[f32], usize, usize),
     c: &mut [f32],
 ) {
-    assert_eq!(c.len(), m * n, "gemm_chain: c must hold m*n elements");
-    if m == 0 || n == 0 {
+    if !strided_operands_checked("gemm_chain", m, n, k, (a, rsa, csa), (b, rsb, csb), c) {
         return;
     }
-    if k == 0 {
-        c.fill(0.0);
-        return;
-    }
-    let last = |r: usize, rs: usize, cols: usize, cs: usize| (r - 1) * rs + (cols - 1) * cs;
-    assert!(
-        last(m, rsa, k, csa) < a.len(),
-        "gemm_chain: A out of bounds"
-    );
-    assert!(
-        last(k, rsb, n, csb) < b.len(),
-        "gemm_chain: B out of bounds"
-    );
     // B^T panels: panel p holds columns p*NR.. as [K][NR], zeros past n.
     let panels = n.div_ceil(NR);
     let mut bp = vec![0.0f32; panels * k * NR];
