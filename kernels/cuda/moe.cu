@@ -286,7 +286,9 @@ extern "C" __global__ void __launch_bounds__(256) moe_copy(const float* __restri
 // segment g = rows offsets[g]..offsets[g+1]; blockIdx.z = g. This is the weight gradient of a
 // grouped linear layer (dW_e = dOut_e^T · In_e) without atomics and without a split over rows:
 // each element is one chain over its segment's rows in ascending order, so its bits depend on
-// the segment alone. An empty segment gives zeros.
+// the segment alone. An empty segment gives zeros. The chain is written as explicit fmaf (what
+// nvcc makes of `acc += a * b` anyway), so the emulator, whose host compiler does not contract,
+// sums it the same way and the CPU reference (an FMA chain, gemm_chain) gives the same bits.
 //
 // Version 2 (version 1, commit 0ddafc8: a 16x16 tile, one output per thread): a 64x64 tile of
 // out per 256-thread block, 4x4 outputs per thread (rows ty + 16a, columns tx + 16b, so a warp's
@@ -335,7 +337,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_segment_wgrad(const float*
             #pragma unroll
             for (int a = 0; a < 4; ++a)
                 #pragma unroll
-                for (int b = 0; b < 4; ++b) acc[a][b] += av[a] * bv[b];
+                for (int b = 0; b < 4; ++b) acc[a][b] = fmaf(av[a], bv[b], acc[a][b]);
         }
         __syncthreads();
     }

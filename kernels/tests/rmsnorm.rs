@@ -10,7 +10,7 @@ use sluice_kernels::{Backend, DType, Error, Tensor};
 /// Shapes (T, d): single element, ragged sizes, and more rows than a dw chunk (64) holds.
 const SHAPES: &[(usize, usize)] = &[(1, 1), (1, 17), (17, 127), (127, 17), (130, 5), (3, 300)];
 /// Small shapes for the emulator (every block runs 256 fibers).
-const EMU_SHAPES: &[(usize, usize)] = &[(1, 1), (17, 127), (70, 9)];
+const EMU_SHAPES: &[(usize, usize)] = &[(1, 1), (17, 127), (70, 9), (3, 300)];
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
@@ -247,6 +247,16 @@ fn emu_matches_reference_and_seeds_agree() {
             );
             assert_eq!(bits(&a.1), bits(&b.1), "emu seeds disagree on dx");
             assert_eq!(bits(&a.2), bits(&b.2), "emu seeds disagree on dw");
+            // The cpu reference sums each row in the kernel's block order (ops::block_reduce),
+            // so cpu and emu agree bit for bit, d > 256 (lanes holding two terms) included.
+            let c = run_device(&Backend::Cpu, dtype, t, d, 5);
+            for (name, x, y) in [("y", &c.0, &a.0), ("dx", &c.1, &a.1), ("dw", &c.2, &a.2)] {
+                assert_eq!(
+                    bits(x),
+                    bits(y),
+                    "cpu and emu differ on {name} ({dtype} {t}x{d})"
+                );
+            }
         }
     }
 }

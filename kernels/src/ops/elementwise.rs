@@ -11,11 +11,14 @@
 //!
 //! Inputs are F32 or BF16 (all float inputs of one call share the dtype); math and outputs are
 //! f32 (the transpose, a copy, keeps the dtype). Every op is deterministic and the row ops are
-//! batch-invariant (a row's reduction order depends only on n).
+//! batch-invariant (a row's reduction order depends only on n). The CPU references sum each row
+//! in the device block reduction's order ([`super::block_reduce`]) with the host `expf`, so they
+//! give the emulated kernels' bits.
 //!
 //! This file also holds the small helpers the model-op families (rmsnorm, rope, swiglu,
 //! embedding, elementwise) share: dtype checks, host copies, output allocation.
 
+use super::block_reduce::{block_max, block_sum};
 use crate::device::Backend;
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
@@ -27,7 +30,7 @@ use half::bf16;
 
 /// Threads per block of every model-op kernel with a block reduction (fixed: the reduction
 /// order, and so the bits, must not depend on anything but the row length).
-pub(crate) const ROW_THREADS: u32 = 256;
+pub(crate) const ROW_THREADS: u32 = super::block_reduce::BLOCK_THREADS as u32;
 /// Threads per block of the grid-stride elementwise kernels.
 pub(crate) const EW_THREADS: u32 = 256;
 /// Upper bound on grid-stride blocks (enough to fill an H200; more only adds launch overhead).
@@ -138,7 +141,7 @@ pub fn residual_add_reference(a: &[f32], b: &[f32]) -> Result<Vec<f32>> {
     Ok(par::map_collect(a.len(), 1, |i| a[i] + b[i]))
 }
 
-/// Row softmax of x[rows, n] (max-subtracted; sums in ascending column order).
+/// Row softmax of x[rows, n] (max-subtracted; the sum in the device's block order).
 pub fn softmax_reference(x: &[f32], rows: usize, n: usize) -> Result<Vec<f32>> {
     check_len("x", x, rows * n, "[T,n]")?;
     let mut y = vec![0.0f32; rows * n];
@@ -147,8 +150,8 @@ pub fn softmax_reference(x: &[f32], rows: usize, n: usize) -> Result<Vec<f32>> {
     }
     par::rows_mut(&mut y, n, 24 * n, |row, yr| {
         let xr = &x[row * n..(row + 1) * n];
-        let m = xr.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let sum: f32 = xr.iter().map(|&v| (v - m).exp()).sum();
+        let m = block_max(n, |j| xr[j]);
+        let sum = block_sum(n, |j| (xr[j] - m).exp());
         for (o, &v) in yr.iter_mut().zip(xr) {
             *o = (v - m).exp() / sum;
         }
@@ -171,7 +174,7 @@ pub fn softmax_backward_reference(
     }
     par::rows_mut(&mut dx, n, 3 * n, |row, o| {
         let (yr, dyr) = (&y[row * n..(row + 1) * n], &dy[row * n..(row + 1) * n]);
-        let dot: f32 = yr.iter().zip(dyr).map(|(&a, &b)| b * a).sum();
+        let dot = block_sum(n, |j| dyr[j] * yr[j]);
         for ((o, &a), &b) in o.iter_mut().zip(yr).zip(dyr) {
             *o = a * (b - dot);
         }

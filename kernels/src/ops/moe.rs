@@ -45,7 +45,7 @@
 //! contract (no aux parameter or output); the Rust API returns the loss in
 //! [`MoeOutput::aux_loss`] and adds its gradient in [`moe_backward`].
 
-use super::elementwise::{softmax, softmax_backward_reference, softmax_reference};
+use super::elementwise::{softmax, softmax_reference};
 use super::gemm::{
     gemm, gemm_chain_into, gemm_chain_strided_into, gemm_grouped, gemm_packed_into, gemm_reference,
     gemm_reference_into, gemm_strided_into, small_rows_rhs, PackedB, BF16_PACKED_MAX_K,
@@ -195,26 +195,35 @@ pub fn moe_route_reference(
     dims: MoeDims,
     cfg: MoeConfig,
 ) -> MoeRouting {
-    route(x, w_router, None, dims, cfg)
+    route(x, w_router, None, dims, cfg, false)
 }
 
-/// [`moe_route_reference`], the router product from `packed` when given (same bits).
+/// [`moe_route_reference`], the router product from `packed` when given (same bits). With
+/// `device_order` (BF16 inputs), the router product is one FMA chain over all of d per logit,
+/// the order of the device's `gemm_f32` (the packed kernel and the f32 reference are that
+/// order when d fits one of their 256-long chunks).
 fn route(
     x: &[f32],
     w_router: &[f32],
     packed: Option<&PackedB>,
     dims: MoeDims,
     cfg: MoeConfig,
+    device_order: bool,
 ) -> MoeRouting {
     let MoeDims { t, d, e, .. } = dims;
     let k = cfg.k;
     let logits = match packed {
-        Some(pb) => {
+        Some(pb) if !device_order || d <= BF16_PACKED_MAX_K => {
             let mut l = vec![0.0f32; t * e];
             gemm_packed_into(x, pb, 0, &mut l, t);
             l
         }
-        None => gemm_reference(x, w_router, t, e, d),
+        _ if device_order => {
+            let mut l = vec![0.0f32; t * e];
+            gemm_chain_into(x, w_router, &mut l, t, e, d);
+            l
+        }
+        _ => gemm_reference(x, w_router, t, e, d),
     };
     let probs = match cfg.score_fn {
         ScoreFn::Softmax => {
@@ -316,7 +325,7 @@ fn forward_state(
 ) -> ForwardState {
     let MoeDims { t, d, f, .. } = dims;
     let k = cfg.k;
-    let routing = route(x, w_router, packed.map(|p| &*p.router), dims, cfg);
+    let routing = route(x, w_router, packed.map(|p| &*p.router), dims, cfg, bf16);
     let n = t * k;
     let mut xs = vec![0.0f32; n * d];
     par::rows_mut(&mut xs, d.max(1), d, |p, row| {
@@ -706,28 +715,18 @@ fn backward_with_state(
     let dw1 = segment_wgrad_reference(&da, &s.xs, &r.offsets, f, d, s.bf16);
     let dw3 = segment_wgrad_reference(&db, &s.xs, &r.offsets, f, d, s.bf16);
 
-    // Router backward: through the renormalisation, then the score function over all E.
-    let mut dprobs = router_dprobs(&dgate, &r.kept, &r.idx, t, e, k, cfg.renorm);
-    if cfg.aux_alpha != 0.0 {
-        for row in dprobs.chunks_mut(e) {
-            for (g, &c) in row.iter_mut().zip(&r.aux_coef) {
-                *g += c;
-            }
-        }
-    }
-    let dlogits = match cfg.score_fn {
-        ScoreFn::Softmax => softmax_backward_reference(&r.probs, &dprobs, t, e)
-            .expect("moe: probs and dprobs are [T,E]"),
-        ScoreFn::Sigmoid => r
-            .probs
-            .iter()
-            .zip(&dprobs)
-            .map(|(&p, &g)| g * (p * (1.0 - p)))
-            .collect(),
-    };
+    // Router backward: through the renormalisation, then the score function over all E. With
+    // BF16 inputs, the router's f32 products are FMA chains in the device's order (as the
+    // expert products are).
+    let dlogits = router_backward(r, &dgate, t, e, k, cfg);
     let mut dx_router = vec![0.0f32; t * d];
-    gemm_strided_into(t, d, e, (&dlogits, e, 1), (w_router, d, 1), &mut dx_router);
-    let dw_router = segment_wgrad_reference(&dlogits, x, &[0, t as i32], e, d, false);
+    let router_product = if s.bf16 {
+        gemm_chain_strided_into
+    } else {
+        gemm_strided_into
+    };
+    router_product(t, d, e, (&dlogits, e, 1), (w_router, d, 1), &mut dx_router);
+    let dw_router = segment_wgrad_reference(&dlogits, x, &[0, t as i32], e, d, s.bf16);
 
     // dx = router part + the expert parts of the token's k slots, j ascending.
     let mut dx = dx_router;
@@ -748,35 +747,74 @@ fn backward_with_state(
     }
 }
 
-/// d loss / d scores [T,E] from d loss / d gates [T,k]: zero except at the kept experts; through
-/// g_j = v_j / S (S = sum of kept v) when `renorm`: dv_j = (dg_j - sum_i dg_i g_i) / S.
-fn router_dprobs(
+/// d loss / d logits [T,E] from d loss / d gates [T,k], in the operation order of moe.cu's
+/// `moe_router_backward` (one token per thread there, one row here):
+/// - through g_j = v_j / S (S = sum of the kept v, j ascending) when `renorm`:
+///   dv_j = (dg_j - sum_i dg_i (v_i / S)) / S; else dv_j = dg_j;
+/// - dprobs = dv at the kept experts, 0 elsewhere, plus the auxiliary loss's coefficient at
+///   every expert when it is on;
+/// - softmax: dlogits[e] = p_e (dprobs[e] - s) with s = sum_j dv_j p_(idx j) over the kept
+///   experts, j ascending (over every e ascending when the auxiliary loss is on); sigmoid:
+///   dprobs[e] p_e (1 - p_e).
+fn router_backward(
+    r: &MoeRouting,
     dgate: &[f32],
-    kept: &[f32],
-    idx: &[i32],
     t: usize,
     e: usize,
     k: usize,
-    renorm: bool,
+    cfg: MoeConfig,
 ) -> Vec<f32> {
-    let mut dprobs = vec![0.0f32; t * e];
-    for tok in 0..t {
-        let v = &kept[tok * k..(tok + 1) * k];
+    let sigmoid = cfg.score_fn == ScoreFn::Sigmoid;
+    let aux = (cfg.aux_alpha != 0.0).then_some(&r.aux_coef[..]);
+    let mut dlogits = vec![0.0f32; t * e];
+    par::rows_mut(&mut dlogits, e.max(1), 4 * e, |tok, out| {
+        let v = &r.kept[tok * k..(tok + 1) * k];
         let dg = &dgate[tok * k..(tok + 1) * k];
-        let row = &mut dprobs[tok * e..(tok + 1) * e];
-        if renorm {
+        let ix = &r.idx[tok * k..(tok + 1) * k];
+        let p = &r.probs[tok * e..(tok + 1) * e];
+        let mut dv_all = [0.0f32; MAX_K];
+        let dv = &mut dv_all[..k];
+        if cfg.renorm {
             let sum = v.iter().fold(0.0f32, |s, &x| s + x);
             let dot = (0..k).fold(0.0f32, |s, j| s + dg[j] * (v[j] / sum));
-            for j in 0..k {
-                row[idx[tok * k + j] as usize] = (dg[j] - dot) / sum;
+            for (o, &g) in dv.iter_mut().zip(dg) {
+                *o = (g - dot) / sum;
             }
         } else {
-            for j in 0..k {
-                row[idx[tok * k + j] as usize] = dg[j];
-            }
+            dv.copy_from_slice(dg);
         }
-    }
-    dprobs
+        let kept_at = |ex: usize| ix.iter().position(|&i| i as usize == ex);
+        if let Some(coef) = aux {
+            let dp = |ex: usize| coef[ex] + kept_at(ex).map_or(0.0, |j| dv[j]);
+            if sigmoid {
+                for (ex, o) in out.iter_mut().enumerate() {
+                    *o = dp(ex) * (p[ex] * (1.0 - p[ex]));
+                }
+            } else {
+                let s = (0..e).fold(0.0f32, |s, ex| s + dp(ex) * p[ex]);
+                for (ex, o) in out.iter_mut().enumerate() {
+                    *o = p[ex] * (dp(ex) - s);
+                }
+            }
+            return;
+        }
+        if sigmoid {
+            for (j, &ex) in ix.iter().enumerate() {
+                let ex = ex as usize;
+                out[ex] = dv[j] * (p[ex] * (1.0 - p[ex]));
+            }
+            return;
+        }
+        let s = (0..k).fold(0.0f32, |s, j| s + dv[j] * p[ix[j] as usize]);
+        for (o, &pe) in out.iter_mut().zip(p) {
+            *o = pe * (0.0 - s);
+        }
+        for (j, &ex) in ix.iter().enumerate() {
+            let ex = ex as usize;
+            out[ex] = p[ex] * (dv[j] - s);
+        }
+    });
+    dlogits
 }
 
 // ---------------------------------------------------------------------------------------------

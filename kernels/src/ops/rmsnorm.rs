@@ -10,8 +10,12 @@
 //! give a partial (rows added in ascending order), then the partials are added in ascending
 //! chunk order. The CPU reference uses the same chunking. dx and y are batch-invariant.
 //! r is `1 / sqrt(..)` (correctly rounded on every device), not an approximate rsqrt.
+//! The row sums (of x^2, and of dy * w * x in the backward) are taken in the device block
+//! reduction's order ([`super::block_reduce`]), so the cpu reference and the kernels under the
+//! emulator give the same bits.
 //! Inputs F32 or BF16 (shared by all float inputs of a call); math and outputs f32.
 
+use super::block_reduce::block_sum;
 use super::elementwise::{
     as_i32, by_dtype, check_len, expect_shape, float_dtype, host_tensor, rows_cols, FLOAT,
     ROW_THREADS,
@@ -39,9 +43,9 @@ fn check_eps(eps: f32) -> Result<()> {
     Ok(())
 }
 
-/// 1 / sqrt(mean of squares + eps) of one row (sums in ascending order).
+/// 1 / sqrt(mean of squares + eps) of one row (summed in the device's block order).
 fn row_rstd(x: &[f32], eps: f32) -> f32 {
-    let ss: f32 = x.iter().map(|v| v * v).sum();
+    let ss = block_sum(x.len(), |j| x[j] * x[j]);
     1.0 / (ss / x.len() as f32 + eps).sqrt()
 }
 
@@ -85,12 +89,7 @@ pub fn rmsnorm_backward_reference(
     par::rows2_mut(&mut dx, d, &mut rstd, 1, 8 * d, |row, dxr, r_out| {
         let (xr, dyr) = (&x[row * d..(row + 1) * d], &dy[row * d..(row + 1) * d]);
         let r = row_rstd(xr, eps);
-        let dot: f32 = dyr
-            .iter()
-            .zip(w)
-            .zip(xr)
-            .map(|((g, wv), xv)| g * wv * xv)
-            .sum();
+        let dot = block_sum(d, |j| dyr[j] * w[j] * xr[j]);
         let c = dot * r * r * r / d as f32;
         for (((o, &g), &wv), &xv) in dxr.iter_mut().zip(dyr).zip(w).zip(xr) {
             *o = r * (g * wv) - c * xv;
