@@ -34,13 +34,12 @@ impl Precision {
     }
 
     /// The precision a device computes in unless told otherwise: bf16 on `cuda` (the tensor
-    /// cores), f32 on `cpu` (where bf16 arithmetic is emulated and slower) and on `emu` (as the
-    /// Newton-Schulz default: emu checks the CUDA kernels, and f32 keeps it comparable with
-    /// the CPU to f32 tolerance).
+    /// cores) and on `emu` (which runs what cuda runs, DESIGN 2; its bf16 layer pieces give
+    /// the cpu reference's bits), f32 on `cpu` (where bf16 arithmetic is emulated and slower).
     pub fn default_for(device: Device) -> Precision {
         match device {
-            Device::Cuda(_) => Precision::Bf16,
-            Device::Cpu | Device::Emu => Precision::F32,
+            Device::Cuda(_) | Device::Emu => Precision::Bf16,
+            Device::Cpu => Precision::F32,
         }
     }
 
@@ -93,7 +92,7 @@ mod tests {
         assert!(e.contains("fp16") && e.contains("bf16"), "{e}");
         assert!(Precision::of_dtype(DType::I32).is_err());
         assert_eq!(Precision::default_for(Device::Cpu), Precision::F32);
-        assert_eq!(Precision::default_for(Device::Emu), Precision::F32);
+        assert_eq!(Precision::default_for(Device::Emu), Precision::Bf16);
         assert_eq!(Precision::default_for(Device::Cuda(0)), Precision::Bf16);
     }
 }

@@ -59,7 +59,7 @@ pub struct RunSection {
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelSection {
     pub config: PathBuf,
-    /// `model.precision` resolved for `run.device` (`auto`: bf16 on cuda, f32 on cpu and emu).
+    /// `model.precision` resolved for `run.device` (`auto`: bf16 on cuda and emu, f32 on cpu).
     pub precision: sluice_model::Precision,
     pub init: Option<PathBuf>,
 }

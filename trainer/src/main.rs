@@ -131,7 +131,7 @@ enum Command {
         /// cpu, emu, cuda or cuda:N.
         #[arg(long, default_value = "cpu")]
         device: String,
-        /// auto (bf16 on cuda, f32 on cpu and emu), f32 or bf16.
+        /// auto (bf16 on cuda and emu, f32 on cpu), f32 or bf16.
         #[arg(long, default_value = "auto")]
         precision: String,
         #[arg(long, default_value_t = 300)]

@@ -3,7 +3,7 @@
 //! (model/tests/smoke.rs) as a command: progress lines, a metrics file, a held-out accuracy and
 //! a checkpoint with the optimizer state at the end. `--precision bf16` trains in mixed
 //! precision (the bf16 compute copy, refreshed after every step; docs/model.md, "Precision");
-//! the default, `auto`, is bf16 on cuda and f32 on cpu and emu.
+//! the default, `auto`, is bf16 on cuda and emu and f32 on cpu.
 
 use sluice_kernels::testing::Rng;
 use sluice_kernels::{Backend, Device, Error, Result};
