@@ -190,6 +190,27 @@ fn cpu_and_emu_bf16_layer_pieces_agree() {
     }
 }
 
+/// The whole bf16 forward (embedding, every layer, the head) gives the same logits bits on cpu
+/// and emu, for the tiny and the small config, from the same master weights (the models are
+/// built on each device from the same seed).
+#[test]
+fn cpu_and_emu_bf16_logits_are_bit_identical() {
+    for (name, cfg, lens) in [
+        ("tiny", ModelConfig::tiny(), vec![1usize, 17, 40]),
+        ("small", ModelConfig::small(), vec![9, 30]),
+    ] {
+        let (b, _, _) = batch(&cfg, &lens, 8);
+        let on = |be: Backend| {
+            let mut m = Model::new(cfg.clone(), &be).unwrap();
+            m.set_precision(&be, Precision::Bf16).unwrap();
+            logits(&m, &b).unwrap()
+        };
+        let (c, e) = (on(Backend::Cpu), on(Backend::emu_with_seed(2)));
+        assert_eq!(c.len(), b.len() * cfg.vocab, "{name}: logits [T,V]");
+        assert_eq!(bits(&c), bits(&e), "{name}: cpu and emu bf16 logits differ");
+    }
+}
+
 fn batch(cfg: &ModelConfig, lens: &[usize], seed: u64) -> (PackedBatch, Vec<i32>, Vec<f32>) {
     let mut rng = Rng::new(seed);
     let seqs: Vec<Vec<i32>> = lens
