@@ -33,9 +33,11 @@
 //! dW_r stay f32.
 //! On `cpu`, BF16 inputs run the CPU reference at the same rounding points: the inputs widened
 //! exactly, h, d(ye), da and db rounded to bf16 values (nearest even) where the device rounds
-//! them, every product and sum in f32, so BF16 device results agree with it to the BF16
-//! tolerance (the plain references [`moe_forward_reference`] and [`moe_backward_reference`]
-//! are all-f32). Outputs are F32 (topk_idx I32).
+//! them, every product and sum in f32 and in the device's order (every GEMM, the router's
+//! included, one FMA chain over K; the softmax in the block reduction's order; the router
+//! backward in `moe_router_backward`'s), so cpu and emu give the same bits, and cuda agrees to
+//! the BF16 tolerance (the plain references [`moe_forward_reference`] and
+//! [`moe_backward_reference`] are all-f32). Outputs are F32 (topk_idx I32).
 //!
 //! Optional switch-style load-balancing auxiliary loss (`MoeConfig::aux_alpha`, default 0 = off):
 //! aux = alpha * E * sum_e f_e * P_e, with f_e the fraction of the T*k token-slots routed to
