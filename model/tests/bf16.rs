@@ -16,6 +16,9 @@ use sluice_model::layers::{self, BatchTensors, Dims, FfnWeights, ModelWeights};
 use sluice_model::optim::{OptimConfig, Optimizer};
 use sluice_model::{Model, PackedBatch, Precision};
 
+mod common;
+use common::batch;
+
 /// bf16's unit roundoff: round-to-nearest-even to 8 significant bits moves a value by at most
 /// 2^-9 of itself.
 const U_BF16: f64 = 1.0 / 512.0;
@@ -158,12 +161,8 @@ fn cpu_and_emu_bf16_layer_pieces_agree() {
         ("small2", small2, vec![17, 40, 3, 300]),
         ("wide", wide, vec![5, 60]),
     ] {
-        let mut rng = Rng::new(3);
-        let seqs: Vec<Vec<i32>> = lens
-            .iter()
-            .map(|&n| (0..n).map(|_| rng.below(cfg.vocab) as i32).collect())
-            .collect();
-        let b = PackedBatch::pack(&seqs, cfg.vocab).unwrap();
+        let (b, _, _) = batch(&cfg, &lens, 3);
+        let mut rng = Rng::new(4);
         let t = b.len();
         let x: Vec<f32> = (0..t * cfg.d_model).map(|_| rng.normal() as f32).collect();
         let dy: Vec<f32> = (0..t * cfg.d_model)
@@ -209,20 +208,6 @@ fn cpu_and_emu_bf16_logits_are_bit_identical() {
         assert_eq!(c.len(), b.len() * cfg.vocab, "{name}: logits [T,V]");
         assert_eq!(bits(&c), bits(&e), "{name}: cpu and emu bf16 logits differ");
     }
-}
-
-fn batch(cfg: &ModelConfig, lens: &[usize], seed: u64) -> (PackedBatch, Vec<i32>, Vec<f32>) {
-    let mut rng = Rng::new(seed);
-    let seqs: Vec<Vec<i32>> = lens
-        .iter()
-        .map(|&n| (0..n).map(|_| rng.below(cfg.vocab) as i32).collect())
-        .collect();
-    let b = PackedBatch::pack(&seqs, cfg.vocab).unwrap();
-    let targets: Vec<i32> = (0..b.len()).map(|_| rng.below(cfg.vocab) as i32).collect();
-    let mask: Vec<f32> = (0..b.len())
-        .map(|i| if i % 5 == 3 { 0.0 } else { 1.0 })
-        .collect();
-    (b, targets, mask)
 }
 
 /// Rounding points a gradient element passes through in the tiny model, counted from

@@ -6,21 +6,10 @@ use sluice_model::forward::{loss_and_grad, loss_of};
 use sluice_model::gradcheck::check_views;
 use sluice_model::kernels::testing::Rng;
 use sluice_model::kernels::Backend;
-use sluice_model::{Model, PackedBatch};
+use sluice_model::Model;
 
-fn batch(cfg: &ModelConfig, lens: &[usize], seed: u64) -> (PackedBatch, Vec<i32>, Vec<f32>) {
-    let mut rng = Rng::new(seed);
-    let seqs: Vec<Vec<i32>> = lens
-        .iter()
-        .map(|&n| (0..n).map(|_| rng.below(cfg.vocab) as i32).collect())
-        .collect();
-    let b = PackedBatch::pack(&seqs, cfg.vocab).unwrap();
-    let targets: Vec<i32> = (0..b.len()).map(|_| rng.below(cfg.vocab) as i32).collect();
-    let mask: Vec<f32> = (0..b.len())
-        .map(|i| if i % 5 == 3 { 0.0 } else { 1.0 })
-        .collect();
-    (b, targets, mask)
-}
+mod common;
+use common::batch;
 
 /// Tolerance, per view, relative norm: the forward is f32, so the loss carries rounding of a
 /// few 1e-7 relative; through the Richardson-combined step of 1e-2 that is a few 1e-4 absolute
