@@ -11,7 +11,8 @@ use sluice_model::forward::loss_and_grad;
 use sluice_model::kernels::testing::Rng;
 use sluice_model::kernels::Backend;
 use sluice_model::optim::{OptimConfig, Optimizer};
-use sluice_model::{Model, PackedBatch};
+use sluice_model::synthetic::{random_tokens, TaskBatch};
+use sluice_model::Model;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -29,15 +30,14 @@ fn bench(c: &mut Criterion) {
     let be = Backend::Cpu;
     let cfg = ModelConfig::small();
     let mut m = Model::new(cfg.clone(), &be).expect("model");
-    let mut rng = Rng::new(1);
-    let seqs: Vec<Vec<i32>> = (0..SEQS)
-        .map(|_| (0..LEN).map(|_| rng.below(cfg.vocab) as i32).collect())
-        .collect();
-    let batch = PackedBatch::pack(&seqs, cfg.vocab).expect("batch");
-    let targets: Vec<i32> = (0..batch.len())
-        .map(|_| rng.below(cfg.vocab) as i32)
-        .collect();
-    let mask = vec![1.0f32; batch.len()];
+    let (
+        _,
+        TaskBatch {
+            batch,
+            targets,
+            mask,
+        },
+    ) = random_tokens(&mut Rng::new(1), cfg.vocab, SEQS, LEN).expect("batch");
     let opt = Optimizer::new(&be, m.layout().clone(), OptimConfig::default()).expect("optimizer");
     let mut state = opt.new_state(&be).expect("state");
     let flops: f64 = opt

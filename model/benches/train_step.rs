@@ -20,6 +20,7 @@ use sluice_model::kernels::io::write_safetensors;
 use sluice_model::kernels::testing::Rng;
 use sluice_model::kernels::{Backend, Device, Tensor};
 use sluice_model::optim::{clip::global_norm, OptimConfig, Optimizer};
+use sluice_model::synthetic::{random_tokens, TaskBatch};
 use sluice_model::{Model, PackedBatch};
 use std::collections::BTreeMap;
 use std::hint::black_box;
@@ -73,15 +74,14 @@ fn export_for_peer(
 fn bench(c: &mut Criterion) {
     let cfg = ModelConfig::small();
     let mut m = Model::new(cfg.clone(), &Backend::Cpu).expect("model");
-    let mut rng = Rng::new(1);
-    let seqs: Vec<Vec<i32>> = (0..SEQS)
-        .map(|_| (0..LEN).map(|_| rng.below(cfg.vocab) as i32).collect())
-        .collect();
-    let batch = PackedBatch::pack(&seqs, cfg.vocab).expect("batch");
-    let targets: Vec<i32> = (0..batch.len())
-        .map(|_| rng.below(cfg.vocab) as i32)
-        .collect();
-    let mask = vec![1.0f32; batch.len()];
+    let (
+        seqs,
+        TaskBatch {
+            batch,
+            targets,
+            mask,
+        },
+    ) = random_tokens(&mut Rng::new(1), cfg.vocab, SEQS, LEN).expect("batch");
     let tokens = batch.len() as f64;
     if let Ok(dir) = std::env::var("SLUICE_PEER_DIR") {
         let flat: Vec<i32> = seqs.concat();

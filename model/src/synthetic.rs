@@ -74,3 +74,28 @@ pub fn reverse_digits(
         mask,
     })
 }
+
+/// Uniformly random tokens: `n_seqs` sequences of `len` ids below `vocab`, packed, with random
+/// targets and every token in the loss (mask 1.0). The benches' input: what the numbers do not
+/// matter, only the shapes. Returns the sequences too (for exporting the same input elsewhere).
+pub fn random_tokens(
+    rng: &mut Rng,
+    vocab: usize,
+    n_seqs: usize,
+    len: usize,
+) -> Result<(Vec<Vec<i32>>, TaskBatch)> {
+    let seqs: Vec<Vec<i32>> = (0..n_seqs)
+        .map(|_| (0..len).map(|_| rng.below(vocab) as i32).collect())
+        .collect();
+    let batch = PackedBatch::pack(&seqs, vocab)?;
+    let targets: Vec<i32> = (0..batch.len()).map(|_| rng.below(vocab) as i32).collect();
+    let mask = vec![1.0f32; batch.len()];
+    Ok((
+        seqs,
+        TaskBatch {
+            batch,
+            targets,
+            mask,
+        },
+    ))
+}

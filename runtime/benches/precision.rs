@@ -14,7 +14,8 @@ use sluice_kernels::testing::Rng;
 use sluice_kernels::Backend;
 use sluice_model::forward::loss_and_grad;
 use sluice_model::optim::{OptimConfig, Optimizer};
-use sluice_model::{Model, ModelConfig, PackedBatch, Precision};
+use sluice_model::synthetic::{random_tokens, TaskBatch};
+use sluice_model::{Model, ModelConfig, Precision};
 use sluice_runtime::engine::{Engine, EngineConfig, Request};
 use sluice_runtime::trajectory::WeightVersion;
 use std::hint::black_box;
@@ -61,15 +62,14 @@ fn train() {
     let precisions = [Precision::F32, Precision::Bf16];
     let mut models: Vec<Model> = precisions.iter().map(|&p| small(p)).collect();
     let cfg = models[0].config.clone();
-    let mut rng = Rng::new(1);
-    let seqs: Vec<Vec<i32>> = (0..SEQS)
-        .map(|_| (0..LEN).map(|_| rng.below(cfg.vocab) as i32).collect())
-        .collect();
-    let batch = PackedBatch::pack(&seqs, cfg.vocab).expect("batch");
-    let targets: Vec<i32> = (0..batch.len())
-        .map(|_| rng.below(cfg.vocab) as i32)
-        .collect();
-    let mask = vec![1.0f32; batch.len()];
+    let (
+        _,
+        TaskBatch {
+            batch,
+            targets,
+            mask,
+        },
+    ) = random_tokens(&mut Rng::new(1), cfg.vocab, SEQS, LEN).expect("batch");
     let cpu = Backend::Cpu;
     let opt = Optimizer::new(&cpu, models[0].layout().clone(), OptimConfig::default())
         .expect("optimizer");

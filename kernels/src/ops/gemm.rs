@@ -541,38 +541,12 @@ fn batched(
         Backend::Cpu => {
             let af = a.f32_data()?;
             let c = c.host_slice_mut::<f32>()?;
-            if dtype == DType::BF16 {
-                // Few rows and K within one chunk: the small-row kernel from B packed once (kept
-                // on the weight), whose single chunk is the same chain from +0 (same bits).
-                if (batch == 1 || shared_b) && k <= BF16_PACKED_MAX_K {
-                    if let Some(pb) = small_rows_rhs(b, 1, m, n, k) {
-                        for i in 0..batch {
-                            gemm_packed_into(
-                                &af[i * m * k..(i + 1) * m * k],
-                                &pb,
-                                0,
-                                &mut c[i * m * n..(i + 1) * m * n],
-                                m,
-                            );
-                        }
-                        return Ok(());
-                    }
-                }
-                let bf = b.f32_data()?;
-                for i in 0..batch {
-                    let bi = if shared_b { 0 } else { i };
-                    gemm_chain_into(
-                        &af[i * m * k..(i + 1) * m * k],
-                        &bf[bi * n * k..(bi + 1) * n * k],
-                        &mut c[i * m * n..(i + 1) * m * n],
-                        m,
-                        n,
-                        k,
-                    );
-                }
-                return Ok(());
-            }
-            if batch == 1 || shared_b {
+            // BF16 operands sum in the device's order (one FMA chain over K); F32 in the
+            // reference's chunked order.
+            let bf16 = dtype == DType::BF16;
+            // Few rows: the small-row kernel from B packed once (kept on the weight). For BF16
+            // only when K fits one of its chunks: then that chunk is the same chain from +0.
+            if (batch == 1 || shared_b) && (!bf16 || k <= BF16_PACKED_MAX_K) {
                 if let Some(pb) = small_rows_rhs(b, 1, m, n, k) {
                     for i in 0..batch {
                         gemm_packed_into(
@@ -586,11 +560,16 @@ fn batched(
                     return Ok(());
                 }
             }
+            let product = if bf16 {
+                gemm_chain_into
+            } else {
+                gemm_reference_into
+            };
             let bf = b.f32_data()?;
             for i in 0..batch {
                 let bi = if shared_b { 0 } else { i };
                 if m * n > 0 {
-                    gemm_reference_into(
+                    product(
                         &af[i * m * k..(i + 1) * m * k],
                         &bf[bi * n * k..(bi + 1) * n * k],
                         &mut c[i * m * n..(i + 1) * m * n],
