@@ -16,6 +16,7 @@ fn bench_reports_every_matching_case() {
         budget_s: 0.0,
         json: Some(&json),
         markdown: None,
+        profile: false,
     };
     let report = run_bench(&opts).unwrap();
     assert!(
@@ -40,6 +41,7 @@ fn bench_with_no_matching_case_is_an_error() {
         budget_s: 0.0,
         json: None,
         markdown: None,
+        profile: false,
     };
     let err = run_bench(&opts).expect_err("an error");
     assert!(err.to_string().contains("no-such-op"), "{err}");

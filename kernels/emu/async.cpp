@@ -114,6 +114,12 @@ unsigned issue_copy(Worker& w, AsyncKind kind, void* dst, const void* src, unsig
                           describe_address(w, d, bytes).c_str()),
                loc.file_name(), loc.line());
   }
+  // Profile: a cp.async is a per-lane global load (grouped into warp requests like kernel loads);
+  // a bulk copy is one thread's instruction that moves `bytes` (counted by bytes).
+  if (kind == AsyncKind::CpAsync) prof_global_read(w, reinterpret_cast<uintptr_t>(src), bytes, loc.file_name(), loc.line());
+  else prof_mark_read(w, reinterpret_cast<uintptr_t>(src), bytes);
+  prof_add(w, kAsyncBytes, bytes, loc.file_name(), loc.line());
+  prof_add(w, kAsyncInstr, 1, loc.file_name(), loc.line());
   AsyncOp op{kind, true, static_cast<char*>(dst), static_cast<const char*>(src), bytes, bar, t_cur->linear, -1,
              loc.file_name(), loc.line()};
   unsigned idx = new_op(w, op);

@@ -357,7 +357,10 @@ void* static_shared_slot(const void* key, std::size_t bytes, std::size_t align, 
 }
 
 void atomic_access(const volatile void* p, unsigned size, const void* ra) {
-  check_access(reinterpret_cast<uintptr_t>(p), size, kAccWrite | kAccAtomic, reinterpret_cast<uintptr_t>(ra) - 1);
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p), pc = reinterpret_cast<uintptr_t>(ra) - 1;
+  Worker* w = t_worker;
+  if (w && w->prof && t_cur && a - g_arena_lo < g_arena_size) prof_access(*w, a, size, kAccWrite | kAccRmw, pc);
+  check_access(a, size, kAccWrite | kAccAtomic, pc);
 }
 
 namespace {
@@ -381,6 +384,12 @@ void check_watch(uintptr_t a, size_t n, unsigned flags, uintptr_t pc) {
 
 inline __attribute__((always_inline)) void hook(uintptr_t a, size_t n, unsigned flags, void* ra) {
   if (__builtin_expect(a - g_arena_lo < g_arena_size, 0)) {
+    // Only kernel code reaches the hooks, so this is where the profiler sees its accesses (the
+    // runtime's own checks of emulated instructions are counted by those instructions).
+    Worker* w = t_worker;
+    if (__builtin_expect(w != nullptr && w->prof != nullptr, 0) && t_cur) {
+      prof_access(*w, a, n, flags, reinterpret_cast<uintptr_t>(ra) - 1);
+    }
     check_access(a, n, flags, reinterpret_cast<uintptr_t>(ra) - 1);
   } else if (__builtin_expect(t_watch != nullptr, 0)) {
     check_watch(a, n, flags, reinterpret_cast<uintptr_t>(ra) - 1);

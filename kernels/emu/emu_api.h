@@ -33,7 +33,66 @@ typedef struct sluice_emu_options {
   int race;
   // NULL, or one name per kernel parameter, used to name buffers in findings.
   const char* const* param_names;
+  // Profiling (docs/emulator.md, "Profiling"): non-zero counts every memory request, tensor-core
+  // instruction, special-function call, barrier and shuffle of the launch and hands the profile to
+  // on_profile after the launch.
+  int profile;
+  // With profile: NULL to run every block, or the linear indices of the blocks to run (a sample),
+  // each with the weight its counts are scaled by (weights NULL: every block counts 1).
+  const unsigned long long* sample_blocks;
+  const double* sample_weights;
+  unsigned long long nsample;
+  // With profile: receives the launch's profile (valid only during the call).
+  void (*on_profile)(void* ctx, const struct sluice_emu_profile* profile);
+  void* profile_ctx;
 } sluice_emu_options;
+
+// ---- profiles (kernels/emu/profile.cpp) ----
+// Counter i of a site is named sluice_emu_profile_counter_name(i); the names are the JSON keys of
+// `sluice emu profile` (global_load_requests, shared_load_wavefronts, ...).
+#define SLUICE_EMU_PROFILE_COUNTERS 26
+SLUICE_EMU_EXPORT const char* sluice_emu_profile_counter_name(int i);
+
+// One code site: a memory instruction (located by code address, for addr2line) or an emulated
+// instruction, barrier or warp operation (located by its source line).
+typedef struct sluice_emu_profile_site {
+  const char* object;  // object file and address in it (for addr2line), or NULL
+  unsigned long long vaddr;
+  const char* file;    // source file and line when the runtime knows them, or NULL
+  unsigned line;
+  double counters[SLUICE_EMU_PROFILE_COUNTERS];  // weighted by the sample weights
+  // Unique global bytes this site read and wrote (full launches only; 0 otherwise).
+  unsigned long long unique_read;
+  unsigned long long unique_written;
+  // Smallest and largest access of one lane at this site, in bytes (0 for non-memory sites).
+  unsigned width_min;
+  unsigned width_max;
+  unsigned ntensor;                 // tensor-core instructions at this site, by shape
+  const char* const* tensor_shape;  // e.g. "mma.m16n8k16.bf16"
+  const double* tensor_count;
+} sluice_emu_profile_site;
+
+// Unique bytes of one global buffer (a pointer argument of the launch), full launches only.
+typedef struct sluice_emu_profile_buffer {
+  unsigned param;  // parameter index
+  unsigned long long bytes;
+  unsigned long long unique_read;
+  unsigned long long unique_written;
+} sluice_emu_profile_buffer;
+
+typedef struct sluice_emu_profile {
+  unsigned long long blocks_total;  // blocks of the grid
+  unsigned long long blocks_run;    // blocks profiled (== blocks_total for a full launch)
+  const sluice_emu_profile_site* sites;
+  unsigned nsites;
+  const sluice_emu_profile_buffer* buffers;  // NULL unless every block ran
+  unsigned nbuffers;
+} sluice_emu_profile;
+
+// Profile mode of the allocator: 0 (the default) fills fresh memory with 0xFF bytes (NaN); 1
+// leaves it untouched (zero pages that cost no resident memory until written), so that large
+// profiled shapes fit in memory. Returns the previous mode.
+SLUICE_EMU_EXPORT int sluice_emu_set_lazy_alloc(int lazy);
 
 // One finding of a launch. The strings live until the callback returns.
 typedef struct sluice_emu_finding {

@@ -175,6 +175,8 @@ struct Fiber {
   std::vector<PendingWgmma> wgmma;
   int wgmma_groups = 0;     // commit groups issued
   int cp_groups = 0;        // cp.async commit groups issued
+  // Inside an emulated instruction (ldmatrix, wgmma): its internal accesses are not profiled.
+  int prof_quiet = 0;
 };
 
 struct PendingWarpOp {
@@ -205,6 +207,9 @@ struct Finding {
 
 enum CheckLevel : int { kChecksOff = 0, kChecksBounds = 1, kChecksFull = 2 };
 
+struct ProfileWorker;   // profile.cpp: one host thread's counts for the running launch
+struct ProfileLaunch;   // profile.cpp: the merged counts of a launch
+
 struct Launch {
   const sluice_emu_kernel* kernel;
   unsigned grid[3];
@@ -231,6 +236,11 @@ struct Launch {
   std::vector<Finding> findings;
   unsigned long long dropped = 0;  // findings beyond kMaxFindings
   std::vector<Region*> race_regions;  // global regions whose race shadow this launch wrote
+  // Profiling (profile.cpp): null unless the launch is profiled. With a sample, only the listed
+  // blocks run, each weighted.
+  ProfileLaunch* profile = nullptr;
+  std::vector<unsigned long long> sample_blocks;
+  std::vector<double> sample_weights;
   void finish_one() {
     std::lock_guard<std::mutex> g(mu);
     if (--pending == 0) done.notify_all();
@@ -304,6 +314,9 @@ struct Worker {
   volatile int fault_write = -1;
   Fiber* volatile fault_fiber = nullptr;
   uintptr_t last_oob_addr = 0;  // the last out-of-bounds access reported by the checker
+  // Profiling of the running launch (null when it is not profiled) and the weight of the block.
+  ProfileWorker* prof = nullptr;
+  double block_weight = 1.0;
 };
 
 extern thread_local Worker* t_worker SLUICE_EMU_FAST_TLS;
@@ -325,12 +338,20 @@ void report(Worker& w, const char* kind, std::string msg, uintptr_t pc = 0, uint
 // ---------------------------------------------------------------------------------------------
 // Checker (check.cpp)
 // ---------------------------------------------------------------------------------------------
-constexpr unsigned kAccWrite = 1, kAccAtomic = 2;
+// kAccRmw: an atomic read-modify-write instruction (atomicAdd, ...), as opposed to a volatile
+// load or store (kAccAtomic alone).
+constexpr unsigned kAccWrite = 1, kAccAtomic = 2, kAccRmw = 4;
 // Checks one access of kernel code (or of an emulated instruction on its behalf) by the running
 // fiber: bounds of tracked memory, pending asynchronous writes, races. `pc` is the code address
 // reported for it (0 when `file`/`line` name the source instead).
 void check_access(uintptr_t a, size_t n, unsigned flags, uintptr_t pc, const char* file = nullptr,
                   unsigned line = 0);
+// The object file holding code address pc and the address to give addr2line for it.
+struct CodeLocation {
+  const char* object = nullptr;
+  unsigned long long vaddr = 0;
+};
+CodeLocation locate_code(uintptr_t pc);
 // The base for the 32-bit code addresses in race records.
 uintptr_t code_base();
 // Names the buffer at address a (allocation and argument, shared array, ...) for findings.
@@ -343,6 +364,43 @@ void race_syncwarp(Worker& w, unsigned warp, unsigned mask);
 void race_forget(uintptr_t a, size_t n);
 // Records a write of [a, a + n) by fiber f (a cp.async landing at its wait).
 void race_record_write(Worker& w, const Fiber& f, uintptr_t a, size_t n, const char* file, unsigned line);
+
+// ---------------------------------------------------------------------------------------------
+// Profiler (profile.cpp). Counts what the GPU's memory pipeline would see; see docs/emulator.md,
+// "Profiling". Every entry point is a no-op unless the running launch is profiled (w.prof).
+// ---------------------------------------------------------------------------------------------
+enum ProfCounter : unsigned {
+  kGldReq, kGldBytes, kGldSectors, kGldLines, kGldIdeal,
+  kGstReq, kGstBytes, kGstSectors, kGstLines, kGstIdeal,
+  kSldReq, kSldWaves, kSldIdeal,
+  kSstReq, kSstWaves, kSstIdeal,
+  kTensorFlops, kSfu, kAsyncBytes, kBarriers, kShuffles, kAtomics, kVotes,
+  kLdmatrix, kWgmmaOperandWaves, kAsyncInstr,
+  kProfCounters
+};
+static_assert(kProfCounters == SLUICE_EMU_PROFILE_COUNTERS, "emu_api.h names every counter");
+// A memory access of kernel code by the running fiber (pc: its code address). Atomics count as
+// atomics (per warp-level request), not as loads or stores.
+void prof_access(Worker& w, uintptr_t a, size_t n, unsigned flags, uintptr_t pc);
+// An event of the running fiber counted once per warp-level instruction (or per thread, as the
+// counter says) at a known source line.
+void prof_add(Worker& w, ProfCounter c, double v, const char* file, unsigned line);
+// A global load request made by an emulated instruction (cp.async) at a source line, grouped by
+// warp like kernel accesses.
+void prof_global_read(Worker& w, uintptr_t a, size_t n, const char* file, unsigned line);
+// A tensor-core instruction of shape `shape` (a string literal) doing `flops` FLOPs, counted once
+// per warp (mma.sync) or warpgroup (wgmma).
+void prof_tensor(Worker& w, const char* shape, double flops, const char* file, unsigned line);
+// Bytes of global memory read by an asynchronous copy (unique-byte accounting only).
+void prof_mark_read(Worker& w, uintptr_t a, size_t n);
+// Launch and block life cycle (runtime.cpp).
+ProfileLaunch* prof_launch_begin(Launch& L);
+void prof_job_begin(Worker& w);
+void prof_block_begin(Worker& w);
+void prof_block_end(Worker& w);
+void prof_job_end(Worker& w);
+// Builds the C view of the launch's profile, calls fn, and frees the launch's profile.
+void prof_launch_end(Launch& L, void (*fn)(void*, const sluice_emu_profile*), void* ctx);
 
 // ---------------------------------------------------------------------------------------------
 // Asynchronous operations (async.cpp)

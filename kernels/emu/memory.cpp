@@ -155,6 +155,8 @@ void clear_race_shadow(Region& r) {
   r.touched_hi = 0;
 }
 
+std::atomic<int> g_lazy_alloc{0};
+
 void* global_alloc(size_t bytes) {
   if (bytes > (size_t{1} << 40) || !arena_init()) return nullptr;
   const size_t data_pages = round_up(bytes, kPage);
@@ -167,7 +169,9 @@ void* global_alloc(size_t bytes) {
     give_chunks_locked((lo - g_arena_lo) / kChunk, span / kChunk);
     return nullptr;
   }
-  std::memset(start, 0xff, bytes);  // fresh memory reads as NaN (f32 and bf16)
+  // Fresh memory reads as NaN (f32 and bf16), unless the profiler asked for lazy memory (fresh
+  // zero pages that take no resident memory until written).
+  if (!g_lazy_alloc.load(std::memory_order_relaxed)) std::memset(start, 0xff, bytes);
   std::lock_guard<std::mutex> g(g_mu);
   Region* r = new_region_locked();
   r->kind = RegionKind::Global;
@@ -259,3 +263,7 @@ void shared_windows_reset_static(SharedWindows& s) {
 }
 
 }  // namespace sluice_emu::rt
+
+extern "C" int sluice_emu_set_lazy_alloc(int lazy) {
+  return sluice_emu::rt::g_lazy_alloc.exchange(lazy ? 1 : 0);
+}

@@ -371,6 +371,15 @@ void complete_warp_op(Worker& w, unsigned warp, const PendingWarpOp& p) {
     case WarpOp::Shfl:
     case WarpOp::ShflUp:
     case WarpOp::ShflDown:
+    case WarpOp::ShflXor: prof_add(w, kShuffles, 1, f0.file, f0.line); break;
+    case WarpOp::SyncWarp:
+    case WarpOp::Gather: break;  // a gather is the emulator's own (mma/ldmatrix operands)
+    default: prof_add(w, kVotes, 1, f0.file, f0.line); break;
+  }
+  switch (f0.op) {
+    case WarpOp::Shfl:
+    case WarpOp::ShflUp:
+    case WarpOp::ShflDown:
     case WarpOp::ShflXor:
       for (unsigned m = mask; m; m &= m - 1) {
         unsigned lane = static_cast<unsigned>(__builtin_ctz(m));
@@ -554,6 +563,7 @@ bool resolve_quiescence(Worker& w) {
     default: w.bar_result = 0; break;
   }
   if (w.race) race_barrier(w);
+  prof_add(w, kBarriers, static_cast<double>(w.warps.size()), first->file, first->line);  // one per warp
   for (unsigned i = 0; i < n; ++i) {
     w.fibers[i].state = kReady;
     w.ready.push_back(i);
@@ -568,8 +578,9 @@ unsigned long long fnv1a(const char* s) {
 }
 
 // Runs one block to completion on the current worker. Returns false on error.
-bool run_block(Worker& w, unsigned long long b) {
+bool run_block(Worker& w, unsigned long long b, double weight) {
   const Launch& L = *w.L;
+  w.block_weight = weight;
   w.block_linear = b;
   ++w.block_serial;
   w.bidx = uint3{static_cast<unsigned>(b % L.grid[0]), static_cast<unsigned>((b / L.grid[0]) % L.grid[1]),
@@ -602,11 +613,21 @@ bool run_block(Worker& w, unsigned long long b) {
   w.race = L.race;
   race_block_start(w);
   async_block_start(w);
+  prof_block_begin(w);
   for (;;) {
-    if (w.failed) return false;
+    if (w.failed) {
+      prof_block_end(w);
+      return false;
+    }
     if (w.ready.empty()) {
-      if (w.ndone == n) return true;
-      if (!resolve_quiescence(w)) return false;
+      if (w.ndone == n) {
+        prof_block_end(w);
+        return true;
+      }
+      if (!resolve_quiescence(w)) {
+        prof_block_end(w);
+        return false;
+      }
       continue;
     }
     Fiber* f = &w.fibers[pick_ready(w)];
@@ -676,11 +697,21 @@ void run_job(Worker& w, Launch* L, unsigned widx, unsigned nworkers) {
   w.lane_ws.assign(n, 0);
   w.lane_sync_mask.assign(n, 0u);
   w.last_oob_addr = 0;
+  prof_job_begin(w);
   if (sigsetjmp(w.jb, 1) == 0) {
     w.catching = true;
-    for (unsigned long long i = widx; i < L->nblocks; i += nworkers) {
-      const unsigned long long b = (i * L->order_mul + L->order_add) % L->nblocks;
-      if (!run_block(w, b)) break;
+    if (L->sample_blocks.empty()) {
+      for (unsigned long long i = widx; i < L->nblocks; i += nworkers) {
+        const unsigned long long b = (i * L->order_mul + L->order_add) % L->nblocks;
+        if (!run_block(w, b, 1.0)) break;
+      }
+    } else {
+      // A profiled sample: the listed blocks only, each with its weight.
+      const auto& blocks = L->sample_blocks;
+      for (unsigned long long i = widx; i < blocks.size(); i += nworkers) {
+        const double weight = L->sample_weights.empty() ? 1.0 : L->sample_weights[i];
+        if (!run_block(w, blocks[i], weight)) break;
+      }
     }
     w.catching = false;
   } else {
@@ -696,6 +727,7 @@ void run_job(Worker& w, Launch* L, unsigned widx, unsigned nworkers) {
   }
   t_cur = nullptr;
   t_watch = nullptr;
+  prof_job_end(w);
   shared_windows_restore(w.shared);
 }
 
@@ -887,11 +919,8 @@ int fail_launch(char* err, size_t cap, const std::string& msg, int code) {
   return code;
 }
 
-// The object file holding code address pc and the address to give addr2line for it.
-struct CodeLocation {
-  const char* object = nullptr;
-  unsigned long long vaddr = 0;
-};
+}  // namespace
+
 CodeLocation locate_code(uintptr_t pc) {
   struct Query {
     uintptr_t pc;
@@ -921,6 +950,8 @@ CodeLocation locate_code(uintptr_t pc) {
       &q);
   return q.out;
 }
+
+namespace {
 
 void deliver(const Finding& f, sluice_emu_finding_fn fn, void* ctx) {
   const CodeLocation a = locate_code(f.pc), b = locate_code(f.pc2);
@@ -1102,6 +1133,7 @@ void named_barrier(unsigned id, unsigned count, const std::source_location& loc)
   f->state = kNamed;
   if (++nb.arrived == count) {
     nb = NamedBarrier{};
+    prof_add(w, kBarriers, count / 32.0, loc.file_name(), loc.line());  // one per warp
     // A named barrier of the whole block orders memory like __syncthreads; one of part of the
     // block is not modelled for race detection (see docs/emulator.md).
     if (w.race && count == w.L->nthreads) race_barrier(w);
@@ -1254,10 +1286,26 @@ extern "C" int sluice_emu_launch_ex(const char* kernel, const unsigned grid[3], 
   const int race_opt = opts ? opts->race : -1;
   L.race = L.checks == kChecksFull && (race_opt >= 0 ? race_opt != 0 : race_for_launch(k));
   choose_block_order(L);
+  if (opts && opts->profile) {
+    if (opts->sample_blocks && opts->nsample) {
+      L.sample_blocks.assign(opts->sample_blocks, opts->sample_blocks + opts->nsample);
+      for (unsigned long long b : L.sample_blocks) {
+        if (b >= L.nblocks) {
+          return fail_launch(err, err_cap,
+                             format("kernel %s: sampled block %llu is outside the grid of %llu blocks", kernel, b,
+                                    L.nblocks),
+                             1);
+        }
+      }
+      if (opts->sample_weights) L.sample_weights.assign(opts->sample_weights, opts->sample_weights + opts->nsample);
+    }
+    L.profile = prof_launch_begin(L);
+  }
   // Race detection runs the blocks on one host thread, in the launch order: its records of
   // global memory are then exact and its findings reproducible.
+  const unsigned long long runnable = L.sample_blocks.empty() ? L.nblocks : L.sample_blocks.size();
   const unsigned nworkers =
-      L.race ? 1u : static_cast<unsigned>(std::min<unsigned long long>(worker_count(), L.nblocks));
+      L.race ? 1u : static_cast<unsigned>(std::min<unsigned long long>(worker_count(), runnable));
   {
     Pool& p = pool();
     std::lock_guard<std::mutex> g(p.mu);
@@ -1268,6 +1316,7 @@ extern "C" int sluice_emu_launch_ex(const char* kernel, const unsigned grid[3], 
       }
     } catch (const std::exception& e) {
       if (p.threads == 0) {
+        if (L.profile) prof_launch_end(L, nullptr, nullptr);
         return fail_launch(err, err_cap, format("kernel %s: could not start emulator threads: %s", kernel, e.what()), 1);
       }
     }
@@ -1280,6 +1329,7 @@ extern "C" int sluice_emu_launch_ex(const char* kernel, const unsigned grid[3], 
     L.done.wait(lk, [&] { return L.pending == 0; });
   }
   for (Region* r : L.race_regions) clear_race_shadow(*r);
+  if (L.profile) prof_launch_end(L, opts->on_profile, opts->profile_ctx);
   if (L.findings.empty()) return 0;
 
   std::string text;

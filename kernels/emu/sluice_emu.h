@@ -187,6 +187,22 @@ void wgmma_issue(float* d, const float* value, unsigned bytes, const std::source
 void wgmma_commit(const std::source_location& loc);
 void wgmma_wait(int pending_groups, const std::source_location& loc);
 
+// Profiler (kernels/emu/profile.cpp; docs/emulator.md, "Profiling"). Each is a no-op unless the
+// running launch is profiled. The emulated instructions of kernels/cuda/common report their own
+// footprint with these and hide their emulation's internal accesses inside prof_quiet(+1/-1).
+void prof_quiet(int delta);
+// A tensor-core instruction (`shape` a string literal), called by one thread per warp (mma.sync)
+// or warpgroup (wgmma).
+void prof_tensor_op(const char* shape, double flops, const std::source_location& loc);
+// ldmatrix: `rows` holds the 32 lanes' row addresses; matrix i is rows[8i .. 8i+7], 16 bytes each.
+// Called by one lane per warp.
+void prof_ldmatrix(const void* const* rows, unsigned matrices, const std::source_location& loc);
+// wgmma's shared-memory operands, `bytes` read per instruction (a model: the hardware's rule for
+// wgmma operand reads is not documented); called by one thread per warpgroup.
+void prof_wgmma_operands(unsigned bytes, const std::source_location& loc);
+// A special-function call (exp, log, sqrt, rsqrt, rcp, fast sin/cos) by the running thread.
+void prof_sfu(const std::source_location& loc);
+
 template <class T, std::size_t Align>
 inline T& static_shared(const void* key, const char* name, const char* file, unsigned line) {
   constexpr std::size_t a = Align > alignof(T) ? Align : alignof(T);
@@ -508,6 +524,10 @@ inline unsigned long long ullmin(unsigned long long a, unsigned long long b) { r
 inline unsigned long long ullmax(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
 
 // ---------------------------------------------------------------------------------------------
+// Special-function calls are counted for the profiler at the caller's line (the default
+// argument is evaluated where the intrinsic is called).
+#define SLUICE_EMU_SFU_LOC std::source_location sluice_emu_sfu_loc = std::source_location::current()
+#define SLUICE_EMU_SFU_COUNT ::sluice_emu::prof_sfu(sluice_emu_sfu_loc)
 // Float intrinsics. Functions of the C library (expf, logf, sqrtf, tanhf, ...) come from <math.h>
 // and are correctly rounded or within 1 ulp on glibc; the GPU's versions are within 1-2 ulp, so
 // results can differ in the last bits. The __fast intrinsics below imitate the GPU's formulation
@@ -524,24 +544,24 @@ inline double __hiloint2double(int hi, int lo) {
                                static_cast<unsigned>(lo));
 }
 
-inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline float rsqrtf(float x, SLUICE_EMU_SFU_LOC) { SLUICE_EMU_SFU_COUNT; return 1.0f / ::sqrtf(x); }
 inline double rsqrt(double x) { return 1.0 / sqrt(x); }
 inline float rcbrtf(float x) { return 1.0f / cbrtf(x); }
-inline float __expf(float x) { return exp2f(x * 1.4426950408889634f); }
-inline float __exp10f(float x) { return exp2f(x * 3.3219280948873623f); }
-inline float __logf(float x) { return log2f(x) * 0.6931471805599453f; }
-inline float __log2f(float x) { return log2f(x); }
-inline float __log10f(float x) { return log2f(x) * 0.3010299956639812f; }
-inline float __powf(float a, float b) { return exp2f(b * log2f(a)); }
-inline float __sinf(float x) { return sinf(x); }
-inline float __cosf(float x) { return cosf(x); }
+inline float __expf(float x, SLUICE_EMU_SFU_LOC) { SLUICE_EMU_SFU_COUNT; return ::exp2f(x * 1.4426950408889634f); }
+inline float __exp10f(float x, SLUICE_EMU_SFU_LOC) { SLUICE_EMU_SFU_COUNT; return ::exp2f(x * 3.3219280948873623f); }
+inline float __logf(float x, SLUICE_EMU_SFU_LOC) { SLUICE_EMU_SFU_COUNT; return ::log2f(x) * 0.6931471805599453f; }
+inline float __log2f(float x, SLUICE_EMU_SFU_LOC) { SLUICE_EMU_SFU_COUNT; return ::log2f(x); }
+inline float __log10f(float x, SLUICE_EMU_SFU_LOC) { SLUICE_EMU_SFU_COUNT; return ::log2f(x) * 0.3010299956639812f; }
+inline float __powf(float a, float b, SLUICE_EMU_SFU_LOC) { SLUICE_EMU_SFU_COUNT; SLUICE_EMU_SFU_COUNT; return ::exp2f(b * ::log2f(a)); }
+inline float __sinf(float x, SLUICE_EMU_SFU_LOC) { SLUICE_EMU_SFU_COUNT; return ::sinf(x); }
+inline float __cosf(float x, SLUICE_EMU_SFU_LOC) { SLUICE_EMU_SFU_COUNT; return ::cosf(x); }
 inline float __tanf(float x) { return tanf(x); }
 inline void __sincosf(float x, float* s, float* c) { *s = sinf(x); *c = cosf(x); }
-inline float __fdividef(float a, float b) { return a / b; }
+inline float __fdividef(float a, float b, SLUICE_EMU_SFU_LOC) { SLUICE_EMU_SFU_COUNT; return a / b; }
 inline float fdividef(float a, float b) { return a / b; }
-inline float __frcp_rn(float x) { return 1.0f / x; }
-inline float __frsqrt_rn(float x) { return 1.0f / sqrtf(x); }
-inline float __fsqrt_rn(float x) { return sqrtf(x); }
+inline float __frcp_rn(float x, SLUICE_EMU_SFU_LOC) { SLUICE_EMU_SFU_COUNT; return 1.0f / x; }
+inline float __frsqrt_rn(float x, SLUICE_EMU_SFU_LOC) { SLUICE_EMU_SFU_COUNT; return 1.0f / ::sqrtf(x); }
+inline float __fsqrt_rn(float x, SLUICE_EMU_SFU_LOC) { SLUICE_EMU_SFU_COUNT; return ::sqrtf(x); }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
@@ -581,5 +601,30 @@ using std::signbit;
 // assert() is redefined by kernels/emu/include/assert.h to call sluice_emu_assert_fail.
 
 #include "sluice_emu_half.h"
+
+// The C library's special functions, counted in kernel translation units (the build defines
+// SLUICE_EMU_KERNEL_TU for them, never for the runtime): a call `expf(x)` in kernel code becomes a
+// counted call at the caller's line. Accurate sinf/cosf/tanhf are not counted: on the GPU they are
+// polynomials on the FMA pipe, not special-function instructions.
+#ifdef SLUICE_EMU_KERNEL_TU
+namespace sluice_emu::sfu {
+#define SLUICE_EMU_SFU_FN(NAME)                                                        \
+  inline float NAME##_counted(float x, SLUICE_EMU_SFU_LOC) {                           \
+    SLUICE_EMU_SFU_COUNT;                                                              \
+    return ::NAME(x);                                                                  \
+  }
+SLUICE_EMU_SFU_FN(expf)
+SLUICE_EMU_SFU_FN(exp2f)
+SLUICE_EMU_SFU_FN(logf)
+SLUICE_EMU_SFU_FN(log2f)
+SLUICE_EMU_SFU_FN(sqrtf)
+#undef SLUICE_EMU_SFU_FN
+}  // namespace sluice_emu::sfu
+#define expf(x) ::sluice_emu::sfu::expf_counted(x)
+#define exp2f(x) ::sluice_emu::sfu::exp2f_counted(x)
+#define logf(x) ::sluice_emu::sfu::logf_counted(x)
+#define log2f(x) ::sluice_emu::sfu::log2f_counted(x)
+#define sqrtf(x) ::sluice_emu::sfu::sqrtf_counted(x)
+#endif
 
 #endif  // SLUICE_EMU_H

@@ -17,6 +17,7 @@ pub mod kernel_table;
 pub mod launch;
 pub mod ops;
 pub mod par;
+pub mod profiler;
 pub mod runner;
 pub mod tensor;
 pub mod testing;

@@ -161,7 +161,11 @@ impl Tensor {
             Backend::Cpu => Storage::Host(HostBuffer::filled(bytes, byte)),
             Backend::Emu(_) => {
                 let mut buf = EmuBuffer::alloc(bytes).map_err(Error::Device)?;
-                buf.as_bytes_mut().fill(byte);
+                // Profile mode (emu::profile::LazyAlloc): fresh memory stays untouched zero
+                // pages, so the doc shapes' outputs cost no memory until a sampled block writes.
+                if !crate::emu::profile::lazy_alloc() {
+                    buf.as_bytes_mut().fill(byte);
+                }
                 Storage::Emu(buf)
             }
             Backend::Cuda(c) => {

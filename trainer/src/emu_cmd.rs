@@ -23,6 +23,11 @@ pub enum EmuCommand {
     /// their wait, and outputs that change with the schedule seed. Exit 0 clean, 1 findings,
     /// 2 bad usage.
     Check(CheckArgs),
+    /// Profile one op of the kernel runner on the emulator: memory requests, sectors and
+    /// shared-memory wavefronts against their ideal, tensor-core instructions, special
+    /// functions, barriers and shuffles, per kernel and per source line, with occupancy and a
+    /// lower bound on H200 time (models). Exit 2 on bad usage.
+    Profile(crate::emu_profile_cmd::ProfileArgs),
 }
 
 #[derive(Args, Debug)]

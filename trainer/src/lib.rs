@@ -4,6 +4,7 @@ pub mod bench_cmd;
 pub mod config;
 pub mod delta_cmd;
 pub mod emu_cmd;
+pub mod emu_profile_cmd;
 pub mod eval_cmd;
 pub mod kernel_cmd;
 pub mod progress;

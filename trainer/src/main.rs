@@ -55,6 +55,9 @@ enum Command {
         /// Also write the markdown report here.
         #[arg(long)]
         markdown: Option<PathBuf>,
+        /// On emu: add the profiler's counters and the H200 bound (a model) to every row.
+        #[arg(long)]
+        profile: bool,
     },
     /// Show the devices this machine offers (and GPU telemetry where a driver exists).
     Devices,
@@ -117,7 +120,8 @@ enum Command {
         #[command(subcommand)]
         command: sluice_trainer::delta_cmd::DeltaCommand,
     },
-    /// The CUDA emulator as a checker: `sluice emu check FILE.cu --kernel NAME ...`.
+    /// The CUDA emulator as a checker (`sluice emu check FILE.cu --kernel NAME ...`) and as a
+    /// profiler (`sluice emu profile OP`).
     Emu {
         #[command(subcommand)]
         command: sluice_trainer::emu_cmd::EmuCommand,
@@ -217,6 +221,7 @@ fn main() -> ExitCode {
             seconds,
             json,
             markdown,
+            profile,
         } => {
             let device: Device = match device.parse() {
                 Ok(d) => d,
@@ -229,6 +234,7 @@ fn main() -> ExitCode {
                 budget_s: seconds,
                 json: json.as_deref(),
                 markdown: markdown.as_deref(),
+                profile,
             };
             match sluice_trainer::bench_cmd::run_bench(&opts) {
                 Ok(report) => {
@@ -355,6 +361,9 @@ fn main() -> ExitCode {
         Command::Emu {
             command: sluice_trainer::emu_cmd::EmuCommand::Check(args),
         } => sluice_trainer::emu_cmd::check(&args),
+        Command::Emu {
+            command: sluice_trainer::emu_cmd::EmuCommand::Profile(args),
+        } => sluice_trainer::emu_profile_cmd::profile(&args),
         Command::Devices => {
             println!("cpu: available ({} threads)", rayon_threads());
             println!("emu: available (CUDA kernels on the CPU; SLUICE_EMU_SEED sets the schedule)");

@@ -214,6 +214,13 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t d
     // the emulator, so that chaining wgmmas before their wait is not a premature read).
     float in[64], out[64];
     ::sluice_emu::wgmma_accumulator(d, in, sizeof in);
+    // Profile: one instruction per warpgroup; its operands, A (64x16) and B (128x16) bf16, read
+    // from shared memory once (a model); the emulation's own reads are not counted.
+    if (wt == 0) {
+        ::sluice_emu::prof_tensor_op("wgmma.m64n128k16.bf16", 2.0 * 64 * 128 * 16, loc);
+        ::sluice_emu::prof_wgmma_operands((64 + 128) * 16 * 2, loc);
+    }
+    ::sluice_emu::prof_quiet(1);
     for (int j = 0; j < 16; ++j) {
         for (int e = 0; e < 4; ++e) {
             const int row = 16 * warp + g + (e >= 2 ? 8 : 0);
@@ -226,6 +233,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t d
             out[4 * j + e] = acc;
         }
     }
+    ::sluice_emu::prof_quiet(-1);
     ::sluice_emu::wgmma_issue(d, out, sizeof out, loc);
 #else
 __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a,

@@ -30,6 +30,7 @@
 #include <cuda_bf16.h>
 #ifdef SLUICE_EMU
 #include <string.h>
+#include <source_location>
 #endif
 
 namespace sluice {
@@ -53,17 +54,24 @@ struct Fragments {
 
 // r[0..3] = four 8x8 b16 matrices from shared memory; `row` is this lane's row address (see the
 // layout above). Every lane of the warp must call it (.sync.aligned).
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
 #ifdef SLUICE_EMU
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row,
+                                            std::source_location loc = std::source_location::current()) {
     const int lane = static_cast<int>(emu_lane_id());
     const void* rows[32];
     emu_warp_gather(row, rows);  // every lane's row address
+    // The profiler counts the instruction once per warp by its 8-row phases; the emulation's
+    // own reads below are not the kernel's accesses.
+    if (lane == 0) ::sluice_emu::prof_ldmatrix(rows, 4, loc);
+    ::sluice_emu::prof_quiet(1);
     for (int i = 0; i < 4; ++i) {
         // Lane L reads row L/4 of matrix i, whose address lane 8i + L/4 gave.
         const unsigned char* p = static_cast<const unsigned char*>(rows[8 * i + lane / 4]);
         memcpy(&r[i], p + 4 * (lane % 4), 4);
     }
+    ::sluice_emu::prof_quiet(-1);
 #else
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
     const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -73,11 +81,13 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
 
 // d += A(16x16) * B(16x8), bf16 inputs, f32 accumulate. Fragments as in the layout above.
 // Every lane of the warp must call it (.sync.aligned).
-__device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4],
-                                                  const uint32_t (&b)[2]) {
 #ifdef SLUICE_EMU
+__device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4],
+                                                  const uint32_t (&b)[2],
+                                                  std::source_location loc = std::source_location::current()) {
     const int lane = static_cast<int>(emu_lane_id());
     const int g = lane / 4, t = lane % 4;
+    if (lane == 0) ::sluice_emu::prof_tensor_op("mma.m16n8k16.bf16", 2.0 * 16 * 8 * 16, loc);
     emu_mma::Fragments mine, all[32];
     for (int i = 0; i < 4; ++i) mine.a[i] = a[i];
     mine.b[0] = b[0];
@@ -111,6 +121,8 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t 
         }
     }
 #else
+__device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4],
+                                                  const uint32_t (&b)[2]) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"

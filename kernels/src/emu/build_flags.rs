@@ -27,7 +27,23 @@ pub const INSTRUMENT_FLAGS: &[&str] = &[
     "--param",
     "tsan-distinguish-volatile=1",
     "-Wno-tsan",
+    // The profiler counts the accesses the compiler emits: keep one host access per source
+    // access, as nvcc emits one ld/st per access (no loop or SLP vectorisation, no merging of
+    // neighbouring stores). kernels/tests/emu_profile.rs checks the widths against the PTX.
+    // -fno-tree-sra keeps a float2/float4 copy one 8- or 16-byte access (scalar replacement
+    // would split it into 4-byte ones, where nvcc emits ld/st.v2/.v4).
+    "-fno-tree-vectorize",
+    "-fno-store-merging",
+    "-fno-tree-sra",
+    // Kernel translation units only: sluice_emu.h counts the C library's special functions here.
+    "-DSLUICE_EMU_KERNEL_TU=1",
 ];
 
 /// The emulator runtime's own sources (kernels/emu), compiled without instrumentation.
-pub const RUNTIME_SOURCES: &[&str] = &["runtime.cpp", "memory.cpp", "check.cpp", "async.cpp"];
+pub const RUNTIME_SOURCES: &[&str] = &[
+    "runtime.cpp",
+    "memory.cpp",
+    "check.cpp",
+    "async.cpp",
+    "profile.cpp",
+];

@@ -33,6 +33,7 @@ const EMBEDDED: &[(&str, &str)] = &[
     ("memory.cpp", include_str!("../../emu/memory.cpp")),
     ("check.cpp", include_str!("../../emu/check.cpp")),
     ("async.cpp", include_str!("../../emu/async.cpp")),
+    ("profile.cpp", include_str!("../../emu/profile.cpp")),
     (
         "include/assert.h",
         include_str!("../../emu/include/assert.h"),
@@ -452,6 +453,37 @@ impl EmuModule {
         unsafe {
             self.api
                 .launch(kernel, grid, block, shared_bytes, params, seed, opts)
+        }
+    }
+
+    /// [`EmuModule::launch`] with the profiler on (every block): the findings and the profile
+    /// (`sluice emu check --profile`).
+    ///
+    /// # Safety
+    /// As [`EmuModule::launch`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch_profiled(
+        &self,
+        kernel: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared_bytes: usize,
+        params: &mut [*mut c_void],
+        seed: u64,
+        opts: &LaunchOptions,
+    ) -> Result<(Vec<EmuFinding>, Option<super::profile::KernelProfile>), String> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe {
+            super::profile::launch_profiled(
+                &self.api,
+                kernel,
+                grid,
+                block,
+                shared_bytes,
+                params,
+                seed,
+                opts,
+            )
         }
     }
 }

@@ -117,7 +117,7 @@ fn is_emulator_source(file: &str) -> bool {
 /// Source locations of code addresses, one `addr2line` run per object file for the addresses not
 /// looked up before. Addresses it cannot resolve (no debug information, no addr2line) are absent
 /// from the result.
-fn symbolize(addrs: &[(String, u64)]) -> BTreeMap<(String, u64), CodeLocation> {
+pub(crate) fn symbolize(addrs: &[(String, u64)]) -> BTreeMap<(String, u64), CodeLocation> {
     let mut cache = LINES.lock().unwrap_or_else(|e| e.into_inner());
     let mut by_object: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
     for (o, a) in addrs {

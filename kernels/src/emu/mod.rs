@@ -12,6 +12,7 @@
 pub mod build_flags;
 pub mod compile;
 mod findings;
+pub mod profile;
 pub mod rewrite;
 
 pub use findings::{CodeLocation, EmuFinding};
@@ -25,6 +26,12 @@ pub(crate) struct RawOptions {
     checks: c_int,
     race: c_int,
     param_names: *const *const c_char,
+    profile: c_int,
+    sample_blocks: *const u64,
+    sample_weights: *const f64,
+    nsample: u64,
+    on_profile: Option<profile::ProfileFn>,
+    profile_ctx: *mut c_void,
 }
 
 /// `sluice_emu_finding` of emu_api.h.
@@ -239,6 +246,46 @@ impl Api {
         seed: u64,
         opts: &LaunchOptions,
     ) -> Result<Vec<EmuFinding>, String> {
+        // Profiled when a recording is active on this thread (emu::profile::Recording).
+        let Some(mut req) = profile::request(kernel, grid) else {
+            // SAFETY: the caller's contract.
+            return unsafe {
+                self.launch_with(kernel, grid, block, shared_bytes, params, seed, opts, None)
+            };
+        };
+        // SAFETY: the caller's contract; req lives until the launch returns.
+        let found = unsafe {
+            self.launch_with(
+                kernel,
+                grid,
+                block,
+                shared_bytes,
+                params,
+                seed,
+                opts,
+                Some(&mut req),
+            )
+        }?;
+        profile::record(req, kernel, grid, block, shared_bytes);
+        Ok(found)
+    }
+
+    /// [`Api::launch`] with an explicit profile request (None: not profiled).
+    ///
+    /// # Safety
+    /// As [`Api::launch`]; `req` must stay alive until the call returns.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn launch_with(
+        &self,
+        kernel: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared_bytes: usize,
+        params: &mut [*mut c_void],
+        seed: u64,
+        opts: &LaunchOptions,
+        req: Option<&mut profile::Request>,
+    ) -> Result<Vec<EmuFinding>, String> {
         let name = CString::new(kernel)
             .map_err(|_| format!("kernel name {kernel:?} contains a NUL byte"))?;
         let signature = self.kernel_signature(kernel).ok_or_else(|| {
@@ -268,7 +315,13 @@ impl Api {
                 params.len()
             ));
         }
-        let raw = RawOptions {
+        let mut raw = RawOptions {
+            profile: 0,
+            sample_blocks: std::ptr::null(),
+            sample_weights: std::ptr::null(),
+            nsample: 0,
+            on_profile: None,
+            profile_ctx: std::ptr::null_mut(),
             checks: match opts.checks {
                 Checks::Default => -1,
                 Checks::Off => 0,
@@ -282,6 +335,9 @@ impl Api {
                 name_ptrs.as_ptr()
             },
         };
+        if let Some(req) = req {
+            req.options(&mut raw);
+        }
         let mut collected: Vec<findings::RawOwned> = Vec::new();
         let mut err = vec![0u8; 1 << 16];
         // SAFETY: name is NUL-terminated; grid and block are 3 u32s; params has one non-null
