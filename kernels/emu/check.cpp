@@ -436,10 +436,10 @@ SLUICE_EMU_HOOK(8)
 SLUICE_EMU_HOOK(16)
 #undef SLUICE_EMU_HOOK
 extern "C" void __tsan_read_range(void* a, size_t n) {
-  hook(reinterpret_cast<uintptr_t>(a), n, 0, __builtin_return_address(0));
+  hook(reinterpret_cast<uintptr_t>(a), n, sluice_emu::rt::kAccRange, __builtin_return_address(0));
 }
 extern "C" void __tsan_write_range(void* a, size_t n) {
-  hook(reinterpret_cast<uintptr_t>(a), n, kAccWrite, __builtin_return_address(0));
+  hook(reinterpret_cast<uintptr_t>(a), n, kAccWrite | sluice_emu::rt::kAccRange, __builtin_return_address(0));
 }
 extern "C" void __tsan_init() {}
 extern "C" void __tsan_func_entry(void*) {}

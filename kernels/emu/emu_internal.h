@@ -340,7 +340,9 @@ void report(Worker& w, const char* kind, std::string msg, uintptr_t pc = 0, uint
 // ---------------------------------------------------------------------------------------------
 // kAccRmw: an atomic read-modify-write instruction (atomicAdd, ...), as opposed to a volatile
 // load or store (kAccAtomic alone).
-constexpr unsigned kAccWrite = 1, kAccAtomic = 2, kAccRmw = 4;
+// kAccRange: an aggregate copy the compiler instrumented as one range (__tsan_*_range): a
+// struct whose alignment is below its size, which nvcc copies field by field.
+constexpr unsigned kAccWrite = 1, kAccAtomic = 2, kAccRmw = 4, kAccRange = 8;
 // Checks one access of kernel code (or of an emulated instruction on its behalf) by the running
 // fiber: bounds of tracked memory, pending asynchronous writes, races. `pc` is the code address
 // reported for it (0 when `file`/`line` name the source instead).

@@ -280,6 +280,18 @@ void prof_access(Worker& w, uintptr_t a, size_t n, unsigned flags, uintptr_t pc)
   if (flags & kAccRmw) kind = kRecAtomic;
   else if (flags & kAccWrite) kind = global ? kRecGlobalStore : kRecSharedStore;
   else kind = global ? kRecGlobalLoad : kRecSharedLoad;
+  if ((flags & kAccRange) && n > 1) {
+    // An aggregate copy of a struct aligned below its size (a {float, float} pair): nvcc moves
+    // it field by field, so count one instruction per naturally aligned piece (4 bytes where the
+    // address allows, else 2, else 1), each its own site at the same source line.
+    const size_t piece = (a % 4 == 0 && n % 4 == 0) ? 4 : ((a % 2 == 0 && n % 2 == 0) ? 2 : 1);
+    for (size_t off = 0, j = 1; off < n; off += piece, ++j) {
+      const uint32_t site = site_of(*w.prof, SiteKey{pc, nullptr, static_cast<unsigned>(j)});
+      record(w, site, a + off, piece, kind);
+      if (global) mark(w, &w.prof->sites[site], a + off, piece, (flags & kAccWrite) != 0);
+    }
+    return;
+  }
   const uint32_t site = site_of(*w.prof, SiteKey{pc, nullptr, 0});
   record(w, site, a, n, kind);
   if (global) {

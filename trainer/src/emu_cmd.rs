@@ -57,6 +57,13 @@ pub struct CheckArgs {
     /// Write every buffer after the run with seed 1 to this safetensors file.
     #[arg(long, value_name = "F.safetensors")]
     pub out: Option<PathBuf>,
+    /// Also profile the run with seed 1 (docs/emulator.md, "Profiling"): requests, sectors and
+    /// wavefronts against their ideal, per source line; printed after the findings.
+    #[arg(long)]
+    pub profile: bool,
+    /// With --profile: write the profile as JSON to this file.
+    #[arg(long, value_name = "F", requires = "profile")]
+    pub json: Option<PathBuf>,
 }
 
 /// Element types of buffer arguments.
@@ -363,6 +370,7 @@ fn plan(args: &CheckArgs, params: Option<&[KernelParam]>, signature: &str) -> Re
 /// One run of the kernel: its findings and the buffers afterwards (None for scalars).
 struct RunResult {
     findings: Vec<EmuFinding>,
+    profile: Option<sluice_kernels::emu::profile::KernelProfile>,
     buffers: Vec<Option<Vec<u8>>>,
 }
 
@@ -412,20 +420,39 @@ fn run_once(
     // a value of the parameter's type in its low bytes (little-endian: an i32/u32/f32 in the low
     // 4 bytes of the 8-byte slot), and every pointer is a buffer of this module, alive until
     // after the launch.
-    let findings = unsafe {
-        module.launch(
-            &args.kernel,
-            plan.grid,
-            plan.block,
-            args.smem,
-            &mut params,
-            seed,
-            &opts,
-        )
-    }
-    .map_err(Usage)?;
+    let (findings, profile) = if args.profile && seed == 1 {
+        // SAFETY: as for the plain launch below (same arguments).
+        unsafe {
+            module.launch_profiled(
+                &args.kernel,
+                plan.grid,
+                plan.block,
+                args.smem,
+                &mut params,
+                seed,
+                &opts,
+            )
+        }
+        .map_err(Usage)?
+    } else {
+        // SAFETY: see the note above `let (findings, profile)`.
+        let found = unsafe {
+            module.launch(
+                &args.kernel,
+                plan.grid,
+                plan.block,
+                args.smem,
+                &mut params,
+                seed,
+                &opts,
+            )
+        }
+        .map_err(Usage)?;
+        (found, None)
+    };
     Ok(RunResult {
         findings,
+        profile,
         buffers: buffers
             .iter()
             .map(|b| b.as_ref().map(|b| b.as_bytes().to_vec()))
@@ -622,6 +649,29 @@ fn check_inner(args: &CheckArgs, out: &mut Vec<String>) -> Result<bool, Usage> {
     }
     let clean = lines.is_empty();
     out.push(if clean { "ok" } else { "failed" }.to_string());
+    if let Some(kernel) = base.and_then(|b| b.profile) {
+        let profile = sluice_kernels::profiler::OpProfile {
+            op: args.kernel.clone(),
+            shape: format!(
+                "{} grid {} block {}",
+                args.file.display(),
+                args.grid,
+                args.block
+            ),
+            preset: "emu check".into(),
+            op_flops: f64::NAN,
+            compulsory_bytes: f64::NAN,
+            kernels: vec![kernel],
+        };
+        if let Some(path) = &args.json {
+            crate::emu_profile_cmd::write_json(
+                path,
+                &sluice_kernels::profiler::report::to_json(&profile),
+            )
+            .map_err(Usage)?;
+        }
+        out.push(sluice_kernels::profiler::report::to_text(&profile));
+    }
     Ok(clean)
 }
 

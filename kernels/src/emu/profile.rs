@@ -226,7 +226,8 @@ pub fn sample_blocks(
     let mut blocks = Vec::new();
     let mut weights = Vec::new();
     for s in 0..nstrata {
-        // Levels [lo, hi) of this stratum, and its blocks enumerated level-fastest.
+        // Levels [lo, hi) of this stratum, its blocks enumerated level-major (so the picks,
+        // spread evenly over the enumeration, are spread evenly over the levels first).
         let lo = s * levels / nstrata;
         let hi = (s + 1) * levels / nstrata;
         let len = hi - lo;
@@ -234,8 +235,8 @@ pub fn sample_blocks(
         let picks = per.min(size);
         for j in 0..picks {
             let idx = ((2 * j + 1) * size) / (2 * picks);
-            let level = lo + idx % len;
-            let other = idx / len;
+            let level = lo + idx / others;
+            let other = idx % others;
             let linear = if axis == 3 {
                 level
             } else {

@@ -45,6 +45,10 @@ pub fn op_totals(p: &OpProfile) -> Counters {
 /// op's math (masked tiles, padding).
 pub fn tensor_share(p: &OpProfile) -> (f64, f64, f64) {
     let tensor = op_totals(p).get("tensor_flops");
+    if p.op_flops.is_nan() {
+        // The op's math is unknown (inputs from a file, one kernel of `emu check`).
+        return (tensor, f64::NAN, f64::NAN);
+    }
     if p.op_flops <= 0.0 {
         return (tensor, 0.0, tensor);
     }
@@ -309,10 +313,10 @@ pub fn to_text(p: &OpProfile) -> String {
     let (tensor, share, wasted) = tensor_share(p);
     let b = bound::bound(&p.kernels, p.compulsory_bytes);
     o.push_str(&format!(
-        "\n  op FLOPs {}  tensor-core FLOPs {} (share {:.1}%, issued beyond the math {})  compulsory bytes {}\n",
+        "\n  op FLOPs {}  tensor-core FLOPs {} (share {}, issued beyond the math {})  compulsory bytes {}\n",
         fmt(p.op_flops),
         fmt(tensor),
-        share * 100.0,
+        if share.is_nan() { "n/a".to_string() } else { format!("{:.1}%", share * 100.0) },
         fmt(wasted),
         fmt(p.compulsory_bytes)
     ));
