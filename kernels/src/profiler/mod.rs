@@ -16,6 +16,9 @@ use crate::runner::{self, OpCall};
 use crate::tensor::Tensor;
 use std::collections::BTreeMap;
 
+/// Blocks sampled per launch at the doc preset when `--blocks` is not given.
+pub const DOC_BLOCKS: u64 = 32;
+
 /// Which shapes a case uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Preset {
@@ -113,6 +116,8 @@ pub fn profile_op(
     blocks: Option<u64>,
 ) -> Result<OpProfile> {
     runner::find(op)?;
+    // The doc shapes have up to millions of blocks: sampled unless the caller says otherwise.
+    let blocks = blocks.or((preset == Preset::Doc).then_some(DOC_BLOCKS));
     let _lazy = (preset == Preset::Doc).then(LazyAlloc::enable);
     let case = cases::case(op, preset, backend)?;
     let mut p = profile_case(backend, case, blocks)?;
