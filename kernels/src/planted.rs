@@ -8,8 +8,8 @@
 //!
 //! | name | where | what it breaks |
 //! |---|---|---|
-//! | `sq_norm_order` | `sq_norm` (cpu) | the chunk sums added in descending order: new bits, still deterministic (a golden check must fail) |
-//! | `sq_norm_threads` | `sq_norm` (cpu) | chunks of n / threads instead of 8192: bits depend on the thread count |
+//! | `softmax_order` | `softmax` (cpu) | each row's sum of exponentials taken one by one from the last column: new bits, still deterministic (a golden check must fail) |
+//! | `sq_norm_threads` | `sq_norm` (cpu) | one chunk per thread, summed in f32: bits depend on the thread count |
 //! | `gemm_batch_variant` | `gemm` (cpu, F32) | products of more than 64 rows summed over K in descending order: a row's bits depend on M |
 //! | `decode_scale` | `paged_attention` (cpu) | the softmax scale one ulp up (as a fast rsqrt gives): decode no longer equals the training forward |
 //! | `prefill_continuation_scale` | `paged_prefill` (cpu) | the same, only for chunks that continue a cached sequence: chunked prefill differs from one-shot |
@@ -23,12 +23,12 @@ use std::sync::OnceLock;
 /// Every fault this crate can plant, with what it does (the table above).
 pub const FAULTS: &[(&str, &str)] = &[
     (
-        "sq_norm_order",
-        "sq_norm (cpu) adds its chunk sums in descending order",
+        "softmax_order",
+        "softmax (cpu) sums each row's exponentials from the last column down",
     ),
     (
         "sq_norm_threads",
-        "sq_norm (cpu) cuts x into one chunk per thread",
+        "sq_norm (cpu) cuts x into one chunk per thread, each summed in f32",
     ),
     (
         "gemm_batch_variant",
@@ -66,22 +66,28 @@ pub fn active(name: &str) -> bool {
     planted().iter().any(|n| n == name)
 }
 
-/// `sq_norm_order` and `sq_norm_threads`: the squared norm with the planted order, or None
-/// when neither is planted.
+/// `sq_norm_threads`: the squared norm with one chunk per thread, each summed in f32 (the
+/// chunking, and so the rounding, follows the pool's size); None when not planted.
 pub fn sq_norm(x: &[f32]) -> Option<f64> {
-    let chunk_sums = |chunk: usize| -> Vec<f64> {
-        x.chunks(chunk.max(1))
-            .map(|c| c.iter().map(|&v| v as f64 * v as f64).sum::<f64>())
-            .collect()
-    };
-    if active("sq_norm_threads") {
-        let chunk = x.len().div_ceil(crate::par::threads());
-        return Some(chunk_sums(chunk).iter().sum());
+    if !active("sq_norm_threads") {
+        return None;
     }
-    if active("sq_norm_order") {
-        return Some(chunk_sums(crate::ops::optim::NORM_CHUNK).iter().rev().sum());
+    let chunk = x.len().div_ceil(crate::par::threads()).max(1);
+    Some(
+        x.chunks(chunk)
+            .map(|c| c.iter().fold(0.0f32, |acc, &v| v.mul_add(v, acc)) as f64)
+            .sum(),
+    )
+}
+
+/// `softmax_order`: a row's sum of `n` terms `term(j)`, taken from j = n - 1 down to 0, in
+/// place of `sum` (the reference's block order); `sum` itself when not planted.
+pub fn softmax_sum(sum: f32, n: usize, term: impl Fn(usize) -> f32) -> f32 {
+    if active("softmax_order") {
+        (0..n).rev().fold(0.0f32, |acc, j| acc + term(j))
+    } else {
+        sum
     }
-    None
 }
 
 /// `gemm_batch_variant`: C[i] = A[i] · B[i]^T (B shared when `shared_b`) with each element

@@ -247,7 +247,7 @@ pub fn run_command(
     let mut summary = first.clone();
     summary.runs = if failed.is_empty() { runs } else { 1 };
     if let Some(path) = json {
-        record::write_json(path, &summary)?;
+        record::write_entries_json(path, &summary)?;
     }
     print_table(first, out);
     let total = start.elapsed().as_secs_f64();

@@ -47,6 +47,18 @@ pub struct Golden {
     pub history: Vec<Blessing>,
 }
 
+impl record::WithEntries for Golden {
+    fn entries(&self) -> &[Entry] {
+        &self.entries
+    }
+    fn without_entries(&self) -> Self {
+        Golden {
+            entries: Vec::new(),
+            ..self.clone()
+        }
+    }
+}
+
 /// Where the golden of `class` and `preset` lives under `dir`.
 pub fn path_of(dir: &Path, class: &Class, preset: &str) -> PathBuf {
     dir.join(&class.key).join(format!("{preset}.json"))
@@ -223,7 +235,7 @@ pub fn check_command(
                     removed: Vec::new(),
                 }],
             };
-            record::write_json(&path, &g)?;
+            record::write_entries_json(&path, &g)?;
             let _ = writeln!(
                 out,
                 "blessed: wrote {} ({} tensors, a new class)",
@@ -280,7 +292,7 @@ pub fn check_command(
             added: added.clone(),
             removed: removed.clone(),
         });
-        record::write_json(&path, &golden)?;
+        record::write_entries_json(&path, &golden)?;
         let _ = writeln!(
             out,
             "blessed: rewrote {} (changed: {}; added: {}; removed: {})",

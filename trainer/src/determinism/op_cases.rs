@@ -132,6 +132,9 @@ fn dname(dtype: DType) -> &'static str {
 
 const FLOATS: [DType; 2] = [DType::F32, DType::BF16];
 
+/// A sampling case: logits dtype, label, and its parameters.
+type SampleCase = (DType, &'static str, [(&'static str, &'static str); 3]);
+
 /// Every case of every runner op, in `sluice kernel --list` order.
 pub fn cases() -> Vec<OpCase> {
     let mut v = Vec::new();
@@ -166,7 +169,7 @@ pub fn cases() -> Vec<OpCase> {
             .param("k", "6");
         Ok(())
     }));
-    let sample_params: [(DType, &str, [(&str, &str); 3]); 3] = [
+    let sample_params: [SampleCase; 3] = [
         (
             DType::F32,
             "t=1",

@@ -60,7 +60,8 @@ pub fn compute_record(sel: &Resolved, dump: Option<&Path>) -> Result<Record, Det
         machine: Machine::detect(),
         commit: env!("SLUICE_GIT_COMMIT").to_string(),
         threads: sluice_kernels::par::threads(),
-        emu_threads: emu.then(|| std::env::var("SLUICE_EMU_THREADS").unwrap_or_default()),
+        emu_threads: emu
+            .then(|| std::env::var("SLUICE_EMU_THREADS").unwrap_or_else(|_| "unset".to_string())),
         emu_seed: match &backend {
             Backend::Emu(e) => Some(e.seed),
             _ => None,

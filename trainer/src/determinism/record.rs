@@ -187,11 +187,67 @@ pub fn read_record(path: &Path) -> Result<Record, DetError> {
     Ok(r)
 }
 
+/// A file with an `entries` array at its top level (a record, a golden).
+pub trait WithEntries: Serialize + Clone {
+    fn entries(&self) -> &[Entry];
+    /// The same value with no entries (the rest is written as it is).
+    fn without_entries(&self) -> Self;
+}
+
+impl WithEntries for Record {
+    fn entries(&self) -> &[Entry] {
+        &self.entries
+    }
+    fn without_entries(&self) -> Self {
+        Record {
+            entries: Vec::new(),
+            ..self.clone()
+        }
+    }
+}
+
+/// Pretty JSON, except that each entry takes one line: a golden's diff in review then shows one
+/// line per changed tensor.
+pub fn to_json_text<T: WithEntries>(value: &T) -> Result<String, DetError> {
+    let enc = |e: serde_json::Error| DetError::Run(format!("internal: cannot encode JSON: {e}"));
+    let mut text = serde_json::to_string_pretty(&value.without_entries()).map_err(enc)?;
+    let entries = value.entries();
+    if !entries.is_empty() {
+        const HOLE: &str = "\n  \"entries\": []";
+        let lines = entries
+            .iter()
+            .map(|e| serde_json::to_string(e).map(|t| format!("    {t}")))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(enc)?;
+        if text.matches(HOLE).count() != 1 {
+            return Err(DetError::Run(
+                "internal: no single top-level `entries` in the JSON written".to_string(),
+            ));
+        }
+        text = text.replacen(
+            HOLE,
+            &format!("\n  \"entries\": [\n{}\n  ]", lines.join(",\n")),
+            1,
+        );
+    }
+    text.push('\n');
+    Ok(text)
+}
+
+/// Writes a record or golden as [`to_json_text`] does.
+pub fn write_entries_json<T: WithEntries>(path: &Path, value: &T) -> Result<(), DetError> {
+    write_text(path, &to_json_text(value)?)
+}
+
 /// Writes `value` as pretty JSON with a final newline.
 pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), DetError> {
     let mut text = serde_json::to_string_pretty(value)
         .map_err(|e| DetError::Run(format!("internal: cannot encode JSON: {e}")))?;
     text.push('\n');
+    write_text(path, &text)
+}
+
+fn write_text(path: &Path, text: &str) -> Result<(), DetError> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)
             .map_err(|e| DetError::Input(format!("{}: cannot create it: {e}", dir.display())))?;
@@ -236,6 +292,51 @@ mod tests {
             golden.contains("a golden file, where a record file"),
             "{golden}"
         );
+    }
+
+    #[test]
+    fn entries_take_one_line_each_and_read_back() {
+        let e = Entry {
+            op: "gemm".into(),
+            case: "c".into(),
+            tensor: "c".into(),
+            shape: vec![2, 3],
+            dtype: "F32".into(),
+            digest: "a".repeat(64),
+        };
+        let r = Record {
+            format: FORMAT.into(),
+            kind: "record".into(),
+            version: VERSION,
+            digest_version: DIGEST_VERSION,
+            preset: "ci".into(),
+            device: "cpu".into(),
+            class: Class::detect(&sluice_kernels::Backend::Cpu),
+            machine: Machine::detect(),
+            commit: "c".into(),
+            threads: 1,
+            emu_threads: None,
+            emu_seed: None,
+            runs: 1,
+            ops: vec![],
+            seconds: BTreeMap::new(),
+            entries: vec![
+                e.clone(),
+                Entry {
+                    tensor: "d".into(),
+                    ..e
+                },
+            ],
+        };
+        let text = to_json_text(&r).unwrap();
+        let lines: Vec<&str> = text.lines().filter(|l| l.contains("\"digest\"")).collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        assert!(
+            lines[0].starts_with("    {\"op\":\"gemm\",\"case\""),
+            "{text}"
+        );
+        let back: Record = parse(text.as_bytes(), "record").unwrap();
+        assert_eq!(back.entries, r.entries);
     }
 
     #[test]

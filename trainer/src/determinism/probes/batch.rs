@@ -186,13 +186,16 @@ fn row_ops() -> Vec<RowOp> {
     v
 }
 
+/// An op's outputs by name: shape and bytes.
+type Outputs = BTreeMap<String, (Vec<usize>, Vec<u8>)>;
+
 /// Runs `op` through the runner with `tensors` and `params`; returns the outputs by name.
 fn run_op(
     backend: &Backend,
     op: &str,
     tensors: BTreeMap<String, Tensor>,
     params: &[(&str, &str)],
-) -> Result<BTreeMap<String, (Vec<usize>, Vec<u8>)>, DetError> {
+) -> Result<Outputs, DetError> {
     let err = |e: sluice_kernels::Error| DetError::Run(format!("batch_invariance: {op}: {e}"));
     let spec = runner::find(op).map_err(err)?;
     let params = params
@@ -426,7 +429,7 @@ fn probe_attention(backend: &Backend, checked: &mut usize) -> Result<Option<Stri
         let label = format!("{op} {dt} H=4 Hkv=2 D=16");
         let err =
             |e: sluice_kernels::Error| DetError::Run(format!("batch_invariance: {label}: {e}"));
-        let run = |m: usize, probed: &[usize]| -> Result<(Vec<usize>, BTreeMap<String, (Vec<usize>, Vec<u8>)>), DetError> {
+        let run = |m: usize, probed: &[usize]| -> Result<(Vec<usize>, Outputs), DetError> {
             let lens = lengths(m, probed, probe, |s| 1 + (s * 7) % 13);
             let mut cu = vec![0usize];
             for l in &lens {
@@ -440,8 +443,14 @@ fn probe_attention(backend: &Backend, checked: &mut usize) -> Result<Option<Stri
                 names.push(("dout", h));
             }
             for (name, heads) in names {
-                let v = with_probes(&format!("batch/{label}/{name}"), t, heads * d, &starts, probe)
-                    .map_err(err)?;
+                let v = with_probes(
+                    &format!("batch/{label}/{name}"),
+                    t,
+                    heads * d,
+                    &starts,
+                    probe,
+                )
+                .map_err(err)?;
                 let tensor = Tensor::from_f32_as(backend, &[t, heads, d], dt, &v).map_err(err)?;
                 tensors.insert(name.to_string(), tensor);
             }
@@ -497,9 +506,7 @@ fn probe_paged(backend: &Backend, checked: &mut usize) -> Result<Option<String>,
         let label = format!("paged_attention {dt} BS=16 H=4 Hkv=2 D=16");
         let err =
             |e: sluice_kernels::Error| DetError::Run(format!("batch_invariance: {label}: {e}"));
-        let run = |m: usize,
-                   probed: &[usize]|
-         -> Result<BTreeMap<String, (Vec<usize>, Vec<u8>)>, DetError> {
+        let run = |m: usize, probed: &[usize]| -> Result<Outputs, DetError> {
             let ctx = lengths(m, probed, probe, |s| 1 + (s * 11) % 45);
             let blocks: Vec<usize> = ctx.iter().map(|c| c.div_ceil(bs)).collect();
             let mut first = vec![0usize];

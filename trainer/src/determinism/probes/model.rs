@@ -80,8 +80,8 @@ pub fn chunked_prefill(
                 let mut members = Vec::new();
                 for s in 0..2 {
                     let Some(&n) = chunks[s].get(c) else { continue };
-                    for i in done[s]..done[s] + n {
-                        b.tokens.push(prompts[s][i]);
+                    for (i, &token) in prompts[s].iter().enumerate().skip(done[s]).take(n) {
+                        b.tokens.push(token);
                         b.positions.push(i as i32);
                         b.slots.push(seqs.slot(s, i));
                         b.logits_rows.push(b.tokens.len() as i32 - 1);
@@ -201,7 +201,7 @@ pub fn decode_equals_training(
                     context_lens: &ctx_t,
                 };
                 let mut x = embedding(backend, &iw.weights.embed, &toks_t)?;
-                for l in 0..=cfg.n_layers {
+                for (l, train_rows) in train.iter().enumerate() {
                     if l > 0 {
                         x = infer::layer(
                             backend,
@@ -219,7 +219,7 @@ pub fn decode_equals_training(
                     for (i, &s) in live.iter().enumerate() {
                         let row = batch.seq_range(s).start + t;
                         checked += 1;
-                        let want = &train[l][row * d..(row + 1) * d];
+                        let want = &train_rows[row * d..(row + 1) * d];
                         if let Some((e, a, b)) = first_diff(d, want, &got[i * d..(i + 1) * d]) {
                             let stage = if l == 0 {
                                 "the embedding".to_string()

@@ -20,8 +20,9 @@ fn first(base: &Record, other: &Record, a: &str, b: &str) -> Option<String> {
         Mismatch::OnlyInSecond(e) => format!("{} only with {b}", e.describe()),
     };
     Some(format!(
-        "{b} vs {a}: {what} ({} tensors differ in all: {})",
+        "{b} vs {a}: {what} ({} differing tensor{} in all, of {})",
         ms.len(),
+        if ms.len() == 1 { "" } else { "s" },
         compare::ops_of(&ms).join(", ")
     ))
 }
