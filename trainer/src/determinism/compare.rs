@@ -201,6 +201,7 @@ pub fn run_command(
             "--runs {runs}: at least 2 runs are needed to compare"
         )));
     }
+    procs::check_device(sel.device)?;
     let dump_path = |i: usize| dump.map(|d| d.join(format!("run-{i}.safetensors")));
     let _ = writeln!(
         out,

@@ -185,6 +185,7 @@ pub fn check_command(
     if runs < 1 {
         return Err(DetError::Input("--runs must be at least 1".to_string()));
     }
+    super::procs::check_device(sel.device)?;
     let _ = writeln!(
         out,
         "determinism check: {runs} processes on {} (preset {}) against {}",

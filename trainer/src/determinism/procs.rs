@@ -103,6 +103,15 @@ fn write_dump(path: &Path, outputs: &[Output]) -> Result<(), DetError> {
     std::fs::write(path, bytes).map_err(|e| bad(format!("cannot write it: {e}")))
 }
 
+/// Opens the device once in this process, so that a missing GPU or driver is reported as it
+/// is rather than as a failed child (the emulator and the CPU always open).
+pub fn check_device(device: Device) -> Result<(), DetError> {
+    if let Device::Cuda(_) = device {
+        Backend::open(device).map_err(|e| DetError::Run(e.to_string()))?;
+    }
+    Ok(())
+}
+
 /// One run's environment: variables to set for the child.
 pub type Env = Vec<(&'static str, String)>;
 

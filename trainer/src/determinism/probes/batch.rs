@@ -594,7 +594,7 @@ pub fn probe(backend: &Backend) -> Result<Verdict, DetError> {
     Ok(match found {
         Some(counterexample) => Verdict::fail(counterexample),
         None => Verdict::pass(format!(
-            "{} ops, batches of {:?} rows or sequences, {checked} probed rows bit for bit",
+            "{} op cases, batches of {:?} rows or sequences, {checked} probed rows bit for bit",
             row_ops().len() + 4,
             BATCHES
         )),
