@@ -214,6 +214,15 @@ fn run_op(
         .collect()
 }
 
+/// The output `name` of a run.
+fn output<'a>(outs: &'a Outputs, name: &str) -> Result<&'a (Vec<usize>, Vec<u8>), DetError> {
+    outs.get(name).ok_or_else(|| {
+        DetError::Run(format!(
+            "batch_invariance: internal: the op gave no output `{name}`"
+        ))
+    })
+}
+
 /// The bytes of rows `rows` (a range of the leading dimension) of an output.
 fn rows_of<'a>(shape: &[usize], bytes: &'a [u8], rows: std::ops::Range<usize>) -> &'a [u8] {
     let per = bytes.len() / shape.first().copied().unwrap_or(1).max(1);
@@ -312,8 +321,8 @@ fn probe_row_ops(backend: &Backend, checked: &mut usize) -> Result<Option<String
                 &op.params,
             )?;
             for &name in &op.outputs {
-                let (rshape, rbytes) = &reference[name];
-                let (shape, bytes) = &outs[name];
+                let (rshape, rbytes) = output(&reference, name)?;
+                let (shape, bytes) = output(&outs, name)?;
                 let dtype = dtype_of(op.op, name);
                 for &p in &probed {
                     let want = rows_of(rshape, rbytes, 0..1);
@@ -471,8 +480,8 @@ fn probe_attention(backend: &Backend, checked: &mut usize) -> Result<Option<Stri
             let probed = positions(m);
             let (cu, outs) = run(m, &probed)?;
             for &name in outputs {
-                let (rshape, rbytes) = &reference[name];
-                let (shape, bytes) = &outs[name];
+                let (rshape, rbytes) = output(&reference, name)?;
+                let (shape, bytes) = output(&outs, name)?;
                 for &p in &probed {
                     *checked += 1;
                     let want = rows_of(rshape, rbytes, 0..probe);
@@ -560,8 +569,8 @@ fn probe_paged(backend: &Backend, checked: &mut usize) -> Result<Option<String>,
         for &m in &BATCHES[1..] {
             let probed = positions(m);
             let outs = run(m, &probed)?;
-            let (rshape, rbytes) = &reference["out"];
-            let (shape, bytes) = &outs["out"];
+            let (rshape, rbytes) = output(&reference, "out")?;
+            let (shape, bytes) = output(&outs, "out")?;
             for &p in &probed {
                 *checked += 1;
                 if let Some(msg) = differs_typed(
