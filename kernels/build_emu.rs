@@ -173,6 +173,24 @@ pub fn build(cuda_dir: &Path, kernel_files: &[(PathBuf, Vec<String>)], out_dir: 
     }
     build.compile("sluice_emu");
 
+    // The compiler that built the emulated kernels, and any extra flags: part of the numerics
+    // class of `sluice determinism` (emu's bits depend on how the host compiler rounds).
+    let compiler = build.get_compiler();
+    let version = std::process::Command::new(compiler.path())
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .next()
+                .map(str::to_string)
+        })
+        .unwrap_or_else(|| format!("{} (version unknown)", compiler.path().display()));
+    let extra = std::env::var("SLUICE_EMU_CFLAGS").unwrap_or_default();
+    println!("cargo:rustc-env=SLUICE_EMU_CXX={version}");
+    println!("cargo:rustc-env=SLUICE_EMU_CXX_FLAGS={}", extra.trim());
+
     println!("cargo:rerun-if-changed={}", emu_dir.display());
     println!("cargo:rerun-if-changed={}", cuda_dir.display());
     let here = emu_dir.parent().expect("kernels/");

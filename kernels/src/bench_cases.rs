@@ -15,7 +15,9 @@ use crate::testing::Rng;
 
 /// Inputs for timing: uniform in [-4, 4), from a hash of the index (fast and parallel even for
 /// the 1.25e9 logits of the is_gate_loss target; the distribution does not matter for a timing).
-fn random(backend: &Backend, shape: &[usize], dtype: DType, seed: u64) -> Result<Tensor> {
+/// Element i depends on `seed` and i alone, so a tensor's first rows are the same whatever its
+/// row count: `sluice determinism` builds its inputs (and its batch-invariance probes) with it.
+pub fn random(backend: &Backend, shape: &[usize], dtype: DType, seed: u64) -> Result<Tensor> {
     use rayon::prelude::*;
     let n: usize = shape.iter().product();
     let data: Vec<f32> = (0..n as u64)

@@ -156,6 +156,16 @@ fn poisoned() -> Error {
     Error::Device("a CUDA module cache lock was poisoned by an earlier panic".to_string())
 }
 
+/// The NVIDIA driver's version through NVML (e.g. `580.65.06`); an error where there is no
+/// driver. Part of the numerics class of `sluice determinism` on `cuda`.
+pub fn driver_version() -> std::result::Result<String, String> {
+    if !driver_present() {
+        return Err("no NVIDIA driver on this machine".to_string());
+    }
+    let nvml = nvml_wrapper::Nvml::init().map_err(|e| format!("NVML unavailable: {e}"))?;
+    nvml.sys_driver_version().map_err(|e| e.to_string())
+}
+
 /// GPU telemetry through NVML; an error (not a failure) where there is no driver.
 pub fn nvml_summary() -> std::result::Result<String, String> {
     if !driver_present() {

@@ -17,6 +17,8 @@ pub mod kernel_table;
 pub mod launch;
 pub mod ops;
 pub mod par;
+#[cfg(feature = "planted-faults")]
+pub mod planted;
 pub mod profiler;
 pub mod runner;
 pub mod tensor;

@@ -120,6 +120,13 @@ enum Command {
         #[command(subcommand)]
         command: sluice_trainer::delta_cmd::DeltaCommand,
     },
+    /// Determinism: digests of every op and of training, decode and RL steps across runs,
+    /// thread counts, seeds, machines and commits; invariance probes; goldens (`run`,
+    /// `probe`, `check`, `diff`; docs/determinism.md).
+    Determinism {
+        #[command(subcommand)]
+        command: sluice_trainer::determinism::DeterminismCommand,
+    },
     /// The CUDA emulator as a checker (`sluice emu check FILE.cu --kernel NAME ...`) and as a
     /// profiler (`sluice emu profile OP`).
     Emu {
@@ -356,6 +363,17 @@ fn main() -> ExitCode {
             match sluice_trainer::delta_cmd::run(&command, &mut std::io::stdout()) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => fail(&e),
+            }
+        }
+        Command::Determinism { command } => {
+            let mut stdout = std::io::stdout();
+            match sluice_trainer::determinism::run(&command, &mut stdout) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    let _ = std::io::Write::flush(&mut stdout);
+                    eprintln!("error: {e}");
+                    ExitCode::from(e.exit_code())
+                }
             }
         }
         Command::Emu {

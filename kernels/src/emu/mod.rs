@@ -104,6 +104,13 @@ pub(crate) const BUILTIN: Api = Api {
     kernel_signature: sluice_emu_kernel_signature,
 };
 
+/// The host C++ compiler that built the emulated kernels (the first line of its `--version`):
+/// emu's bits depend on it, so it is part of the numerics class of `sluice determinism`.
+pub const COMPILER: &str = env!("SLUICE_EMU_CXX");
+/// Extra compiler flags the emulated kernels were built with (`SLUICE_EMU_CFLAGS`; usually
+/// empty).
+pub const EXTRA_FLAGS: &str = env!("SLUICE_EMU_CXX_FLAGS");
+
 /// Which checks a launch runs (docs/emulator.md, "What is checked").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Checks {

@@ -152,6 +152,8 @@ pub fn softmax_reference(x: &[f32], rows: usize, n: usize) -> Result<Vec<f32>> {
         let xr = &x[row * n..(row + 1) * n];
         let m = block_max(n, |j| xr[j]);
         let sum = block_sum(n, |j| (xr[j] - m).exp());
+        #[cfg(feature = "planted-faults")]
+        let sum = crate::planted::softmax_sum(sum, n, |j| (xr[j] - m).exp());
         for (o, &v) in yr.iter_mut().zip(xr) {
             *o = (v - m).exp() / sum;
         }

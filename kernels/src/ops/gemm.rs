@@ -544,6 +544,12 @@ fn batched(
             // BF16 operands sum in the device's order (one FMA chain over K); F32 in the
             // reference's chunked order.
             let bf16 = dtype == DType::BF16;
+            #[cfg(feature = "planted-faults")]
+            if !bf16
+                && crate::planted::gemm(&af, &b.f32_data()?, c, [batch, m, n, k], shared_b, SMALL_M)
+            {
+                return Ok(());
+            }
             // Few rows: the small-row kernel from B packed once (kept on the weight). For BF16
             // only when K fits one of its chunks: then that chunk is the same chain from +0.
             if (batch == 1 || shared_b) && (!bf16 || k <= BF16_PACKED_MAX_K) {

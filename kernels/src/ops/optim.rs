@@ -292,6 +292,10 @@ fn check_arena(name: &str, t: &Tensor, len: usize) -> Result<()> {
 /// The squared norm of `x` in f64: each [`NORM_CHUNK`] summed in ascending order, then the
 /// chunk sums in ascending order (rayon over chunks; the order is fixed).
 pub fn sq_norm_reference(x: &[f32]) -> f64 {
+    #[cfg(feature = "planted-faults")]
+    if let Some(planted) = crate::planted::sq_norm(x) {
+        return planted;
+    }
     let partials: Vec<f64> = x
         .par_chunks(NORM_CHUNK)
         .map(|c| c.iter().map(|&v| v as f64 * v as f64).sum::<f64>())

@@ -125,6 +125,8 @@ pub fn paged_attention_reference(
         .map(|&c| c.max(0) as usize)
         .max()
         .unwrap_or(0);
+    #[cfg(feature = "planted-faults")]
+    let scale = crate::planted::decode_scale(scale);
     par::rows_mut(out, d, 4 * d * longest.max(1), |r, o| {
         let (s, head) = (r / h, r % h);
         let g = head / group;
@@ -661,6 +663,8 @@ pub fn paged_prefill_reference(
         let n_new = (cu_seqlens[s + 1] - cu_seqlens[s]) as usize;
         let n_keys = context_lens[s] as usize - n_new + (tok - cu_seqlens[s] as usize) + 1;
         let table = &block_table[s * mb..(s + 1) * mb];
+        #[cfg(feature = "planted-faults")]
+        let scale = crate::planted::prefill_scale(scale, context_lens[s] as usize - n_new);
         attend_row(
             &q[r * d..(r + 1) * d],
             n_keys,

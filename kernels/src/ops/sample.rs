@@ -271,7 +271,13 @@ pub fn sample_reference<T: Logit>(
     let rows: Vec<(i32, f32)> = logits
         .par_chunks(v)
         .enumerate()
-        .map(|(r, row)| sample_row(row, request_ids[r], positions[r], p))
+        .map(|(r, row)| {
+            #[cfg(feature = "planted-faults")]
+            let key = crate::planted::sample_key(request_ids[r], r);
+            #[cfg(not(feature = "planted-faults"))]
+            let key = request_ids[r];
+            sample_row(row, key, positions[r], p)
+        })
         .collect();
     Ok(rows.into_iter().unzip())
 }
