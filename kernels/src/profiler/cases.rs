@@ -1,8 +1,9 @@
 //! The cases of `sluice emu profile`: every op of the kernel runner at two presets.
 //!
-//! - `small`: shapes that profile in a second or less on the emulator (ragged where natural),
-//!   every value tensor random; bf16 where the op's GPU path is bf16 (gemm, MoE, attention, the
-//!   paged-attention family, Newton-Schulz), f32 elsewhere.
+//! - `small`: shapes that profile in well under 2 s each on the emulator (about 10 s for all,
+//!   cold, on two busy cores), ragged where natural, every value tensor random; bf16 where the
+//!   op's GPU path is bf16 (gemm, MoE, attention, the paged-attention family, Newton-Schulz),
+//!   f32 elsewhere.
 //! - `doc`: the shapes of docs/perf/<family>.md (DESIGN 9.1); the ops without a doc shape take a
 //!   GPU-sized shape of the small model scaled up (T = 16384 tokens, d = 2048), written in the
 //!   case's `shape`. The caller has enabled lazy allocation, so every large value tensor whose
@@ -107,7 +108,7 @@ fn embedding_backward_strata(_: &str) -> Strata {
 /// gates, the counting sort, the aux loss over the offsets). With BF16 inputs only router GEMMs
 /// are `gemm_f32` (the backward's dx_router shares the name, so it runs in full too). The
 /// grouped expert GEMMs have row tiles of ragged segments then an idle tail along x; the f32
-/// weight gradient has the segment on z; the rest is elementwise.
+/// weight gradient has the segment on z; the rest is elementwise. (Doc shapes: [`moe_doc_strata`].)
 fn moe_strata(kernel: &str) -> Strata {
     const FULL: &[&str] = &[
         "moe_widen_bf16",
@@ -127,6 +128,28 @@ fn moe_strata(kernel: &str) -> Strata {
         Strata::Axis(2)
     } else {
         Strata::Uniform
+    }
+}
+
+/// MoE at the doc shape: as [`moe_strata`], but the router's widening, product and softmax are
+/// sampled too. Run in full they took about 10 minutes of the forward's emulation (the SIMT f32
+/// router product is 2.1 G multiply-adds), past the 5-minute budget. Rows outside the sample
+/// keep zero logits, tie, and go to experts 0..k-1; the top-k, gates, counting sort and aux loss
+/// still run in full on what they get. The grouped GEMMs' work moves by the tail tiles only: at
+/// T = 16384, top-8 of 64 experts, 128-row tiles, balanced routing makes 64 x 16 = 1024 row
+/// tiles, the skewed one 8 x 115 + 56 x 2 = 1032 (under 1% more); unique bytes are not reported
+/// for sampled launches anyway.
+fn moe_doc_strata(kernel: &str) -> Strata {
+    const SAMPLED_ROUTER: &[&str] = &[
+        "moe_widen_bf16",
+        "gemm_f32",
+        "elementwise_softmax",
+        "moe_sigmoid",
+    ];
+    if SAMPLED_ROUTER.iter().any(|p| kernel.starts_with(p)) {
+        Strata::Uniform
+    } else {
+        moe_strata(kernel)
     }
 }
 
@@ -329,7 +352,7 @@ fn plan(op: &str, preset: Preset) -> Option<Plan> {
                     f: 32,
                 }
             };
-            moe(dims, op == "moe_backward")
+            moe(dims, op == "moe_backward", doc)
         }
         "attention_forward" | "attention_backward" => {
             let (lens, h, hkv, d) = if doc {
@@ -579,7 +602,7 @@ struct MoeDims {
 /// so they are filled (w_router at 1/sqrt(d) scale: router logits of order 1, tokens spread
 /// over the experts); the expert weights and dy are zeros at doc shapes. dy is F32 (the
 /// model's gradient dtype).
-fn moe(m: MoeDims, backward: bool) -> Plan {
+fn moe(m: MoeDims, backward: bool, doc: bool) -> Plan {
     let MoeDims { t, d, e, k, f } = m;
     let dtype = DType::BF16;
     let (tf, df, ef, kf, ff) = (t as f64, d as f64, e as f64, k as f64, f as f64);
@@ -590,7 +613,7 @@ fn moe(m: MoeDims, backward: bool) -> Plan {
             if backward { ", dy f32" } else { "" }
         ),
         flops: if backward { 2.0 * forward } else { forward },
-        strata: moe_strata,
+        strata: if doc { moe_doc_strata } else { moe_strata },
         build: Box::new(move |b| {
             b.filled("x", &[t, d], dtype, unit)?;
             let scale = 1.0 / (d as f32).sqrt();
