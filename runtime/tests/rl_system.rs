@@ -476,3 +476,47 @@ fn sync_mode_trains_on_whole_batches_at_lag_zero() {
         assert_eq!(b.len(), 4, "a sync batch is groups_per_step groups");
     }
 }
+
+/// Sync mode with a batch bigger than the tasks' concurrency: admission tops the batch up as
+/// groups finish, so every step still trains groups_per_step groups (not just the first
+/// concurrency's worth), all of them at lag 0.
+#[test]
+fn sync_mode_tops_up_a_batch_larger_than_the_concurrency() {
+    let mut recall = task_spec(
+        recall(),
+        LatencyModel::Fixed { ms: 5.0 },
+        FaultRates::default(),
+    );
+    let mut lookup = task_spec(
+        lookup(),
+        LatencyModel::Fixed { ms: 20.0 },
+        FaultRates::default(),
+    );
+    // One group of G = 4 in flight per task at a time; the batch is 8 groups.
+    recall.concurrency = 4;
+    lookup.concurrency = 4;
+    recall.target_share = 0.5;
+    lookup.target_share = 0.5;
+    let mut s = Setup::new(vec![recall, lookup]);
+    s.mode = Mode::Sync;
+    s.groups_per_step = 8;
+    s.steps = 3;
+    let mut rec = Recorder::default();
+    let report = s.run(&mut rec);
+    assert_eq!(report.learner.steps, 3);
+    assert_eq!(rec.batches.len(), 3);
+    for b in &rec.batches {
+        assert_eq!(
+            b.len(),
+            8,
+            "a sync batch is groups_per_step groups, whatever the concurrency"
+        );
+        assert!(b.iter().all(|g| g.samples.len() == 4));
+    }
+    assert_eq!(report.learner.samples, 3 * 8 * 4);
+    // Never more than the concurrency in flight.
+    assert!(rec.ticks.iter().all(|t| t.in_flight <= 8));
+    assert_eq!(report.learner.lag_hist.len(), 1, "every token at lag 0");
+    assert!(report.learner.zero_lag_tokens >= 3 * 8 * 4);
+    assert_eq!(report.learner.zero_lag_mismatch_tokens, 0);
+}

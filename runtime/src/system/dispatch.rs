@@ -43,7 +43,9 @@ impl Scheduler<'_> {
                 }
             }
             Mode::Sync => {
-                if self.phase != SyncPhase::Rollout || self.orch.in_flight() > 0 {
+                // The whole batch started and finished.
+                if self.phase != (SyncPhase::Rollout { unadmitted: 0 }) || self.orch.in_flight() > 0
+                {
                     return Ok(());
                 }
                 let g = self.buffer.take_all(version);

@@ -8,7 +8,7 @@ use super::scheduler::Scheduler;
 use super::stage::{Mode, RunError, StageObserver, Tick};
 use crate::clock::Micros;
 use crate::health::Heartbeats;
-use crate::orchestrator::{Action, EnvCall, Pace};
+use crate::orchestrator::{Action, EngineCmd, EnvCall, Pace};
 use crate::router::Router;
 use std::sync::mpsc::RecvTimeoutError;
 use std::time::Duration;
@@ -27,8 +27,9 @@ pub(super) enum TimerEv {
 pub(super) enum SyncPhase {
     /// Ready to start a rollout batch.
     Start,
-    /// A batch is rolling out.
-    Rollout,
+    /// A batch is rolling out; `unadmitted` of its trajectories have not started yet (they
+    /// start as the tasks' concurrency frees).
+    Rollout { unadmitted: u64 },
     /// The learner is stepping on the batch.
     Train,
 }
@@ -134,14 +135,19 @@ impl Scheduler<'_> {
         }
         let room = match self.cfg.mode {
             Mode::Async => self.room(),
-            Mode::Sync => {
-                if self.phase != SyncPhase::Start || self.learner.busy_since.is_some() {
-                    0
-                } else {
-                    self.phase = SyncPhase::Rollout;
-                    self.cfg.groups_per_step as u64 * self.group_size
+            // A batch is admitted as the tasks' concurrency allows and topped up as its
+            // groups finish, until all of it has started: a batch larger than the tasks'
+            // concurrency is still trained whole.
+            Mode::Sync if self.learner.busy_since.is_some() => 0,
+            Mode::Sync => match self.phase {
+                SyncPhase::Start => {
+                    let batch = self.cfg.groups_per_step as u64 * self.group_size;
+                    self.phase = SyncPhase::Rollout { unadmitted: batch };
+                    batch
                 }
-            }
+                SyncPhase::Rollout { unadmitted } => unadmitted,
+                SyncPhase::Train => 0,
+            },
         };
         if room < self.group_size {
             return Ok(());
@@ -162,6 +168,21 @@ impl Scheduler<'_> {
             groups_per_step: self.cfg.groups_per_step,
         };
         let actions = self.orch.admit(now, room, &mut route, &waiting, pace);
+        if let SyncPhase::Rollout { unadmitted } = &mut self.phase {
+            let started = actions
+                .iter()
+                .filter(|a| {
+                    matches!(
+                        a,
+                        Action::Engine {
+                            cmd: EngineCmd::Submit { .. },
+                            ..
+                        }
+                    )
+                })
+                .count() as u64;
+            *unadmitted = unadmitted.saturating_sub(started * self.group_size);
+        }
         self.apply(actions)
     }
 

@@ -36,8 +36,10 @@
 //! Modes. `async`: rollout and learner run concurrently; rollout may start a trajectory only
 //! within the backpressure room ([`Admission`](crate::buffer::Admission), eta steps ahead); the learner takes
 //! `groups_per_step` gated groups whenever that many are ready. `sync` (the baseline): a
-//! batch of `groups_per_step` groups is rolled out, all of it finishes, the learner takes every
-//! group that passes the gates and steps, the weights are published, and the next batch starts.
+//! batch of `groups_per_step` groups is rolled out (started as the tasks' concurrency allows and
+//! topped up as groups finish, so a batch larger than the concurrency is still whole), all of
+//! it finishes, the learner takes every group that passes the gates and steps, the weights are
+//! published, and the next batch starts.
 //!
 //! Files, one job each: `stage` the public contract (the stage's settings, its observer,
 //! its report and errors); `scheduler` the scheduler's state, built at the stage's start and
