@@ -11,7 +11,7 @@ use sluice_runtime::health::{FailKind, HealthConfig, ReplicaFault};
 use sluice_runtime::metrics::Track;
 use sluice_runtime::router::{ReplicaId, Router};
 use sluice_runtime::sync::{SyncOptions, SyncPath};
-use sluice_runtime::system::{Mode, StageReport};
+use sluice_runtime::system::{Mode, RunError, StageReport};
 use sluice_runtime::trajectory::TerminalReason;
 use stage::{both_tasks, session_of, Recorder, Setup};
 use std::collections::BTreeSet;
@@ -244,4 +244,42 @@ fn a_hung_thread_on_the_wall_clock_does_not_hang_the_run() {
     let mut rec = Recorder::default();
     let (report, _) = s.run(&mut rec);
     assert_loss_handled(&rec, &report, 1, 5);
+}
+
+#[test]
+fn a_heartbeat_timeout_shorter_than_an_engine_step_stops_the_run() {
+    // Every engine step costs 5 ms on the virtual clock; the timeout is 1 ms. Every replica is
+    // lost at every step: the stage must stop with an error saying so, not restart them for
+    // ever. Run on a thread so that a stage that never stops fails the test instead of
+    // hanging it.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut s = Setup::new(both_tasks(5.0));
+        s.cost.engine_step_us = 5_000.0;
+        s.health = HealthConfig {
+            heartbeat_timeout: Some(Micros::from_secs(0.001)),
+            fail: None,
+        };
+        let mut rec = Recorder::default();
+        let outcome = s.try_run(&mut rec).map(|(r, _)| r.learner.steps);
+        let _ = tx.send((outcome, rec.losses.len(), rec.lines.len()));
+    });
+    let (outcome, losses, steps) = rx
+        .recv_timeout(std::time::Duration::from_secs(120))
+        .expect("the stage never stopped: replicas lost and restarted for ever");
+    match outcome {
+        Err(RunError::HeartbeatTooShort { losses: n, timeout }) => {
+            assert_eq!(n, 6, "3 losses per replica (2 replicas)");
+            assert_eq!(timeout, Micros::from_secs(0.001));
+        }
+        other => panic!("expected HeartbeatTooShort, got {other:?}"),
+    }
+    assert_eq!(losses, 6);
+    assert_eq!(steps, 0, "no learner step completed");
+    let msg = RunError::HeartbeatTooShort {
+        losses: 6,
+        timeout: Micros::from_secs(0.001),
+    }
+    .to_string();
+    assert!(msg.contains("heartbeat timeout"), "{msg}");
 }

@@ -568,6 +568,9 @@ impl<'a> Get<'a> {
 
 const MAX: i64 = i64::MAX;
 
+/// The shortest heartbeat timeout accepted (seconds; 0 turns heartbeats off).
+pub const HEARTBEAT_FLOOR_S: f64 = 1.0;
+
 /// The optional task parameters that are set (ranges are the task's to check).
 fn task_options(g: &Get<'_>) -> Result<crate::tasks::TaskOptions, ConfigError> {
     let int = |k: &str| -> Result<Option<u32>, ConfigError> {
@@ -663,10 +666,16 @@ fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         }
     };
     let replicas = rollout.int("replicas", 1, 64)? as usize;
+    // A timeout shorter than an engine step loses every replica at every step; the floor
+    // keeps the obvious mistakes out (the scheduler stops a run that loses its replicas over
+    // and over without a learner step, whatever the timeout).
     let heartbeat = rollout.float(
         "heartbeat_timeout_s",
-        |x| x >= 0.0,
-        ">= 0 (0: no heartbeats)",
+        |x| x == 0.0 || x >= HEARTBEAT_FLOOR_S,
+        &format!(
+            "0 (no heartbeats) or at least {HEARTBEAT_FLOOR_S} s: it must exceed the longest \
+             engine step, or every replica is lost at every step"
+        ),
     )?;
     let fail_replica = rollout.int("fail_replica", 0, 63)? as usize;
     let fail_at_step = rollout.int("fail_at_step", 0, MAX)? as u64;
@@ -980,6 +989,25 @@ mod tests {
         let again = load(Some(&p), &[]).unwrap();
         assert_eq!(again.table, c.table);
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn heartbeat_timeout_has_a_floor() {
+        for bad in ["0.001", "0.5", "0.999"] {
+            let e = load(None, &[format!("rollout.heartbeat_timeout_s={bad}")]).unwrap_err();
+            assert_eq!(e.key, "rollout.heartbeat_timeout_s", "{bad}: {e}");
+            assert!(e.message.contains("engine step"), "{bad}: {e}");
+        }
+        let off = load(None, &["rollout.heartbeat_timeout_s=0".into()]).unwrap();
+        assert_eq!(off.rollout.heartbeat_timeout_s, None);
+        let floor = load(
+            None,
+            &[format!("rollout.heartbeat_timeout_s={HEARTBEAT_FLOOR_S}")],
+        );
+        assert_eq!(
+            floor.unwrap().rollout.heartbeat_timeout_s,
+            Some(HEARTBEAT_FLOOR_S)
+        );
     }
 
     #[test]

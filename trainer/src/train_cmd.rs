@@ -36,7 +36,7 @@ use sluice_runtime::learner::{Learner, LearnerConfig, Publication, StepReport};
 use sluice_runtime::metrics::{LearnerTotals, Trace};
 use sluice_runtime::orchestrator::{Orchestrator, OrchestratorState, RolloutPolicy, TaskSpec};
 use sluice_runtime::system::{
-    run_stage, BarrierView, Parts, StageConfig, StageObserver, StageStart,
+    run_stage, BarrierView, Parts, RunError, StageConfig, StageObserver, StageStart,
 };
 use sluice_runtime::trajectory::{SamplingParams, WeightVersion};
 use std::collections::BTreeMap;
@@ -61,6 +61,8 @@ pub struct TrainOptions {
 /// Why a run stopped: bad input (exit 2, nothing written) or a failure during the run.
 #[derive(Debug)]
 pub enum TrainError {
+    /// A bad setting (exit 2). Found before the run folder is touched, except a heartbeat
+    /// timeout shorter than an engine step, which only the run itself can show.
     Config(ConfigError),
     /// Bad input found outside the config file (an option, a model file).
     Input(String),
@@ -994,7 +996,14 @@ impl RunContext<'_> {
             start,
             &mut obs,
         )
-        .map_err(run_err)?;
+        .map_err(|e| match e {
+            // A setting only a run can show wrong: a bad config all the same (exit 2).
+            RunError::HeartbeatTooShort { .. } => TrainError::Config(ConfigError {
+                key: "rollout.heartbeat_timeout_s".into(),
+                message: e.to_string(),
+            }),
+            e => run_err(e),
+        })?;
         obs.progress.finish(
             obs.out,
             &format!(

@@ -362,6 +362,11 @@ fn bad_configs_name_the_key_exit_2_and_leave_no_folder() {
             vec!["--set".into(), "rollout.num_blocks=64".into()],
             "rollout.num_blocks",
         ),
+        // Shorter than any engine step: every replica would be lost at every step.
+        (
+            vec!["--set".into(), "rollout.heartbeat_timeout_s=0.001".into()],
+            "rollout.heartbeat_timeout_s",
+        ),
     ];
     for (i, (args, key)) in cases.into_iter().enumerate() {
         let out = dir.join(format!("run{i}"));
@@ -501,6 +506,54 @@ fn a_replica_killed_mid_run_is_restarted_and_the_run_completes() {
         assert_eq!(s["learner_steps"], 12, "{kind}: the 12 RL steps");
         assert_eq!(s["zero_lag_mismatch_tokens"], 0, "{kind}");
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// configs/tiny.toml without its supervised warm-up: its RL stage alone, `steps` steps.
+fn rl_only_config(dir: &Path, steps: u64) -> PathBuf {
+    let text = std::fs::read_to_string(short_config(dir))
+        .unwrap()
+        .replace(
+            "[[stage]]\nkind = \"sft\"\nsteps = 150\ntasks = [\"sort\", \"tool\"]\n\n",
+            "",
+        )
+        .replace("steps = 12", &format!("steps = {steps}"));
+    assert!(
+        !text.contains("\"sft\""),
+        "the warm-up stage is still there"
+    );
+    let p = dir.join("rl-only.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+#[test]
+fn a_heartbeat_shorter_than_an_engine_step_stops_with_exit_2() {
+    // Above the config's floor, but on the virtual clock every engine step costs 5 s: every
+    // replica is lost at every step. The run must stop (not restart replicas for ever) with
+    // an error naming the key.
+    let dir = scratch("heartbeat");
+    let cfg = rl_only_config(&dir, 4);
+    let out = dir.join("run");
+    let o = sluice(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--set",
+        "run.replay=true",
+        "--set",
+        "rollout.replicas=2",
+        "--set",
+        "rollout.heartbeat_timeout_s=1.0",
+        "--set",
+        "cost.engine_step_us=5000000",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("rollout.heartbeat_timeout_s"), "{err}");
+    assert!(err.contains("lost 6 times"), "3 losses per replica: {err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -251,6 +251,7 @@ impl Scheduler<'_> {
             c.learner_busy = c.learner_busy.plus(now.since(since));
         }
         self.totals.add(&report);
+        self.losses_since_step = 0;
         self.trace.push(
             Track::Learner,
             format!("step {}", report.version.0),

@@ -14,7 +14,13 @@ use crate::router::ReplicaId;
 use crate::sync::lane::{restart_replica, FullSync, SyncPath, SyncReport, SyncSink};
 
 /// Restart attempts of one lost replica before the stage gives up.
-pub(super) const MAX_RESTART_ATTEMPTS: u32 = 5;
+const MAX_RESTART_ATTEMPTS: u32 = 5;
+
+/// Replica losses (per replica of the stage) without a learner step completing before the
+/// stage stops with [`RunError::HeartbeatTooShort`]. A real failure loses a replica once and
+/// the others keep the learner fed; a timeout shorter than a step loses them all, again and
+/// again.
+const LOSSES_PER_REPLICA_WITHOUT_A_STEP: u64 = 3;
 
 impl Scheduler<'_> {
     /// A heartbeat tick: pings, then every replica silent for the timeout is lost.
@@ -115,6 +121,19 @@ impl Scheduler<'_> {
             Micros(0)
         };
         self.timers.push(now.plus(delay), TimerEv::Restart(i));
+        // A timeout shorter than an engine step loses every replica at every step: stop
+        // rather than restart them for ever.
+        self.losses_since_step += 1;
+        let limit = LOSSES_PER_REPLICA_WITHOUT_A_STEP * self.replicas.len() as u64;
+        if self.losses_since_step >= limit {
+            return Err(RunError::HeartbeatTooShort {
+                losses: self.losses_since_step,
+                timeout: self
+                    .heartbeats
+                    .as_ref()
+                    .map_or(Micros(0), Heartbeats::timeout),
+            });
+        }
         Ok(())
     }
 

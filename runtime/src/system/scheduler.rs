@@ -67,6 +67,8 @@ pub(super) struct Scheduler<'a> {
     pub(super) next_barrier: Option<u64>,
     /// Sync mode: consecutive batches of which no group passed the gates.
     pub(super) empty_batches: u32,
+    /// Replicas lost since the last learner step completed.
+    pub(super) losses_since_step: u64,
 }
 
 impl<'a> Scheduler<'a> {
@@ -201,6 +203,7 @@ impl<'a> Scheduler<'a> {
             published: 0,
             next_barrier,
             empty_batches: 0,
+            losses_since_step: 0,
             events: 0,
             inline_time: Duration::ZERO,
         };

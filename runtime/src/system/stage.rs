@@ -169,6 +169,13 @@ pub enum RunError {
     Config(String),
     /// Nothing can happen any more (no timer, no busy lane, nothing to start).
     Stalled(String),
+    /// Replicas were lost `losses` times without a learner step completing in between: the
+    /// heartbeat timeout is shorter than an engine step takes, so every replica would be lost
+    /// and restarted for ever.
+    HeartbeatTooShort {
+        losses: u64,
+        timeout: Micros,
+    },
 }
 
 impl fmt::Display for RunError {
@@ -183,6 +190,14 @@ impl fmt::Display for RunError {
             RunError::Sync(m) => write!(f, "weight sync: {m}"),
             RunError::Config(m) => write!(f, "stage settings: {m}"),
             RunError::Stalled(m) => write!(f, "the run stalled: {m}"),
+            RunError::HeartbeatTooShort { losses, timeout } => write!(
+                f,
+                "replicas were lost {losses} times without a learner step completing: the \
+                 heartbeat timeout ({:.3} s) is shorter than one engine step takes (on the \
+                 virtual clock, the cost model's charge for it); raise it, or set 0 to turn \
+                 heartbeats off",
+                timeout.secs()
+            ),
         }
     }
 }
