@@ -41,7 +41,8 @@ pub struct RolloutCounters {
     /// Finished trajectories by terminal reason (success, failure, budget, environment).
     pub by_terminal: BTreeMap<String, u64>,
     pub env_calls: u64,
-    /// Failed environment calls by kind (crash, timeout, garbage, error).
+    /// Failed environment calls by kind (crash, timeout, garbage, malformed, error), prompts
+    /// the engine refused (`submit`) and observations it refused (`refused_observation`).
     pub env_faults: BTreeMap<String, u64>,
     pub env_retries: u64,
     /// Trajectories still running when the stage ended (never trained).

@@ -10,7 +10,7 @@ use crate::clock::Micros;
 use crate::engine::{Engine, EngineConfig, Event};
 use crate::health::{BackendSpec, FailKind};
 use crate::learner::{Learner, Publication, StepReport};
-use crate::orchestrator::{EngineCmd, EngineResult};
+use crate::orchestrator::{EngineCmd, EngineResult, ObserveRefusal};
 use crate::sync::lane::{Delivery, Outgoing, SyncReport, SyncSink, SyncSource};
 use crate::trajectory::WeightVersion;
 use sluice_model::ModelConfig;
@@ -120,7 +120,7 @@ pub(super) fn replica_run(r: &mut Replica, work: EngineWork) -> ReplicaOutcome {
                 member,
                 result: engine
                     .observe(handle, &tokens, max_new_tokens)
-                    .map_err(|e| e.to_string()),
+                    .map_err(ObserveRefusal::from),
             },
             EngineCmd::Finish {
                 member,
