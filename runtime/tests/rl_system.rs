@@ -2,6 +2,8 @@
 //! loss, backpressure holds at every event, zero-lag tokens match bit for bit (cpu and emu),
 //! share correction, a thousand concurrent sessions without a thread each, and the sync mode.
 
+mod stage;
+
 use sluice_kernels::{Backend, Device};
 use sluice_model::optim::OptimConfig;
 use sluice_model::{Model, ModelConfig, Precision};
@@ -18,7 +20,7 @@ use sluice_runtime::metrics::LearnerTotals;
 use sluice_runtime::orchestrator::{Orchestrator, RolloutPolicy, TaskSpec};
 use sluice_runtime::sync::SyncOptions;
 use sluice_runtime::system::{
-    run_stage, Mode, Parts, StageConfig, StageObserver, StageReport, StageStart, Tick,
+    run_stage, Mode, Parts, RunError, StageConfig, StageObserver, StageReport, StageStart, Tick,
 };
 use sluice_runtime::trajectory::{SamplingParams, TerminalReason, WeightVersion};
 use std::sync::Arc;
@@ -519,4 +521,22 @@ fn sync_mode_tops_up_a_batch_larger_than_the_concurrency() {
     assert_eq!(report.learner.lag_hist.len(), 1, "every token at lag 0");
     assert!(report.learner.zero_lag_tokens >= 3 * 8 * 4);
     assert_eq!(report.learner.zero_lag_mismatch_tokens, 0);
+}
+
+/// GRPO advantages are normalised within a group: with G = 1 every advantage is 0 and nothing
+/// would be trained while the throughput looked fine. The stage refuses to start.
+#[test]
+fn a_group_of_one_is_refused_before_the_stage_starts() {
+    let mut s = stage::Setup::new(stage::both_tasks(5.0));
+    s.group_size = 1;
+    let mut rec = stage::Recorder::default();
+    match s.try_run(&mut rec) {
+        Err(RunError::Config(m)) => assert!(m.contains("buffer.group_size"), "{m}"),
+        Err(e) => panic!("expected a config error, got {e}"),
+        Ok((report, _)) => panic!(
+            "the stage ran {} steps on zero advantages",
+            report.learner.steps
+        ),
+    }
+    assert!(rec.lines.is_empty(), "no learner step");
 }

@@ -934,6 +934,19 @@ fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
             "a learner step needs far more trajectories than the tasks' concurrency allows",
         ));
     }
+    // GRPO advantages are normalised within a group: a group of one has advantage 0, so an RL
+    // stage would train nothing while its throughput looks fine. Supervised stages use no
+    // groups.
+    if buffer_s.group_size < 2 && stage_s.iter().any(|s| s.kind == StageKind::Rl) {
+        return Err(err(
+            "buffer.group_size",
+            format!(
+                "{}: an RL stage's advantages are normalised within each group, so a group of \
+                 one has advantage 0 and trains nothing; use 2 or more",
+                buffer_s.group_size
+            ),
+        ));
+    }
     for t in &tasks_s {
         if t.concurrency < buffer_s.group_size as u64 {
             return Err(err(
@@ -988,6 +1001,25 @@ mod tests {
         std::fs::write(&p, c.to_toml()).unwrap();
         let again = load(Some(&p), &[]).unwrap();
         assert_eq!(again.table, c.table);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn a_group_of_one_is_refused_only_where_advantages_need_groups() {
+        let e = load(None, &["buffer.group_size=1".into()]).unwrap_err();
+        assert_eq!(e.key, "buffer.group_size", "{e}");
+        assert!(e.message.contains("advantage"), "{e}");
+        // A supervised-only pipeline has no advantages: a group of one is fine there.
+        let dir = std::env::temp_dir().join(format!("sluice-cfg-g1-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("sft.toml");
+        std::fs::write(
+            &p,
+            "[[stage]]\nkind = \"sft\"\nsteps = 3\ntasks = [\"tool\"]\n\n[buffer]\ngroup_size = 1\n",
+        )
+        .unwrap();
+        let c = load(Some(&p), &[]).unwrap();
+        assert_eq!(c.buffer.group_size, 1);
         std::fs::remove_dir_all(&dir).ok();
     }
 

@@ -362,6 +362,11 @@ fn bad_configs_name_the_key_exit_2_and_leave_no_folder() {
             vec!["--set".into(), "rollout.num_blocks=64".into()],
             "rollout.num_blocks",
         ),
+        // Zero advantages: an RL stage would train nothing.
+        (
+            vec!["--set".into(), "buffer.group_size=1".into()],
+            "buffer.group_size",
+        ),
         // Shorter than any engine step: every replica would be lost at every step.
         (
             vec!["--set".into(), "rollout.heartbeat_timeout_s=0.001".into()],

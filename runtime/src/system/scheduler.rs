@@ -87,6 +87,15 @@ impl<'a> Scheduler<'a> {
                 "groups_per_step and sync_interval must be >= 1".into(),
             ));
         }
+        // GRPO advantages are normalised within a group: a group of one has advantage 0 and
+        // the stage would train nothing while its throughput looked fine.
+        if buffer.config().group_size < 2 {
+            return Err(RunError::Config(format!(
+                "buffer.group_size = {}: the learner's advantages are normalised within each \
+                 group, so a group of one has advantage 0 and trains nothing; use 2 or more",
+                buffer.config().group_size
+            )));
+        }
         let n = parts.engines.len();
         // Zero mismatch needs the engines to compute in the learner's precision (the same
         // rounding points on both sides).
