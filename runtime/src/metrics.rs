@@ -7,6 +7,8 @@
 //! - effective_tokens_per_s: accepted, trainable action tokens (generated tokens of unique,
 //!   non-repeated trajectories that the hard gate kept) per second of the run clock; tokens
 //!   dropped by any gate or masked do not count;
+//! - gradient_tokens_per_s: of those, the tokens of trajectories whose advantage is not 0
+//!   (they carry a gradient; a group whose rewards are all equal carries none), per second;
 //! - raw_tokens_per_s: every token the rollout engines sampled, per second;
 //! - token_accept_rate: accepted tokens / generated tokens of every trajectory that finished;
 //! - stale_drop_rate, env_drop_rate: trajectories removed by the version / environment gate
@@ -94,6 +96,9 @@ pub struct LearnerTotals {
     pub steps: u64,
     pub samples: u64,
     pub accepted_tokens: u64,
+    /// Accepted tokens with a non-zero advantage (see [`StepReport::gradient_unique_tokens`]).
+    #[serde(default)]
+    pub gradient_tokens: u64,
     pub masked_tokens: u64,
     pub ratio_sum: f64,
     #[serde(with = "crate::trajectory::f32_bit")]
@@ -119,6 +124,7 @@ impl LearnerTotals {
     pub fn add(&mut self, r: &StepReport) {
         self.steps += 1;
         self.accepted_tokens += r.accepted_unique_tokens;
+        self.gradient_tokens += r.gradient_unique_tokens;
         self.masked_tokens += r.masked_tokens;
         self.ratio_sum += r.ratio_sum;
         self.ratio_min = self.ratio_min.min(r.ratio_min);
@@ -206,6 +212,10 @@ pub fn metrics_line(x: &LineInputs<'_>) -> Value {
         json!(round6(l.accepted_tokens as f64 / t)),
     );
     m.insert(
+        "gradient_tokens_per_s".into(),
+        json!(round6(l.gradient_tokens as f64 / t)),
+    );
+    m.insert(
         "raw_tokens_per_s".into(),
         json!(round6(x.rollout.sampled_tokens as f64 / t)),
     );
@@ -261,6 +271,7 @@ pub fn metrics_line(x: &LineInputs<'_>) -> Value {
     );
     m.insert("samples_trained".into(), json!(l.samples));
     m.insert("accepted_tokens".into(), json!(l.accepted_tokens));
+    m.insert("gradient_tokens".into(), json!(l.gradient_tokens));
     m.insert("sampled_tokens".into(), json!(x.rollout.sampled_tokens));
     for name in x.tasks {
         let tt = l.per_task.get(name).cloned().unwrap_or_default();

@@ -540,3 +540,55 @@ fn a_group_of_one_is_refused_before_the_stage_starts() {
     }
     assert!(rec.lines.is_empty(), "no learner step");
 }
+
+/// Gradient-carrying throughput counts exactly the accepted tokens of trajectories whose
+/// advantage is not 0. In sync mode every token is trained at lag 0 with ratio 1, so the gate
+/// accepts every masked token: the count is the masked tokens of unique trajectories with a
+/// non-zero advantage, recomputed here from the batches the learner was given.
+#[test]
+fn gradient_tokens_count_only_tokens_with_a_nonzero_advantage() {
+    let mut s = Setup::new(vec![task_spec(
+        lookup(),
+        LatencyModel::Fixed { ms: 10.0 },
+        FaultRates::default(),
+    )]);
+    s.mode = Mode::Sync;
+    s.steps = 6;
+    let mut rec = Recorder::default();
+    let report = s.run(&mut rec);
+    assert_eq!(report.learner.steps, 6);
+    assert_eq!(report.learner.lag_hist.len(), 1, "sync mode: lag 0 only");
+    let (mut masked, mut with_gradient, mut flat_groups) = (0u64, 0u64, 0);
+    for g in rec.batches.iter().flatten() {
+        let adv = sluice_runtime::learner::advantages(&g.samples, false, 1e-6);
+        if adv.iter().all(|&a| a == 0.0) {
+            flat_groups += 1;
+        }
+        let unique = g.samples.len() - g.duplicated;
+        for (smp, a) in g.samples.iter().zip(adv).take(unique) {
+            let n = smp.loss_mask[1..].iter().filter(|&&m| m).count() as u64;
+            masked += n;
+            if a != 0.0 {
+                with_gradient += n;
+            }
+        }
+    }
+    let l = &report.learner;
+    assert_eq!(
+        l.accepted_tokens, masked,
+        "ratio 1: the gate keeps every token"
+    );
+    assert_eq!(l.gradient_tokens, with_gradient);
+    // The run has groups with equal rewards (their tokens carry nothing) and groups without.
+    assert!(
+        flat_groups > 0,
+        "no group with equal rewards: the test shows nothing"
+    );
+    assert!(0 < l.gradient_tokens && l.gradient_tokens < l.accepted_tokens);
+    let last = rec.lines.last().unwrap();
+    let t = last["time_s"].as_f64().unwrap();
+    let rate = last["gradient_tokens_per_s"].as_f64().unwrap();
+    assert!((rate - with_gradient as f64 / t).abs() < 1e-3, "{rate}");
+    assert!(rate < last["effective_tokens_per_s"].as_f64().unwrap());
+    assert_eq!(last["gradient_tokens"], with_gradient);
+}

@@ -583,6 +583,9 @@ struct RunContext<'a> {
 struct RlTotals {
     samples: u64,
     accepted_tokens: u64,
+    /// Accepted tokens with a non-zero advantage.
+    #[serde(default)]
+    gradient_tokens: u64,
     sampled_tokens: u64,
     finished_generated: u64,
     zero_lag: u64,
@@ -1038,6 +1041,7 @@ impl RunContext<'_> {
         let l = &report.learner;
         t.samples += l.samples;
         t.accepted_tokens += l.accepted_tokens;
+        t.gradient_tokens += l.gradient_tokens;
         t.sampled_tokens += report.rollout.sampled_tokens;
         t.finished_generated += report.rollout.finished_generated_tokens;
         t.zero_lag += l.zero_lag_tokens;
@@ -1106,6 +1110,7 @@ impl RunContext<'_> {
             "wall_s": wall_s,
             "rl_time_s": t.map_or(0.0, |t| t.elapsed_s),
             "effective_tokens_per_s": t.map_or(0.0, |t| t.accepted_tokens as f64 / elapsed),
+            "gradient_tokens_per_s": t.map_or(0.0, |t| t.gradient_tokens as f64 / elapsed),
             "raw_tokens_per_s": t.map_or(0.0, |t| t.sampled_tokens as f64 / elapsed),
             "token_accept_rate": t.map_or(0.0, |t| ratio(t.accepted_tokens, t.finished_generated)),
             "stale_drop_rate": t.map_or(0.0, |t| ratio(t.stale, t.buffer_in)),
@@ -1149,17 +1154,18 @@ impl RunContext<'_> {
         }
         let _ = writeln!(
             t,
-            "\n| accepted tokens | stale drops | env drops | group repeats | effective tok/s | raw tok/s | zero-lag mismatch |"
+            "\n| accepted tokens | stale drops | env drops | group repeats | effective tok/s | gradient tok/s | raw tok/s | zero-lag mismatch |"
         );
-        let _ = writeln!(t, "|---|---|---|---|---|---|---|");
+        let _ = writeln!(t, "|---|---|---|---|---|---|---|---|");
         let _ = writeln!(
             t,
-            "| {} | {} | {} | {} | {:.0} | {:.0} | {} of {} |",
+            "| {} | {} | {} | {} | {:.0} | {:.0} | {:.0} | {} of {} |",
             pct(&s["token_accept_rate"]),
             pct(&s["stale_drop_rate"]),
             pct(&s["env_drop_rate"]),
             pct(&s["group_dup_rate"]),
             s["effective_tokens_per_s"].as_f64().unwrap_or(0.0),
+            s["gradient_tokens_per_s"].as_f64().unwrap_or(0.0),
             s["raw_tokens_per_s"].as_f64().unwrap_or(0.0),
             s["zero_lag_mismatch_tokens"],
             s["zero_lag_tokens"],
@@ -1206,8 +1212,9 @@ impl StageObserver for RlObserver<'_> {
             msg.push_str(&format!("{t} {r:.2}  "));
         }
         msg.push_str(&format!(
-            "eff {:.0} tok/s  raw {:.0} tok/s",
+            "eff {:.0} tok/s  grad {:.0} tok/s  raw {:.0} tok/s",
             line["effective_tokens_per_s"].as_f64().unwrap_or(0.0),
+            line["gradient_tokens_per_s"].as_f64().unwrap_or(0.0),
             line["raw_tokens_per_s"].as_f64().unwrap_or(0.0)
         ));
         self.progress.update(self.out, step, &msg);

@@ -94,6 +94,7 @@ fn a_run_leaves_the_run_folder() {
         "samples_trained",
         "wall_s",
         "effective_tokens_per_s",
+        "gradient_tokens_per_s",
         "raw_tokens_per_s",
         "token_accept_rate",
         "stale_drop_rate",
@@ -107,6 +108,14 @@ fn a_run_leaves_the_run_folder() {
     assert_eq!(s["learner_steps"], 12);
     assert_eq!(s["zero_lag_mismatch_tokens"], 0);
     assert!(s["zero_lag_tokens"].as_u64().unwrap() > 0);
+    // Gradient-carrying throughput beside effective throughput: never above it.
+    let (eff, grad) = (
+        s["effective_tokens_per_s"].as_f64().unwrap(),
+        s["gradient_tokens_per_s"].as_f64().unwrap(),
+    );
+    assert!(grad > 0.0 && grad <= eff, "gradient {grad} vs effective {eff}");
+    assert!(text.contains("gradient tok/s"), "the end table: {text}");
+    assert!(text.contains("grad "), "the progress lines: {text}");
     for task in ["sort", "tool"] {
         let t = &s["tasks"][task];
         for key in [
@@ -129,6 +138,7 @@ fn a_run_leaves_the_run_folder() {
             "loss",
             "grad_norm",
             "effective_tokens_per_s",
+            "gradient_tokens_per_s",
             "raw_tokens_per_s",
             "token_accept_rate",
             "stale_drop_rate",
