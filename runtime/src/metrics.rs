@@ -10,6 +10,8 @@
 //! - gradient_tokens_per_s: of those, the tokens of trajectories whose advantage is not 0
 //!   (they carry a gradient; a group whose rewards are all equal carries none), per second;
 //! - raw_tokens_per_s: every token the rollout engines sampled, per second;
+//! - clock: the clock every rate is per second of: `wall`, or `virtual` (a replay: per
+//!   virtual second, which says nothing about real throughput);
 //! - token_accept_rate: accepted tokens / generated tokens of every trajectory that finished;
 //! - stale_drop_rate, env_drop_rate: trajectories removed by the version / environment gate
 //!   over trajectories that entered the buffer; group_dup_rate: repeats added by group repair
@@ -26,7 +28,7 @@
 //!   answered them; replicas_lost, replica_restarts, trajectories_lost: rollout health.
 
 use crate::buffer::BufferCounters;
-use crate::clock::Micros;
+use crate::clock::{ClockMode, Micros};
 use crate::learner::StepReport;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
@@ -177,6 +179,8 @@ pub struct LineInputs<'a> {
     pub stage: &'a str,
     /// Run-clock seconds since the stage started (virtual in replay mode).
     pub time_s: f64,
+    /// The run clock (the line's rates are per second of it).
+    pub clock: ClockMode,
     /// Real seconds since the stage started (differs between replays).
     pub wall_s: f64,
     pub step: &'a StepReport,
@@ -201,6 +205,7 @@ pub fn metrics_line(x: &LineInputs<'_>) -> Value {
     m.insert("step".into(), json!(l.steps));
     m.insert("version".into(), json!(r.version.0));
     m.insert("time_s".into(), json!(round6(x.time_s)));
+    m.insert("clock".into(), json!(x.clock.as_str()));
     m.insert("wall_s".into(), json!(round6(x.wall_s)));
     m.insert("loss".into(), json!(finite_or_zero(r.loss)));
     m.insert(

@@ -244,6 +244,8 @@ fn a_hung_thread_on_the_wall_clock_does_not_hang_the_run() {
     let mut rec = Recorder::default();
     let (report, _) = s.run(&mut rec);
     assert_loss_handled(&rec, &report, 1, 5);
+    // Its rates are per wall-clock second, and say so.
+    assert!(rec.lines.iter().all(|l| l["clock"] == "wall"));
 }
 
 #[test]

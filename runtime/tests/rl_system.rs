@@ -477,6 +477,8 @@ fn sync_mode_trains_on_whole_batches_at_lag_zero() {
     for b in &rec.batches {
         assert_eq!(b.len(), 4, "a sync batch is groups_per_step groups");
     }
+    // A replay's rates are per virtual second, and say so.
+    assert!(rec.lines.iter().all(|l| l["clock"] == "virtual"));
 }
 
 /// Sync mode with a batch bigger than the tasks' concurrency: admission tops the batch up as

@@ -952,11 +952,7 @@ impl RunContext<'_> {
         let sc = StageConfig {
             name: format!("rl#{index}"),
             mode: cfg.run.mode,
-            clock: if cfg.run.replay {
-                ClockMode::Virtual
-            } else {
-                ClockMode::Wall
-            },
+            clock: self.clock(),
             steps: stage.steps,
             groups_per_step: cfg.buffer.groups_per_step,
             eta: cfg.buffer.eta,
@@ -1068,6 +1064,15 @@ impl RunContext<'_> {
         Ok(model)
     }
 
+    /// The RL stages' run clock.
+    fn clock(&self) -> ClockMode {
+        if self.cfg.run.replay {
+            ClockMode::Virtual
+        } else {
+            ClockMode::Wall
+        }
+    }
+
     fn summary(&self, sha: &str, wall_s: f64) -> Value {
         let t = self.state.rl_totals.as_ref();
         let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
@@ -1104,6 +1109,8 @@ impl RunContext<'_> {
         }
         let elapsed = t.map_or(0.0, |t| t.elapsed_s).max(1e-9);
         json!({
+            // Every rate per second below is per second of this clock.
+            "clock": self.clock().as_str(),
             "final_weights_sha256": sha,
             "learner_steps": self.state.learner_steps,
             "samples_trained": t.map_or(0, |t| t.samples),
@@ -1170,6 +1177,16 @@ impl RunContext<'_> {
             s["zero_lag_mismatch_tokens"],
             s["zero_lag_tokens"],
         );
+        let _ = write!(
+            t,
+            "{}",
+            match s["clock"].as_str() {
+                Some("virtual") => {
+                    "tok/s: per second of the virtual clock (run.replay = true), not of wall time\n"
+                }
+                _ => "tok/s: per second of the wall clock\n",
+            }
+        );
         let _ = write!(t, "\ntime per stage:");
         for (n, secs) in &self.state.stage_times {
             let _ = write!(t, "  {n} {secs:.1}s");
@@ -1212,10 +1229,11 @@ impl StageObserver for RlObserver<'_> {
             msg.push_str(&format!("{t} {r:.2}  "));
         }
         msg.push_str(&format!(
-            "eff {:.0} tok/s  grad {:.0} tok/s  raw {:.0} tok/s",
+            "eff {:.0} tok/s  grad {:.0} tok/s  raw {:.0} tok/s ({} clock)",
             line["effective_tokens_per_s"].as_f64().unwrap_or(0.0),
             line["gradient_tokens_per_s"].as_f64().unwrap_or(0.0),
-            line["raw_tokens_per_s"].as_f64().unwrap_or(0.0)
+            line["raw_tokens_per_s"].as_f64().unwrap_or(0.0),
+            line["clock"].as_str().unwrap_or("wall")
         ));
         self.progress.update(self.out, step, &msg);
         Ok(())

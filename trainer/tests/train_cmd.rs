@@ -93,6 +93,7 @@ fn a_run_leaves_the_run_folder() {
         "learner_steps",
         "samples_trained",
         "wall_s",
+        "clock",
         "effective_tokens_per_s",
         "gradient_tokens_per_s",
         "raw_tokens_per_s",
@@ -113,9 +114,19 @@ fn a_run_leaves_the_run_folder() {
         s["effective_tokens_per_s"].as_f64().unwrap(),
         s["gradient_tokens_per_s"].as_f64().unwrap(),
     );
-    assert!(grad > 0.0 && grad <= eff, "gradient {grad} vs effective {eff}");
+    assert!(
+        grad > 0.0 && grad <= eff,
+        "gradient {grad} vs effective {eff}"
+    );
     assert!(text.contains("gradient tok/s"), "the end table: {text}");
     assert!(text.contains("grad "), "the progress lines: {text}");
+    // The clock every rate is per second of, in summary.json, the progress lines and the table.
+    assert_eq!(s["clock"], "wall");
+    assert!(text.contains("(wall clock)"), "the progress lines: {text}");
+    assert!(
+        text.contains("per second of the wall clock"),
+        "the end table: {text}"
+    );
     for task in ["sort", "tool"] {
         let t = &s["tasks"][task];
         for key in [
@@ -242,7 +253,7 @@ fn a_run_leaves_the_run_folder() {
 fn replay_pair(device: &str, cfg: &Path, dir: &Path) {
     let run = |name: &str, seed: &str| {
         let out = dir.join(name);
-        run_ok(&[
+        let text = run_ok(&[
             "train",
             "--config",
             cfg.to_str().unwrap(),
@@ -255,6 +266,12 @@ fn replay_pair(device: &str, cfg: &Path, dir: &Path) {
             "--out",
             out.to_str().unwrap(),
         ]);
+        // Rates per virtual second are labelled so: the progress lines and the end table.
+        assert!(text.contains("(virtual clock)"), "{device}: {text}");
+        assert!(
+            text.contains("per second of the virtual clock"),
+            "{device}: {text}"
+        );
         out
     };
     let a = run("a", "5");
@@ -267,6 +284,11 @@ fn replay_pair(device: &str, cfg: &Path, dir: &Path) {
         "{device}: two replays of one seed wrote different metrics"
     );
     let (sa, sb, sc) = (summary(&a), summary(&b), summary(&c));
+    assert_eq!(sa["clock"], "virtual");
+    assert!(ma
+        .iter()
+        .filter(|l| l.get("clock").is_some())
+        .all(|l| l["clock"] == "virtual"));
     assert_eq!(sa["final_weights_sha256"], sb["final_weights_sha256"]);
     assert_ne!(
         sa["final_weights_sha256"], sc["final_weights_sha256"],

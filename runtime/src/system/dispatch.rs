@@ -276,6 +276,7 @@ impl Scheduler<'_> {
         let line = metrics_line(&LineInputs {
             stage: &self.cfg.name,
             time_s: now.since(self.stage_start).secs(),
+            clock: self.cfg.clock,
             wall_s: self.wall_start.elapsed().as_secs_f64(),
             step: &report,
             learner: &self.totals,
