@@ -155,6 +155,23 @@ fn plan(o: &TrainOptions) -> Result<Plan, TrainError> {
             message: format!("{}: {e}", cfg.model.config.display()),
         })
     })?;
+    // The KV pool must hold at least one block of this model in this precision; found here,
+    // before the run folder exists, not when the first engine is built.
+    sluice_model::infer::KvCache::blocks_for_bytes(
+        &model_cfg,
+        cfg.model.precision.dtype(),
+        cfg.rollout.block_size,
+        cfg.rollout.kv_bytes,
+    )
+    .map_err(|e| {
+        TrainError::Config(ConfigError {
+            key: "rollout.kv_bytes".into(),
+            message: match e {
+                sluice_kernels::Error::Param { message, .. } => message,
+                e => e.to_string(),
+            },
+        })
+    })?;
     if let Some(init) = &cfg.model.init {
         if !init.is_file() {
             return Err(TrainError::Config(ConfigError {

@@ -394,6 +394,11 @@ fn bad_configs_name_the_key_exit_2_and_leave_no_folder() {
             vec!["--set".into(), "rollout.num_blocks=64".into()],
             "rollout.num_blocks",
         ),
+        // A KV pool that holds not one block.
+        (
+            vec!["--set".into(), "rollout.kv_bytes=1".into()],
+            "rollout.kv_bytes",
+        ),
         // Zero advantages: an RL stage would train nothing.
         (
             vec!["--set".into(), "buffer.group_size=1".into()],
