@@ -846,10 +846,9 @@ impl RunContext<'_> {
             for (name, r) in &self.state.pass_before {
                 let _ = writeln!(
                     self.progress,
-                    "  held-out pass rate before RL: {name} {:.1}% ({}/{})",
+                    "  held-out pass rate before RL: {name} {:.1}% ({})",
                     100.0 * r.rate(),
-                    r.passed,
-                    r.problems
+                    r.counts()
                 );
             }
         }
@@ -1121,6 +1120,9 @@ impl RunContext<'_> {
                     "mean_completion_s": if finished > 0 { completion / finished as f64 } else { 0.0 },
                     "pass_rate_before": self.state.pass_before.get(&name).map(PassRate::rate),
                     "pass_rate_after": self.pass_after.get(&name).map(PassRate::rate),
+                    // Distinct held-out problems each pass rate is over (drawn without
+                    // replacement).
+                    "held_out_problems": self.pass_after.get(&name).or(self.state.pass_before.get(&name)).map(|r| r.problems),
                 }),
             );
         }

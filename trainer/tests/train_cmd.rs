@@ -78,6 +78,8 @@ fn a_run_leaves_the_run_folder() {
         out.to_str().unwrap(),
     ]);
     assert!(text.contains("held-out pass rate before RL"), "{text}");
+    // Drawn without replacement: the 8 problems asked for are 8 distinct ones.
+    assert!(text.contains("/8 distinct problems"), "{text}");
     for f in [
         "config.toml",
         "metrics.jsonl",
@@ -137,6 +139,7 @@ fn a_run_leaves_the_run_folder() {
         ] {
             assert!(t[key].is_number(), "tasks.{task}.{key}: {t}");
         }
+        assert_eq!(t["held_out_problems"], 8, "tasks.{task}: {t}");
     }
     // Every RL metrics line carries DESIGN 9's keys.
     let lines = metrics_without_wall(&out);
