@@ -19,6 +19,8 @@ use std::collections::BTreeSet;
 use std::time::Instant;
 
 impl Scheduler<'_> {
+    /// Starts the learner's next step when it is idle and its groups are ready (async:
+    /// `groups_per_step` gated groups; sync: the whole batch, started and finished).
     pub(super) fn start_learner(
         &mut self,
         observer: &mut dyn StageObserver,
@@ -120,6 +122,7 @@ impl Scheduler<'_> {
         Ok(())
     }
 
+    /// Hands every live, idle replica that has something to do its next unit of work.
     pub(super) fn dispatch_engines(&mut self) -> Result<(), RunError> {
         let now = self.clock.now();
         for i in 0..self.replicas.len() {
@@ -198,6 +201,7 @@ impl Scheduler<'_> {
         cost
     }
 
+    /// A replica's unit of work is over: its installs, its command results, its engine events.
     pub(super) fn engine_done(
         &mut self,
         i: usize,
@@ -236,6 +240,7 @@ impl Scheduler<'_> {
         self.apply(actions)
     }
 
+    /// A learner step is over: the totals, the trace, its publication, the metrics line.
     pub(super) fn learner_done(
         &mut self,
         done: LearnerDone,
