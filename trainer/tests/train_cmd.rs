@@ -227,7 +227,7 @@ fn a_run_leaves_the_run_folder() {
         "4",
     ]);
     assert!(
-        text.contains("000-end on 4 held-out problems") && text.contains("greedy"),
+        text.contains("000-end on 4 distinct held-out problems") && text.contains("greedy"),
         "{text}"
     );
     // A folder that is not a checkpoint names what it lacks.
