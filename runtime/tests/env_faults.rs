@@ -64,6 +64,9 @@ impl Task for Misbehaving {
     }
 }
 
+/// Zero-lag tokens the run compares at least (it has 353; the seed and the virtual clock fix it).
+const MIN_ZERO_LAG: u64 = 200;
+
 #[test]
 fn environment_faults_are_retried_or_end_as_environment_and_never_stop_the_run() {
     let faults = FaultRates {
@@ -130,6 +133,12 @@ fn environment_faults_are_retried_or_end_as_environment_and_never_stop_the_run()
             assert!(smp.reward.is_finite());
         }
     }
+    // Zero mismatch means something only over enough tokens.
+    assert!(
+        report.learner.zero_lag_tokens >= MIN_ZERO_LAG,
+        "{} zero-lag tokens",
+        report.learner.zero_lag_tokens
+    );
     assert_eq!(report.learner.zero_lag_mismatch_tokens, 0);
 }
 
