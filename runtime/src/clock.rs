@@ -57,6 +57,17 @@ pub enum ClockMode {
     Virtual,
 }
 
+impl ClockMode {
+    /// `wall` or `virtual`: the label every rate per second carries (on the virtual clock a
+    /// rate is per virtual second).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClockMode::Wall => "wall",
+            ClockMode::Virtual => "virtual",
+        }
+    }
+}
+
 /// The run clock.
 #[derive(Debug)]
 pub struct Clock {

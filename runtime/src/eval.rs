@@ -2,17 +2,22 @@
 //! task's environment directly (no latency, no injected faults), greedy or sampled.
 
 use crate::engine::{Engine, EngineError, Request};
-use crate::env::{Reply, Split, Task};
+use crate::env::{Problem, Reply, Split, Task};
 use crate::hash::{hash_str, mix64};
 use crate::trajectory::{SamplingParams, TerminalReason};
 use sluice_kernels::testing::Rng;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// The outcome of an evaluation.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PassRate {
     pub task: String,
+    /// Distinct problems evaluated (fewer than asked for only when the held-out split has
+    /// fewer).
     pub problems: usize,
+    /// Problems asked for.
+    #[serde(default)]
+    pub requested: usize,
     pub passed: usize,
     /// The first problems' full token sequences and rewards (as many as asked for).
     #[serde(default)]
@@ -20,6 +25,19 @@ pub struct PassRate {
 }
 
 impl PassRate {
+    /// `passed/problems distinct problems`, saying so when the held-out split had fewer than
+    /// were asked for.
+    pub fn counts(&self) -> String {
+        let mut s = format!("{}/{} distinct problems", self.passed, self.problems);
+        if self.problems < self.requested {
+            s.push_str(&format!(
+                ", every one the held-out split has ({} asked for)",
+                self.requested
+            ));
+        }
+        s
+    }
+
     pub fn rate(&self) -> f64 {
         if self.problems == 0 {
             0.0
@@ -29,10 +47,13 @@ impl PassRate {
     }
 }
 
-/// Runs `problems` held-out problems of `task` on `engine` (which must hold no trajectory)
-/// with `sampling` (temperature 0: greedy); a problem passes when its episode ends with a
-/// reward > 0 within `max_turns` model turns. Problem i is drawn from a stream keyed by
-/// (seed, task, i), so every evaluation with the same seed sees the same problems.
+/// Runs `problems` distinct held-out problems of `task` on `engine` (which must hold no
+/// trajectory) with `sampling` (temperature 0: greedy); a problem passes when its episode ends
+/// with a reward > 0 within `max_turns` model turns. Problems are drawn without replacement:
+/// draw k comes from a stream keyed by (seed, task, k) and a problem already drawn (same id)
+/// is skipped, so every evaluation with the same seed sees the same problems, each once. When
+/// the held-out split has fewer distinct problems than asked for, all of them are evaluated
+/// (`PassRate::problems` < `requested`).
 pub fn pass_rate(
     engine: &mut Engine,
     task: &dyn Task,
@@ -60,12 +81,10 @@ pub fn pass_rate_with(
         ));
     }
     let name = task.name().to_string();
+    let probs = distinct_problems(task, problems, seed);
     // handle -> (problem index, turn)
     let mut live = BTreeMap::new();
-    let mut probs = Vec::with_capacity(problems);
-    for i in 0..problems {
-        let mut rng = Rng::new(mix64(hash_str(seed ^ 0xe7a1, &name) ^ mix64(i as u64)));
-        let p = task.problem(&mut rng, Split::HeldOut);
+    for (i, p) in probs.iter().enumerate() {
         let req = Request {
             session_id: format!("eval/{name}/{i}"),
             instance_id: format!("eval/{}#{i}", p.id),
@@ -78,7 +97,6 @@ pub fn pass_rate_with(
         };
         let h = engine.submit(req)?;
         live.insert(h[0], (i, 0u32));
-        probs.push(p);
     }
     let mut passed = 0;
     let mut kept: BTreeMap<usize, (Vec<crate::trajectory::TokenId>, f32)> = BTreeMap::new();
@@ -164,8 +182,30 @@ pub fn pass_rate_with(
     }
     Ok(PassRate {
         task: name,
-        problems,
+        problems: probs.len(),
+        requested: problems,
         passed,
         transcripts: kept.into_values().collect(),
     })
+}
+
+/// Up to `n` distinct held-out problems of `task` (by id), in draw order: draw k is keyed by
+/// (seed, task, k), and a repeat is skipped. Stops after `16 n + 1024` draws, which finds every
+/// problem of a split smaller than `n` (a coupon collector needs about m ln m draws for m
+/// problems) long before it could loop.
+pub fn distinct_problems(task: &dyn Task, n: usize, seed: u64) -> Vec<Problem> {
+    let name = task.name();
+    let max_draws = 16 * n as u64 + 1024;
+    let mut seen = BTreeSet::new();
+    let mut out = Vec::with_capacity(n);
+    let mut k = 0u64;
+    while out.len() < n && k < max_draws {
+        let mut rng = Rng::new(mix64(hash_str(seed ^ 0xe7a1, name) ^ mix64(k)));
+        k += 1;
+        let p = task.problem(&mut rng, Split::HeldOut);
+        if seen.insert(p.id.clone()) {
+            out.push(p);
+        }
+    }
+    out
 }

@@ -7,7 +7,8 @@
 //! `timeout` old is declared lost, so a hang is detected between `timeout` and `1.25 x timeout`
 //! after it starts (the first ping after it goes out within a quarter timeout, and the check runs
 //! at every ping tick). An engine step longer than the timeout is indistinguishable from a hang:
-//! the timeout must exceed the longest step.
+//! the timeout must exceed the longest step (a stage that keeps losing its replicas without a
+//! learner step stops with [`crate::system::RunError::HeartbeatTooShort`]).
 //!
 //! On the virtual clock pings are ticks on the run clock and an idle replica answers at the
 //! tick; on the wall clock they are messages to the lane's thread, answered in order after the

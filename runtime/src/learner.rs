@@ -95,6 +95,9 @@ pub struct StepReport {
     pub accepted_unique_tokens: u64,
     /// Masked tokens of unique trajectories.
     pub masked_unique_tokens: u64,
+    /// Of `accepted_unique_tokens`, those of trajectories whose advantage is not 0: the
+    /// tokens that carry a gradient (a group whose rewards are all equal carries none).
+    pub gradient_unique_tokens: u64,
     pub ratio_sum: f64,
     pub ratio_min: f32,
     pub ratio_max: f32,
@@ -402,7 +405,7 @@ impl Learner {
         learner: WeightVersion,
     ) {
         for (b, &i) in mb.seqs.iter().enumerate() {
-            let (s, _, repeat) = flat[i];
+            let (s, advantage, repeat) = flat[i];
             let r0 = batch.seq_range(b).start;
             // Tokens [0, same) all carry the learner's version.
             let same = s
@@ -429,6 +432,7 @@ impl Learner {
                 if !repeat {
                     report.masked_unique_tokens += 1;
                     report.accepted_unique_tokens += u64::from(accepted);
+                    report.gradient_unique_tokens += u64::from(accepted && advantage != 0.0);
                 }
                 if !accepted {
                     // Which side of the gate (the kernel's counters hold the batch totals).

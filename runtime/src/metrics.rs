@@ -7,7 +7,11 @@
 //! - effective_tokens_per_s: accepted, trainable action tokens (generated tokens of unique,
 //!   non-repeated trajectories that the hard gate kept) per second of the run clock; tokens
 //!   dropped by any gate or masked do not count;
+//! - gradient_tokens_per_s: of those, the tokens of trajectories whose advantage is not 0
+//!   (they carry a gradient; a group whose rewards are all equal carries none), per second;
 //! - raw_tokens_per_s: every token the rollout engines sampled, per second;
+//! - clock: the clock every rate is per second of: `wall`, or `virtual` (a replay: per
+//!   virtual second, which says nothing about real throughput);
 //! - token_accept_rate: accepted tokens / generated tokens of every trajectory that finished;
 //! - stale_drop_rate, env_drop_rate: trajectories removed by the version / environment gate
 //!   over trajectories that entered the buffer; group_dup_rate: repeats added by group repair
@@ -24,7 +28,7 @@
 //!   answered them; replicas_lost, replica_restarts, trajectories_lost: rollout health.
 
 use crate::buffer::BufferCounters;
-use crate::clock::Micros;
+use crate::clock::{ClockMode, Micros};
 use crate::learner::StepReport;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
@@ -41,7 +45,8 @@ pub struct RolloutCounters {
     /// Finished trajectories by terminal reason (success, failure, budget, environment).
     pub by_terminal: BTreeMap<String, u64>,
     pub env_calls: u64,
-    /// Failed environment calls by kind (crash, timeout, garbage, error).
+    /// Failed environment calls by kind (crash, timeout, garbage, malformed, error), prompts
+    /// the engine refused (`submit`) and observations it refused (`refused_observation`).
     pub env_faults: BTreeMap<String, u64>,
     pub env_retries: u64,
     /// Trajectories still running when the stage ended (never trained).
@@ -93,6 +98,9 @@ pub struct LearnerTotals {
     pub steps: u64,
     pub samples: u64,
     pub accepted_tokens: u64,
+    /// Accepted tokens with a non-zero advantage (see [`StepReport::gradient_unique_tokens`]).
+    #[serde(default)]
+    pub gradient_tokens: u64,
     pub masked_tokens: u64,
     pub ratio_sum: f64,
     #[serde(with = "crate::trajectory::f32_bit")]
@@ -118,6 +126,7 @@ impl LearnerTotals {
     pub fn add(&mut self, r: &StepReport) {
         self.steps += 1;
         self.accepted_tokens += r.accepted_unique_tokens;
+        self.gradient_tokens += r.gradient_unique_tokens;
         self.masked_tokens += r.masked_tokens;
         self.ratio_sum += r.ratio_sum;
         self.ratio_min = self.ratio_min.min(r.ratio_min);
@@ -170,6 +179,8 @@ pub struct LineInputs<'a> {
     pub stage: &'a str,
     /// Run-clock seconds since the stage started (virtual in replay mode).
     pub time_s: f64,
+    /// The run clock (the line's rates are per second of it).
+    pub clock: ClockMode,
     /// Real seconds since the stage started (differs between replays).
     pub wall_s: f64,
     pub step: &'a StepReport,
@@ -194,6 +205,7 @@ pub fn metrics_line(x: &LineInputs<'_>) -> Value {
     m.insert("step".into(), json!(l.steps));
     m.insert("version".into(), json!(r.version.0));
     m.insert("time_s".into(), json!(round6(x.time_s)));
+    m.insert("clock".into(), json!(x.clock.as_str()));
     m.insert("wall_s".into(), json!(round6(x.wall_s)));
     m.insert("loss".into(), json!(finite_or_zero(r.loss)));
     m.insert(
@@ -203,6 +215,10 @@ pub fn metrics_line(x: &LineInputs<'_>) -> Value {
     m.insert(
         "effective_tokens_per_s".into(),
         json!(round6(l.accepted_tokens as f64 / t)),
+    );
+    m.insert(
+        "gradient_tokens_per_s".into(),
+        json!(round6(l.gradient_tokens as f64 / t)),
     );
     m.insert(
         "raw_tokens_per_s".into(),
@@ -260,6 +276,7 @@ pub fn metrics_line(x: &LineInputs<'_>) -> Value {
     );
     m.insert("samples_trained".into(), json!(l.samples));
     m.insert("accepted_tokens".into(), json!(l.accepted_tokens));
+    m.insert("gradient_tokens".into(), json!(l.gradient_tokens));
     m.insert("sampled_tokens".into(), json!(x.rollout.sampled_tokens));
     for name in x.tasks {
         let tt = l.per_task.get(name).cloned().unwrap_or_default();

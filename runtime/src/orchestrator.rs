@@ -31,7 +31,7 @@
 //! resulting skew.
 
 use crate::clock::Micros;
-use crate::engine::{Event, Request, SeqHandle};
+use crate::engine::{EngineError, Event, Request, SeqHandle};
 use crate::env::faults::{garbage_tokens, plan_call, CallFault, CallKey, FaultRates};
 use crate::env::latency::LatencyModel;
 use crate::env::{Problem, Reply, Split, Task};
@@ -184,12 +184,35 @@ pub enum EngineResult {
     },
     Observed {
         member: MemberRef,
-        result: Result<(), String>,
+        result: Result<(), ObserveRefusal>,
     },
     Finished {
         member: MemberRef,
         result: Result<Box<Sample>, String>,
     },
+}
+
+/// Why the engine refused an observation, and so how the trajectory ends.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ObserveRefusal {
+    /// The trajectory would outgrow the engine's KV pool: a length limit, so a `budget` end.
+    Capacity(String),
+    /// The observation itself is unusable (empty, ids outside the model's vocabulary): the
+    /// environment's failure, an `environment` end (never trained as a policy failure).
+    Observation(String),
+    /// Anything else (an unknown handle, a trajectory still generating, a kernel error) is a
+    /// bug or a device failure: the run stops.
+    Engine(String),
+}
+
+impl From<EngineError> for ObserveRefusal {
+    fn from(e: EngineError) -> Self {
+        match e {
+            EngineError::Capacity(_) => ObserveRefusal::Capacity(e.to_string()),
+            EngineError::Observation(_) => ObserveRefusal::Observation(e.to_string()),
+            e => ObserveRefusal::Engine(e.to_string()),
+        }
+    }
 }
 
 /// An environment call that comes due.
@@ -586,7 +609,22 @@ impl Orchestrator {
             EngineResult::Observed { member, result } => match result {
                 Ok(()) => Ok(Vec::new()),
                 // The observation would outgrow the engine's KV pool: a length limit.
-                Err(_) => self.finish_in_engine(member, 0.0, TerminalReason::Budget),
+                Err(ObserveRefusal::Capacity(_)) => {
+                    self.finish_in_engine(member, 0.0, TerminalReason::Budget)
+                }
+                // The environment's reply was unusable after all: its failure, never trained.
+                Err(ObserveRefusal::Observation(_)) => {
+                    *self
+                        .counters
+                        .env_faults
+                        .entry("refused_observation".to_string())
+                        .or_default() += 1;
+                    self.finish_in_engine(member, 0.0, TerminalReason::Environment)
+                }
+                Err(ObserveRefusal::Engine(e)) => Err(internal(format!(
+                    "observe failed for {}/{} on replica {replica}: {e}",
+                    member.group, member.index
+                ))),
             },
             EngineResult::Finished { member, result } => {
                 let sample = result.map_err(|e| internal(format!("finish failed: {e}")))?;

@@ -11,7 +11,7 @@ use sluice_runtime::health::{FailKind, HealthConfig, ReplicaFault};
 use sluice_runtime::metrics::Track;
 use sluice_runtime::router::{ReplicaId, Router};
 use sluice_runtime::sync::{SyncOptions, SyncPath};
-use sluice_runtime::system::{Mode, StageReport};
+use sluice_runtime::system::{Mode, RunError, StageReport};
 use sluice_runtime::trajectory::TerminalReason;
 use stage::{both_tasks, session_of, Recorder, Setup};
 use std::collections::BTreeSet;
@@ -26,6 +26,10 @@ fn health(timeout_s: f64, replica: usize, at_step: u64, kind: FailKind) -> Healt
         }),
     }
 }
+
+/// Zero-lag tokens every replica-loss run compares at least: the virtual-clock runs have 121
+/// to 354 (fixed by their seeds), the wall-clock one about 140 (it varies with timing).
+const MIN_ZERO_LAG: u64 = 50;
 
 /// What every replica-loss run must show, whatever the clock, path or mode.
 fn assert_loss_handled(rec: &Recorder, report: &StageReport, replica: usize, steps: u64) {
@@ -68,6 +72,12 @@ fn assert_loss_handled(rec: &Recorder, report: &StageReport, replica: usize, ste
     let restarts: Vec<_> = rec.syncs.iter().filter(|e| e.restart).collect();
     assert_eq!(restarts.len() as u64, c.replica_restarts);
     assert!(restarts.iter().all(|e| e.replica == replica));
+    // Zero mismatch means something only over enough tokens.
+    assert!(
+        report.learner.zero_lag_tokens >= MIN_ZERO_LAG,
+        "{} zero-lag tokens",
+        report.learner.zero_lag_tokens
+    );
     assert_eq!(report.learner.zero_lag_mismatch_tokens, 0);
     assert_eq!(rec.lines.last().unwrap()["replicas_lost"], c.replicas_lost);
 }
@@ -244,4 +254,44 @@ fn a_hung_thread_on_the_wall_clock_does_not_hang_the_run() {
     let mut rec = Recorder::default();
     let (report, _) = s.run(&mut rec);
     assert_loss_handled(&rec, &report, 1, 5);
+    // Its rates are per wall-clock second, and say so.
+    assert!(rec.lines.iter().all(|l| l["clock"] == "wall"));
+}
+
+#[test]
+fn a_heartbeat_timeout_shorter_than_an_engine_step_stops_the_run() {
+    // Every engine step costs 5 ms on the virtual clock; the timeout is 1 ms. Every replica is
+    // lost at every step: the stage must stop with an error saying so, not restart them for
+    // ever. Run on a thread so that a stage that never stops fails the test instead of
+    // hanging it.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut s = Setup::new(both_tasks(5.0));
+        s.cost.engine_step_us = 5_000.0;
+        s.health = HealthConfig {
+            heartbeat_timeout: Some(Micros::from_secs(0.001)),
+            fail: None,
+        };
+        let mut rec = Recorder::default();
+        let outcome = s.try_run(&mut rec).map(|(r, _)| r.learner.steps);
+        let _ = tx.send((outcome, rec.losses.len(), rec.lines.len()));
+    });
+    let (outcome, losses, steps) = rx
+        .recv_timeout(std::time::Duration::from_secs(120))
+        .expect("the stage never stopped: replicas lost and restarted for ever");
+    match outcome {
+        Err(RunError::HeartbeatTooShort { losses: n, timeout }) => {
+            assert_eq!(n, 6, "3 losses per replica (2 replicas)");
+            assert_eq!(timeout, Micros::from_secs(0.001));
+        }
+        other => panic!("expected HeartbeatTooShort, got {other:?}"),
+    }
+    assert_eq!(losses, 6);
+    assert_eq!(steps, 0, "no learner step completed");
+    let msg = RunError::HeartbeatTooShort {
+        losses: 6,
+        timeout: Micros::from_secs(0.001),
+    }
+    .to_string();
+    assert!(msg.contains("heartbeat timeout"), "{msg}");
 }

@@ -2,6 +2,8 @@
 //! loss, backpressure holds at every event, zero-lag tokens match bit for bit (cpu and emu),
 //! share correction, a thousand concurrent sessions without a thread each, and the sync mode.
 
+mod stage;
+
 use sluice_kernels::{Backend, Device};
 use sluice_model::optim::OptimConfig;
 use sluice_model::{Model, ModelConfig, Precision};
@@ -18,7 +20,7 @@ use sluice_runtime::metrics::LearnerTotals;
 use sluice_runtime::orchestrator::{Orchestrator, RolloutPolicy, TaskSpec};
 use sluice_runtime::sync::SyncOptions;
 use sluice_runtime::system::{
-    run_stage, Mode, Parts, StageConfig, StageObserver, StageReport, StageStart, Tick,
+    run_stage, Mode, Parts, RunError, StageConfig, StageObserver, StageReport, StageStart, Tick,
 };
 use sluice_runtime::trajectory::{SamplingParams, TerminalReason, WeightVersion};
 use std::sync::Arc;
@@ -475,4 +477,120 @@ fn sync_mode_trains_on_whole_batches_at_lag_zero() {
     for b in &rec.batches {
         assert_eq!(b.len(), 4, "a sync batch is groups_per_step groups");
     }
+    // A replay's rates are per virtual second, and say so.
+    assert!(rec.lines.iter().all(|l| l["clock"] == "virtual"));
+}
+
+/// Sync mode with a batch bigger than the tasks' concurrency: admission tops the batch up as
+/// groups finish, so every step still trains groups_per_step groups (not just the first
+/// concurrency's worth), all of them at lag 0.
+#[test]
+fn sync_mode_tops_up_a_batch_larger_than_the_concurrency() {
+    let mut recall = task_spec(
+        recall(),
+        LatencyModel::Fixed { ms: 5.0 },
+        FaultRates::default(),
+    );
+    let mut lookup = task_spec(
+        lookup(),
+        LatencyModel::Fixed { ms: 20.0 },
+        FaultRates::default(),
+    );
+    // One group of G = 4 in flight per task at a time; the batch is 8 groups.
+    recall.concurrency = 4;
+    lookup.concurrency = 4;
+    recall.target_share = 0.5;
+    lookup.target_share = 0.5;
+    let mut s = Setup::new(vec![recall, lookup]);
+    s.mode = Mode::Sync;
+    s.groups_per_step = 8;
+    s.steps = 3;
+    let mut rec = Recorder::default();
+    let report = s.run(&mut rec);
+    assert_eq!(report.learner.steps, 3);
+    assert_eq!(rec.batches.len(), 3);
+    for b in &rec.batches {
+        assert_eq!(
+            b.len(),
+            8,
+            "a sync batch is groups_per_step groups, whatever the concurrency"
+        );
+        assert!(b.iter().all(|g| g.samples.len() == 4));
+    }
+    assert_eq!(report.learner.samples, 3 * 8 * 4);
+    // Never more than the concurrency in flight.
+    assert!(rec.ticks.iter().all(|t| t.in_flight <= 8));
+    assert_eq!(report.learner.lag_hist.len(), 1, "every token at lag 0");
+    assert!(report.learner.zero_lag_tokens >= 3 * 8 * 4);
+    assert_eq!(report.learner.zero_lag_mismatch_tokens, 0);
+}
+
+/// GRPO advantages are normalised within a group: with G = 1 every advantage is 0 and nothing
+/// would be trained while the throughput looked fine. The stage refuses to start.
+#[test]
+fn a_group_of_one_is_refused_before_the_stage_starts() {
+    let mut s = stage::Setup::new(stage::both_tasks(5.0));
+    s.group_size = 1;
+    let mut rec = stage::Recorder::default();
+    match s.try_run(&mut rec) {
+        Err(RunError::Config(m)) => assert!(m.contains("buffer.group_size"), "{m}"),
+        Err(e) => panic!("expected a config error, got {e}"),
+        Ok((report, _)) => panic!(
+            "the stage ran {} steps on zero advantages",
+            report.learner.steps
+        ),
+    }
+    assert!(rec.lines.is_empty(), "no learner step");
+}
+
+/// Gradient-carrying throughput counts exactly the accepted tokens of trajectories whose
+/// advantage is not 0. In sync mode every token is trained at lag 0 with ratio 1, so the gate
+/// accepts every masked token: the count is the masked tokens of unique trajectories with a
+/// non-zero advantage, recomputed here from the batches the learner was given.
+#[test]
+fn gradient_tokens_count_only_tokens_with_a_nonzero_advantage() {
+    let mut s = Setup::new(vec![task_spec(
+        lookup(),
+        LatencyModel::Fixed { ms: 10.0 },
+        FaultRates::default(),
+    )]);
+    s.mode = Mode::Sync;
+    s.steps = 6;
+    let mut rec = Recorder::default();
+    let report = s.run(&mut rec);
+    assert_eq!(report.learner.steps, 6);
+    assert_eq!(report.learner.lag_hist.len(), 1, "sync mode: lag 0 only");
+    let (mut masked, mut with_gradient, mut flat_groups) = (0u64, 0u64, 0);
+    for g in rec.batches.iter().flatten() {
+        let adv = sluice_runtime::learner::advantages(&g.samples, false, 1e-6);
+        if adv.iter().all(|&a| a == 0.0) {
+            flat_groups += 1;
+        }
+        let unique = g.samples.len() - g.duplicated;
+        for (smp, a) in g.samples.iter().zip(adv).take(unique) {
+            let n = smp.loss_mask[1..].iter().filter(|&&m| m).count() as u64;
+            masked += n;
+            if a != 0.0 {
+                with_gradient += n;
+            }
+        }
+    }
+    let l = &report.learner;
+    assert_eq!(
+        l.accepted_tokens, masked,
+        "ratio 1: the gate keeps every token"
+    );
+    assert_eq!(l.gradient_tokens, with_gradient);
+    // The run has groups with equal rewards (their tokens carry nothing) and groups without.
+    assert!(
+        flat_groups > 0,
+        "no group with equal rewards: the test shows nothing"
+    );
+    assert!(0 < l.gradient_tokens && l.gradient_tokens < l.accepted_tokens);
+    let last = rec.lines.last().unwrap();
+    let t = last["time_s"].as_f64().unwrap();
+    let rate = last["gradient_tokens_per_s"].as_f64().unwrap();
+    assert!((rate - with_gradient as f64 / t).abs() < 1e-3, "{rate}");
+    assert!(rate < last["effective_tokens_per_s"].as_f64().unwrap());
+    assert_eq!(last["gradient_tokens"], with_gradient);
 }

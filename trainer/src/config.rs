@@ -568,6 +568,9 @@ impl<'a> Get<'a> {
 
 const MAX: i64 = i64::MAX;
 
+/// The shortest heartbeat timeout accepted (seconds; 0 turns heartbeats off).
+pub const HEARTBEAT_FLOOR_S: f64 = 1.0;
+
 /// The optional task parameters that are set (ranges are the task's to check).
 fn task_options(g: &Get<'_>) -> Result<crate::tasks::TaskOptions, ConfigError> {
     let int = |k: &str| -> Result<Option<u32>, ConfigError> {
@@ -663,10 +666,16 @@ fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         }
     };
     let replicas = rollout.int("replicas", 1, 64)? as usize;
+    // A timeout shorter than an engine step loses every replica at every step; the floor
+    // keeps the obvious mistakes out (the scheduler stops a run that loses its replicas over
+    // and over without a learner step, whatever the timeout).
     let heartbeat = rollout.float(
         "heartbeat_timeout_s",
-        |x| x >= 0.0,
-        ">= 0 (0: no heartbeats)",
+        |x| x == 0.0 || x >= HEARTBEAT_FLOOR_S,
+        &format!(
+            "0 (no heartbeats) or at least {HEARTBEAT_FLOOR_S} s: it must exceed the longest \
+             engine step, or every replica is lost at every step"
+        ),
     )?;
     let fail_replica = rollout.int("fail_replica", 0, 63)? as usize;
     let fail_at_step = rollout.int("fail_at_step", 0, MAX)? as u64;
@@ -925,6 +934,19 @@ fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
             "a learner step needs far more trajectories than the tasks' concurrency allows",
         ));
     }
+    // GRPO advantages are normalised within a group: a group of one has advantage 0, so an RL
+    // stage would train nothing while its throughput looks fine. Supervised stages use no
+    // groups.
+    if buffer_s.group_size < 2 && stage_s.iter().any(|s| s.kind == StageKind::Rl) {
+        return Err(err(
+            "buffer.group_size",
+            format!(
+                "{}: an RL stage's advantages are normalised within each group, so a group of \
+                 one has advantage 0 and trains nothing; use 2 or more",
+                buffer_s.group_size
+            ),
+        ));
+    }
     for t in &tasks_s {
         if t.concurrency < buffer_s.group_size as u64 {
             return Err(err(
@@ -980,6 +1002,44 @@ mod tests {
         let again = load(Some(&p), &[]).unwrap();
         assert_eq!(again.table, c.table);
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn a_group_of_one_is_refused_only_where_advantages_need_groups() {
+        let e = load(None, &["buffer.group_size=1".into()]).unwrap_err();
+        assert_eq!(e.key, "buffer.group_size", "{e}");
+        assert!(e.message.contains("advantage"), "{e}");
+        // A supervised-only pipeline has no advantages: a group of one is fine there.
+        let dir = std::env::temp_dir().join(format!("sluice-cfg-g1-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("sft.toml");
+        std::fs::write(
+            &p,
+            "[[stage]]\nkind = \"sft\"\nsteps = 3\ntasks = [\"tool\"]\n\n[buffer]\ngroup_size = 1\n",
+        )
+        .unwrap();
+        let c = load(Some(&p), &[]).unwrap();
+        assert_eq!(c.buffer.group_size, 1);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn heartbeat_timeout_has_a_floor() {
+        for bad in ["0.001", "0.5", "0.999"] {
+            let e = load(None, &[format!("rollout.heartbeat_timeout_s={bad}")]).unwrap_err();
+            assert_eq!(e.key, "rollout.heartbeat_timeout_s", "{bad}: {e}");
+            assert!(e.message.contains("engine step"), "{bad}: {e}");
+        }
+        let off = load(None, &["rollout.heartbeat_timeout_s=0".into()]).unwrap();
+        assert_eq!(off.rollout.heartbeat_timeout_s, None);
+        let floor = load(
+            None,
+            &[format!("rollout.heartbeat_timeout_s={HEARTBEAT_FLOOR_S}")],
+        );
+        assert_eq!(
+            floor.unwrap().rollout.heartbeat_timeout_s,
+            Some(HEARTBEAT_FLOOR_S)
+        );
     }
 
     #[test]

@@ -160,19 +160,18 @@ pub fn run_eval(o: &EvalOptions, out: &mut dyn Write) -> Result<(PassRate, PassR
     })?;
     let _ = writeln!(
         out,
-        "{} on {} held-out problems of task {} ({}), {precision}:",
+        "{} on {} distinct held-out problems of task {} ({}), {precision}:",
         o.checkpoint.display(),
-        n,
+        greedy.problems,
         o.task,
         section.kind
     );
     for (mode, p) in [("greedy", &greedy), ("sampled", &sampled)] {
         let _ = writeln!(
             out,
-            "  {mode:<8} pass rate {:.1}% ({}/{})",
+            "  {mode:<8} pass rate {:.1}% ({})",
             100.0 * p.rate(),
-            p.passed,
-            p.problems
+            p.counts()
         );
         for (t, reward) in &p.transcripts {
             let _ = writeln!(out, "    [reward {reward}] {}", render(t, text));

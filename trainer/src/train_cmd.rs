@@ -36,7 +36,7 @@ use sluice_runtime::learner::{Learner, LearnerConfig, Publication, StepReport};
 use sluice_runtime::metrics::{LearnerTotals, Trace};
 use sluice_runtime::orchestrator::{Orchestrator, OrchestratorState, RolloutPolicy, TaskSpec};
 use sluice_runtime::system::{
-    run_stage, BarrierView, Parts, StageConfig, StageObserver, StageStart,
+    run_stage, BarrierView, Parts, RunError, StageConfig, StageObserver, StageStart,
 };
 use sluice_runtime::trajectory::{SamplingParams, WeightVersion};
 use std::collections::BTreeMap;
@@ -61,6 +61,8 @@ pub struct TrainOptions {
 /// Why a run stopped: bad input (exit 2, nothing written) or a failure during the run.
 #[derive(Debug)]
 pub enum TrainError {
+    /// A bad setting (exit 2). Found before the run folder is touched, except a heartbeat
+    /// timeout shorter than an engine step, which only the run itself can show.
     Config(ConfigError),
     /// Bad input found outside the config file (an option, a model file).
     Input(String),
@@ -151,6 +153,23 @@ fn plan(o: &TrainOptions) -> Result<Plan, TrainError> {
         TrainError::Config(ConfigError {
             key: "model.config".into(),
             message: format!("{}: {e}", cfg.model.config.display()),
+        })
+    })?;
+    // The KV pool must hold at least one block of this model in this precision; found here,
+    // before the run folder exists, not when the first engine is built.
+    sluice_model::infer::KvCache::blocks_for_bytes(
+        &model_cfg,
+        cfg.model.precision.dtype(),
+        cfg.rollout.block_size,
+        cfg.rollout.kv_bytes,
+    )
+    .map_err(|e| {
+        TrainError::Config(ConfigError {
+            key: "rollout.kv_bytes".into(),
+            message: match e {
+                sluice_kernels::Error::Param { message, .. } => message,
+                e => e.to_string(),
+            },
         })
     })?;
     if let Some(init) = &cfg.model.init {
@@ -581,6 +600,9 @@ struct RunContext<'a> {
 struct RlTotals {
     samples: u64,
     accepted_tokens: u64,
+    /// Accepted tokens with a non-zero advantage.
+    #[serde(default)]
+    gradient_tokens: u64,
     sampled_tokens: u64,
     finished_generated: u64,
     zero_lag: u64,
@@ -824,10 +846,9 @@ impl RunContext<'_> {
             for (name, r) in &self.state.pass_before {
                 let _ = writeln!(
                     self.progress,
-                    "  held-out pass rate before RL: {name} {:.1}% ({}/{})",
+                    "  held-out pass rate before RL: {name} {:.1}% ({})",
                     100.0 * r.rate(),
-                    r.passed,
-                    r.problems
+                    r.counts()
                 );
             }
         }
@@ -947,11 +968,7 @@ impl RunContext<'_> {
         let sc = StageConfig {
             name: format!("rl#{index}"),
             mode: cfg.run.mode,
-            clock: if cfg.run.replay {
-                ClockMode::Virtual
-            } else {
-                ClockMode::Wall
-            },
+            clock: self.clock(),
             steps: stage.steps,
             groups_per_step: cfg.buffer.groups_per_step,
             eta: cfg.buffer.eta,
@@ -994,7 +1011,14 @@ impl RunContext<'_> {
             start,
             &mut obs,
         )
-        .map_err(run_err)?;
+        .map_err(|e| match e {
+            // A setting only a run can show wrong: a bad config all the same (exit 2).
+            RunError::HeartbeatTooShort { .. } => TrainError::Config(ConfigError {
+                key: "rollout.heartbeat_timeout_s".into(),
+                message: e.to_string(),
+            }),
+            e => run_err(e),
+        })?;
         obs.progress.finish(
             obs.out,
             &format!(
@@ -1029,6 +1053,7 @@ impl RunContext<'_> {
         let l = &report.learner;
         t.samples += l.samples;
         t.accepted_tokens += l.accepted_tokens;
+        t.gradient_tokens += l.gradient_tokens;
         t.sampled_tokens += report.rollout.sampled_tokens;
         t.finished_generated += report.rollout.finished_generated_tokens;
         t.zero_lag += l.zero_lag_tokens;
@@ -1053,6 +1078,15 @@ impl RunContext<'_> {
         }
         let (_, model, _) = parts.learner.into_parts();
         Ok(model)
+    }
+
+    /// The RL stages' run clock.
+    fn clock(&self) -> ClockMode {
+        if self.cfg.run.replay {
+            ClockMode::Virtual
+        } else {
+            ClockMode::Wall
+        }
     }
 
     fn summary(&self, sha: &str, wall_s: f64) -> Value {
@@ -1086,17 +1120,23 @@ impl RunContext<'_> {
                     "mean_completion_s": if finished > 0 { completion / finished as f64 } else { 0.0 },
                     "pass_rate_before": self.state.pass_before.get(&name).map(PassRate::rate),
                     "pass_rate_after": self.pass_after.get(&name).map(PassRate::rate),
+                    // Distinct held-out problems each pass rate is over (drawn without
+                    // replacement).
+                    "held_out_problems": self.pass_after.get(&name).or(self.state.pass_before.get(&name)).map(|r| r.problems),
                 }),
             );
         }
         let elapsed = t.map_or(0.0, |t| t.elapsed_s).max(1e-9);
         json!({
+            // Every rate per second below is per second of this clock.
+            "clock": self.clock().as_str(),
             "final_weights_sha256": sha,
             "learner_steps": self.state.learner_steps,
             "samples_trained": t.map_or(0, |t| t.samples),
             "wall_s": wall_s,
             "rl_time_s": t.map_or(0.0, |t| t.elapsed_s),
             "effective_tokens_per_s": t.map_or(0.0, |t| t.accepted_tokens as f64 / elapsed),
+            "gradient_tokens_per_s": t.map_or(0.0, |t| t.gradient_tokens as f64 / elapsed),
             "raw_tokens_per_s": t.map_or(0.0, |t| t.sampled_tokens as f64 / elapsed),
             "token_accept_rate": t.map_or(0.0, |t| ratio(t.accepted_tokens, t.finished_generated)),
             "stale_drop_rate": t.map_or(0.0, |t| ratio(t.stale, t.buffer_in)),
@@ -1140,20 +1180,31 @@ impl RunContext<'_> {
         }
         let _ = writeln!(
             t,
-            "\n| accepted tokens | stale drops | env drops | group repeats | effective tok/s | raw tok/s | zero-lag mismatch |"
+            "\n| accepted tokens | stale drops | env drops | group repeats | effective tok/s | gradient tok/s | raw tok/s | zero-lag mismatch |"
         );
-        let _ = writeln!(t, "|---|---|---|---|---|---|---|");
+        let _ = writeln!(t, "|---|---|---|---|---|---|---|---|");
         let _ = writeln!(
             t,
-            "| {} | {} | {} | {} | {:.0} | {:.0} | {} of {} |",
+            "| {} | {} | {} | {} | {:.0} | {:.0} | {:.0} | {} of {} |",
             pct(&s["token_accept_rate"]),
             pct(&s["stale_drop_rate"]),
             pct(&s["env_drop_rate"]),
             pct(&s["group_dup_rate"]),
             s["effective_tokens_per_s"].as_f64().unwrap_or(0.0),
+            s["gradient_tokens_per_s"].as_f64().unwrap_or(0.0),
             s["raw_tokens_per_s"].as_f64().unwrap_or(0.0),
             s["zero_lag_mismatch_tokens"],
             s["zero_lag_tokens"],
+        );
+        let _ = write!(
+            t,
+            "{}",
+            match s["clock"].as_str() {
+                Some("virtual") => {
+                    "tok/s: per second of the virtual clock (run.replay = true), not of wall time\n"
+                }
+                _ => "tok/s: per second of the wall clock\n",
+            }
         );
         let _ = write!(t, "\ntime per stage:");
         for (n, secs) in &self.state.stage_times {
@@ -1197,9 +1248,11 @@ impl StageObserver for RlObserver<'_> {
             msg.push_str(&format!("{t} {r:.2}  "));
         }
         msg.push_str(&format!(
-            "eff {:.0} tok/s  raw {:.0} tok/s",
+            "eff {:.0} tok/s  grad {:.0} tok/s  raw {:.0} tok/s ({} clock)",
             line["effective_tokens_per_s"].as_f64().unwrap_or(0.0),
-            line["raw_tokens_per_s"].as_f64().unwrap_or(0.0)
+            line["gradient_tokens_per_s"].as_f64().unwrap_or(0.0),
+            line["raw_tokens_per_s"].as_f64().unwrap_or(0.0),
+            line["clock"].as_str().unwrap_or("wall")
         ));
         self.progress.update(self.out, step, &msg);
         Ok(())

@@ -65,6 +65,47 @@ fn summary(dir: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
 }
 
+/// Zero mismatch says something only over enough tokens: the run compared at least `min`
+/// zero-lag tokens, and none of them differed from the rollout's log-prob in any bit.
+fn assert_zero_mismatch(s: &serde_json::Value, min: u64, what: &str) {
+    let n = s["zero_lag_tokens"].as_u64().unwrap();
+    eprintln!("{what}: {n} zero-lag tokens");
+    assert!(
+        n >= min,
+        "{what}: only {n} zero-lag tokens (at least {min})"
+    );
+    assert_eq!(s["zero_lag_mismatch_tokens"], 0, "{what}");
+}
+
+/// No trained token is older than the version gate allows: in every RL metrics line of the
+/// run folder, the lag histogram is empty above the run's buffer.tau.
+fn assert_no_lag_above_tau(out: &Path) {
+    let cfg: toml::Table = std::fs::read_to_string(out.join("config.toml"))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let tau = cfg["buffer"]["tau"].as_integer().unwrap() as usize;
+    let mut trained = 0;
+    for l in metrics_without_wall(out) {
+        if !l["stage"].as_str().unwrap().starts_with("rl#") {
+            continue;
+        }
+        let hist: Vec<u64> = l["policy_lag_hist"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect();
+        trained = hist.iter().sum();
+        assert!(
+            hist.iter().skip(tau + 1).all(|&n| n == 0),
+            "step {}: tokens trained at a lag above tau = {tau}: {hist:?}",
+            l["step"]
+        );
+    }
+    assert!(trained > 0, "no RL token was trained");
+}
+
 #[test]
 fn a_run_leaves_the_run_folder() {
     let dir = scratch("folder");
@@ -78,6 +119,8 @@ fn a_run_leaves_the_run_folder() {
         out.to_str().unwrap(),
     ]);
     assert!(text.contains("held-out pass rate before RL"), "{text}");
+    // Drawn without replacement: the 8 problems asked for are 8 distinct ones.
+    assert!(text.contains("/8 distinct problems"), "{text}");
     for f in [
         "config.toml",
         "metrics.jsonl",
@@ -93,7 +136,9 @@ fn a_run_leaves_the_run_folder() {
         "learner_steps",
         "samples_trained",
         "wall_s",
+        "clock",
         "effective_tokens_per_s",
+        "gradient_tokens_per_s",
         "raw_tokens_per_s",
         "token_accept_rate",
         "stale_drop_rate",
@@ -105,8 +150,27 @@ fn a_run_leaves_the_run_folder() {
         assert!(s.get(key).is_some(), "summary.json lacks {key}");
     }
     assert_eq!(s["learner_steps"], 12);
-    assert_eq!(s["zero_lag_mismatch_tokens"], 0);
-    assert!(s["zero_lag_tokens"].as_u64().unwrap() > 0);
+    // About 3,000 zero-lag tokens (a wall-clock run: the count varies).
+    assert_zero_mismatch(&s, 1000, "the run folder's run");
+    assert_no_lag_above_tau(&out);
+    // Gradient-carrying throughput beside effective throughput: never above it.
+    let (eff, grad) = (
+        s["effective_tokens_per_s"].as_f64().unwrap(),
+        s["gradient_tokens_per_s"].as_f64().unwrap(),
+    );
+    assert!(
+        grad > 0.0 && grad <= eff,
+        "gradient {grad} vs effective {eff}"
+    );
+    assert!(text.contains("gradient tok/s"), "the end table: {text}");
+    assert!(text.contains("grad "), "the progress lines: {text}");
+    // The clock every rate is per second of, in summary.json, the progress lines and the table.
+    assert_eq!(s["clock"], "wall");
+    assert!(text.contains("(wall clock)"), "the progress lines: {text}");
+    assert!(
+        text.contains("per second of the wall clock"),
+        "the end table: {text}"
+    );
     for task in ["sort", "tool"] {
         let t = &s["tasks"][task];
         for key in [
@@ -117,6 +181,7 @@ fn a_run_leaves_the_run_folder() {
         ] {
             assert!(t[key].is_number(), "tasks.{task}.{key}: {t}");
         }
+        assert_eq!(t["held_out_problems"], 8, "tasks.{task}: {t}");
     }
     // Every RL metrics line carries DESIGN 9's keys.
     let lines = metrics_without_wall(&out);
@@ -129,6 +194,7 @@ fn a_run_leaves_the_run_folder() {
             "loss",
             "grad_norm",
             "effective_tokens_per_s",
+            "gradient_tokens_per_s",
             "raw_tokens_per_s",
             "token_accept_rate",
             "stale_drop_rate",
@@ -203,7 +269,7 @@ fn a_run_leaves_the_run_folder() {
         "4",
     ]);
     assert!(
-        text.contains("000-end on 4 held-out problems") && text.contains("greedy"),
+        text.contains("000-end on 4 distinct held-out problems") && text.contains("greedy"),
         "{text}"
     );
     // A folder that is not a checkpoint names what it lacks.
@@ -232,7 +298,7 @@ fn a_run_leaves_the_run_folder() {
 fn replay_pair(device: &str, cfg: &Path, dir: &Path) {
     let run = |name: &str, seed: &str| {
         let out = dir.join(name);
-        run_ok(&[
+        let text = run_ok(&[
             "train",
             "--config",
             cfg.to_str().unwrap(),
@@ -245,6 +311,12 @@ fn replay_pair(device: &str, cfg: &Path, dir: &Path) {
             "--out",
             out.to_str().unwrap(),
         ]);
+        // Rates per virtual second are labelled so: the progress lines and the end table.
+        assert!(text.contains("(virtual clock)"), "{device}: {text}");
+        assert!(
+            text.contains("per second of the virtual clock"),
+            "{device}: {text}"
+        );
         out
     };
     let a = run("a", "5");
@@ -257,6 +329,11 @@ fn replay_pair(device: &str, cfg: &Path, dir: &Path) {
         "{device}: two replays of one seed wrote different metrics"
     );
     let (sa, sb, sc) = (summary(&a), summary(&b), summary(&c));
+    assert_eq!(sa["clock"], "virtual");
+    assert!(ma
+        .iter()
+        .filter(|l| l.get("clock").is_some())
+        .all(|l| l["clock"] == "virtual"));
     assert_eq!(sa["final_weights_sha256"], sb["final_weights_sha256"]);
     assert_ne!(
         sa["final_weights_sha256"], sc["final_weights_sha256"],
@@ -362,6 +439,21 @@ fn bad_configs_name_the_key_exit_2_and_leave_no_folder() {
             vec!["--set".into(), "rollout.num_blocks=64".into()],
             "rollout.num_blocks",
         ),
+        // A KV pool that holds not one block.
+        (
+            vec!["--set".into(), "rollout.kv_bytes=1".into()],
+            "rollout.kv_bytes",
+        ),
+        // Zero advantages: an RL stage would train nothing.
+        (
+            vec!["--set".into(), "buffer.group_size=1".into()],
+            "buffer.group_size",
+        ),
+        // Shorter than any engine step: every replica would be lost at every step.
+        (
+            vec!["--set".into(), "rollout.heartbeat_timeout_s=0.001".into()],
+            "rollout.heartbeat_timeout_s",
+        ),
     ];
     for (i, (args, key)) in cases.into_iter().enumerate() {
         let out = dir.join(format!("run{i}"));
@@ -447,7 +539,8 @@ fn every_sync_path_trains_the_same_weights_in_a_replay() {
             assert!(enc.starts_with(want), "{path}: sync_encoding {enc:?}");
             assert!(l["sync_bytes"].as_u64().unwrap() > 0);
         }
-        assert_eq!(summary(&out)["zero_lag_mismatch_tokens"], 0);
+        // Each of these replays compares 2,413 zero-lag tokens.
+        assert_zero_mismatch(&summary(&out), 1000, &format!("sync.path={path}"));
     }
     // The disk path published into the run folder: the pointer and the last versions.
     let sync = dir.join("disk").join("sync");
@@ -499,8 +592,57 @@ fn a_replica_killed_mid_run_is_restarted_and_the_run_completes() {
         assert!(last["trajectories_lost"].as_u64().unwrap() > 0, "{kind}");
         let s = summary(&out);
         assert_eq!(s["learner_steps"], 12, "{kind}: the 12 RL steps");
-        assert_eq!(s["zero_lag_mismatch_tokens"], 0, "{kind}");
+        // Each drill's replay compares 3,264 zero-lag tokens.
+        assert_zero_mismatch(&s, 1000, kind);
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// configs/tiny.toml without its supervised warm-up: its RL stage alone, `steps` steps.
+fn rl_only_config(dir: &Path, steps: u64) -> PathBuf {
+    let text = std::fs::read_to_string(short_config(dir))
+        .unwrap()
+        .replace(
+            "[[stage]]\nkind = \"sft\"\nsteps = 150\ntasks = [\"sort\", \"tool\"]\n\n",
+            "",
+        )
+        .replace("steps = 12", &format!("steps = {steps}"));
+    assert!(
+        !text.contains("\"sft\""),
+        "the warm-up stage is still there"
+    );
+    let p = dir.join("rl-only.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+#[test]
+fn a_heartbeat_shorter_than_an_engine_step_stops_with_exit_2() {
+    // Above the config's floor, but on the virtual clock every engine step costs 5 s: every
+    // replica is lost at every step. The run must stop (not restart replicas for ever) with
+    // an error naming the key.
+    let dir = scratch("heartbeat");
+    let cfg = rl_only_config(&dir, 4);
+    let out = dir.join("run");
+    let o = sluice(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--set",
+        "run.replay=true",
+        "--set",
+        "rollout.replicas=2",
+        "--set",
+        "rollout.heartbeat_timeout_s=1.0",
+        "--set",
+        "cost.engine_step_us=5000000",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("rollout.heartbeat_timeout_s"), "{err}");
+    assert!(err.contains("lost 6 times"), "3 losses per replica: {err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -604,7 +746,9 @@ fn rl_after_the_warm_up_teaches_the_tool_task() {
         rate("sort", "pass_rate_after"),
     );
     assert!(sa >= sb - 0.15, "sort task: {sb:.3} -> {sa:.3}");
-    assert_eq!(s["zero_lag_mismatch_tokens"], 0);
+    // The replay compares 7,936 zero-lag tokens.
+    assert_zero_mismatch(&s, 4000, "rl after the warm-up");
+    assert_no_lag_above_tau(&out);
     // The plots of the run parse as XML.
     for f in [
         "reward.svg",

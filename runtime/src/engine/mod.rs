@@ -256,6 +256,11 @@ pub enum EngineError {
     Kv(KvError),
     /// A trajectory failed validation (an engine bug).
     Trajectory(TrajectoryError),
+    /// The trajectory would outgrow the KV pool: a length limit, not a fault.
+    Capacity(String),
+    /// An observation the engine cannot take (empty, ids outside the vocabulary): the
+    /// environment's fault, not the engine's.
+    Observation(String),
 }
 
 impl fmt::Display for EngineError {
@@ -268,6 +273,7 @@ impl fmt::Display for EngineError {
             EngineError::Kernel(e) => write!(f, "engine: {e}"),
             EngineError::Kv(e) => write!(f, "engine: {e}"),
             EngineError::Trajectory(e) => write!(f, "engine produced an invalid trajectory: {e}"),
+            EngineError::Capacity(m) | EngineError::Observation(m) => write!(f, "engine: {m}"),
         }
     }
 }
@@ -578,14 +584,19 @@ impl Engine {
             )));
         }
         if observation.is_empty() {
-            return Err(bad("observe: the observation is empty"));
+            return Err(EngineError::Observation(
+                "observe: the observation is empty".into(),
+            ));
         }
         if max_new_tokens == 0 {
             return Err(bad("observe: max_new_tokens must be >= 1"));
         }
-        check_ids(observation, vocab, "observation")?;
+        check_ids(observation, vocab, "observation").map_err(|e| match e {
+            EngineError::Invalid(m) => EngineError::Observation(format!("observe: {m}")),
+            e => e,
+        })?;
         if s.tokens.len() + observation.len() + 1 > capacity {
-            return Err(bad(format!(
+            return Err(EngineError::Capacity(format!(
                 "observe: the trajectory would hold {} tokens (plus one generated), more than \
                  the KV pool's {capacity} slots",
                 s.tokens.len() + observation.len()

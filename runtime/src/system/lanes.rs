@@ -1,0 +1,411 @@
+//! The lanes: what a replica lane and the learner lane hold, one unit of their work (weight
+//! installs, commands and one engine step; one learner step and its publication), and where
+//! it runs (inline on the virtual clock, on a thread of its own on the wall clock). Changes
+//! when what a unit of work does changes.
+
+use super::scheduler::Scheduler;
+use super::stage::RunError;
+use crate::buffer::ReadyGroup;
+use crate::clock::Micros;
+use crate::engine::{Engine, EngineConfig, Event};
+use crate::health::{BackendSpec, FailKind};
+use crate::learner::{Learner, Publication, StepReport};
+use crate::orchestrator::{EngineCmd, EngineResult, ObserveRefusal};
+use crate::sync::lane::{Delivery, Outgoing, SyncReport, SyncSink, SyncSource};
+use crate::trajectory::WeightVersion;
+use sluice_model::ModelConfig;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// What a replica lane holds.
+pub(super) struct Replica {
+    pub(super) engine: Engine,
+    pub(super) sink: SyncSink,
+    /// The injected failure, armed on the first incarnation of the configured replica.
+    pub(super) fail: Option<Armed>,
+}
+
+pub(super) struct Armed {
+    pub(super) at_step: u64,
+    pub(super) kind: FailKind,
+    /// Wall clock, `hang`: the thread blocks on this until the stage ends.
+    pub(super) release: Option<Receiver<()>>,
+}
+
+/// One unit of replica work: weight installs, commands in order, then one engine step if the
+/// engine has work (on the disk path the pointer is polled first).
+pub(super) struct EngineWork {
+    pub(super) deliveries: Vec<Delivery>,
+    pub(super) cmds: Vec<EngineCmd>,
+}
+
+/// What a replica lane's thread is sent.
+pub(super) enum ReplicaIn {
+    Work(EngineWork),
+    Ping(u64),
+}
+
+pub(super) struct EngineDone {
+    pub(super) results: Vec<EngineResult>,
+    pub(super) events: Vec<Event>,
+    pub(super) stepped: bool,
+    pub(super) prefill_tokens: u64,
+    pub(super) decode_tokens: u64,
+    pub(super) sampled_tokens: u64,
+    pub(super) sync: Vec<SyncReport>,
+    pub(super) has_work: bool,
+    pub(super) error: Option<String>,
+}
+
+pub(super) enum ReplicaOutcome {
+    Done(EngineDone),
+    /// The injected failure struck: the lane never reports this unit.
+    Failed(FailKind),
+}
+
+pub(super) fn replica_run(r: &mut Replica, work: EngineWork) -> ReplicaOutcome {
+    let mut done = EngineDone {
+        results: Vec::with_capacity(work.cmds.len()),
+        events: Vec::new(),
+        stepped: false,
+        prefill_tokens: 0,
+        decode_tokens: 0,
+        sampled_tokens: 0,
+        sync: Vec::new(),
+        has_work: false,
+        error: None,
+    };
+    // Weights first: everything computed in this unit's step uses them.
+    let mut refused = false;
+    for d in work.deliveries {
+        if refused && matches!(&d, Delivery::Bytes(p) if p.is_delta()) {
+            done.sync.push(SyncReport::Skipped {
+                version: d.version(),
+            });
+            continue;
+        }
+        match r.sink.install(&d, &mut r.engine) {
+            Ok(report) => {
+                refused |= matches!(report, SyncReport::Refused { .. });
+                done.sync.push(report);
+            }
+            Err(e) => {
+                done.error = Some(e);
+                return ReplicaOutcome::Done(done);
+            }
+        }
+    }
+    match r.sink.poll(&mut r.engine) {
+        Ok(Some(report)) => done.sync.push(report),
+        Ok(None) => {}
+        Err(e) => {
+            done.error = Some(e);
+            return ReplicaOutcome::Done(done);
+        }
+    }
+    let engine = &mut r.engine;
+    for cmd in work.cmds {
+        done.results.push(match cmd {
+            EngineCmd::Submit { group, request } => EngineResult::Submitted {
+                group,
+                handles: engine.submit(request).map_err(|e| e.to_string()),
+            },
+            EngineCmd::Observe {
+                member,
+                handle,
+                tokens,
+                max_new_tokens,
+            } => EngineResult::Observed {
+                member,
+                result: engine
+                    .observe(handle, &tokens, max_new_tokens)
+                    .map_err(ObserveRefusal::from),
+            },
+            EngineCmd::Finish {
+                member,
+                handle,
+                reward,
+                reason,
+            } => EngineResult::Finished {
+                member,
+                result: engine
+                    .finish(handle, reward, reason)
+                    .map(Box::new)
+                    .map_err(|e| e.to_string()),
+            },
+        });
+    }
+    let before = engine.stats();
+    if engine.has_work() {
+        if let Some(f) = &r.fail {
+            if before.steps + 1 >= f.at_step {
+                return ReplicaOutcome::Failed(f.kind);
+            }
+        }
+        match engine.step() {
+            Ok(ev) => {
+                done.events = ev;
+                done.stepped = true;
+            }
+            Err(e) => done.error = Some(e.to_string()),
+        }
+    }
+    let after = engine.stats();
+    done.prefill_tokens = after.prefill_tokens - before.prefill_tokens;
+    done.decode_tokens = after.decode_tokens - before.decode_tokens;
+    done.sampled_tokens = after.sampled_tokens - before.sampled_tokens;
+    done.has_work = engine.has_work();
+    ReplicaOutcome::Done(done)
+}
+
+/// What the learner lane holds: the learner and its side of weight sync.
+pub(super) struct LearnerSide {
+    pub(super) learner: Learner,
+    pub(super) source: SyncSource,
+}
+
+pub(super) struct LearnerWork {
+    pub(super) groups: Vec<ReadyGroup>,
+    pub(super) publish: bool,
+    pub(super) reset_optimizer: bool,
+    /// Per replica, the version it will hold when this publication reaches it.
+    pub(super) bases: Vec<Option<WeightVersion>>,
+}
+
+pub(super) struct LearnerDone {
+    pub(super) report: Result<StepReport, String>,
+    pub(super) publication: Option<Arc<Publication>>,
+    /// What the sync path made of the publication (None on the virtual clock until the
+    /// learner's timer fires: files appear on disk only when the step is over on the run
+    /// clock).
+    pub(super) outgoing: Option<Result<Outgoing, String>>,
+}
+
+pub(super) fn learner_run(
+    side: &mut LearnerSide,
+    work: &LearnerWork,
+    send_now: bool,
+) -> LearnerDone {
+    let learner = &mut side.learner;
+    let mut report = learner.train(&work.groups).map_err(|e| e.to_string());
+    let mut publication = None;
+    if report.is_ok() && work.publish {
+        match learner.publish() {
+            Ok(p) => publication = Some(Arc::new(p)),
+            Err(e) => report = Err(format!("publication: {e}")),
+        }
+        if report.is_ok() && work.reset_optimizer {
+            if let Err(e) = learner.reset_optimizer() {
+                report = Err(format!("optimizer reset: {e}"));
+            }
+        }
+    }
+    let outgoing = match (&publication, send_now) {
+        (Some(p), true) => Some(side.source.publish(p.clone(), &work.bases)),
+        _ => None,
+    };
+    LearnerDone {
+        report,
+        publication,
+        outgoing,
+    }
+}
+
+/// A lane's result on the wall clock. Replica messages carry the lane's incarnation: results
+/// of a lane that was lost and replaced are ignored.
+pub(super) enum LaneMsg {
+    Engine(usize, u64, Box<EngineDone>),
+    Pong(usize, u64, u64),
+    Learner(Box<LearnerDone>),
+}
+
+/// Where a component runs: inline (virtual clock) or on its own thread (wall clock).
+pub(super) enum Exec<W, In> {
+    Inline(W),
+    Thread {
+        tx: Sender<In>,
+        join: JoinHandle<W>,
+    },
+    /// Taken back (between the end of the loop and the return), or lost.
+    Gone,
+}
+
+impl<W: Send + 'static, In: Send + 'static> Exec<W, In> {
+    /// Runs `worker` on a thread that feeds it what it is sent; `run` answers with a message
+    /// for the scheduler, or None when the lane ends (an injected death).
+    fn spawn(
+        mut worker: W,
+        name: String,
+        out: Sender<LaneMsg>,
+        mut run: impl FnMut(&mut W, In) -> Option<LaneMsg> + Send + 'static,
+    ) -> Result<Exec<W, In>, RunError> {
+        let (tx, rx) = channel::<In>();
+        let join = std::thread::Builder::new()
+            .name(name.clone())
+            .spawn(move || {
+                // Ends when the scheduler drops its sender; gives the component back.
+                while let Ok(work) = rx.recv() {
+                    match run(&mut worker, work) {
+                        Some(msg) => {
+                            if out.send(msg).is_err() {
+                                break;
+                            }
+                        }
+                        None => break,
+                    }
+                }
+                worker
+            })
+            .map_err(|e| RunError::Stalled(format!("cannot start thread {name}: {e}")))?;
+        Ok(Exec::Thread { tx, join })
+    }
+
+    /// The component, running inline from now on (a thread lane is stopped and joined).
+    pub(super) fn make_inline(&mut self) -> Option<&mut W> {
+        if let Exec::Thread { .. } = self {
+            let w = std::mem::replace(self, Exec::Gone).into_inner()?;
+            *self = Exec::Inline(w);
+        }
+        match self {
+            Exec::Inline(w) => Some(w),
+            _ => None,
+        }
+    }
+
+    pub(super) fn into_inner(self) -> Option<W> {
+        match self {
+            Exec::Inline(w) => Some(w),
+            Exec::Thread { tx, join } => {
+                drop(tx);
+                join.join().ok()
+            }
+            Exec::Gone => None,
+        }
+    }
+}
+
+/// What a restart needs to build a replica's engine again.
+pub(super) struct ReplicaSpec {
+    pub(super) backend: BackendSpec,
+    pub(super) model: ModelConfig,
+    pub(super) engine: EngineConfig,
+}
+
+pub(super) struct ReplicaLane {
+    pub(super) exec: Exec<Replica, ReplicaIn>,
+    pub(super) pending: Vec<EngineCmd>,
+    pub(super) deliveries: Vec<Delivery>,
+    /// Run a unit of work even with nothing queued (the disk path's poll after a
+    /// publication).
+    pub(super) wake: bool,
+    pub(super) busy_since: Option<Micros>,
+    pub(super) has_work: bool,
+    /// Inline result waiting for its timer.
+    pub(super) done: Option<EngineDone>,
+    /// Bumped when the replica is lost: older results and timers are ignored.
+    pub(super) incarnation: u64,
+    pub(super) alive: bool,
+    /// The version it will hold once its queued deliveries are installed (the base of its
+    /// next delta).
+    pub(super) expected: Option<WeightVersion>,
+    /// The version it reported installed last.
+    pub(super) installed: Option<WeightVersion>,
+    /// When it was lost (for the restart's trace span).
+    pub(super) lost_at: Option<Micros>,
+    pub(super) restart_attempts: u32,
+}
+
+impl ReplicaLane {
+    pub(super) fn new(replica: Replica) -> ReplicaLane {
+        let v = replica.sink.version();
+        ReplicaLane {
+            exec: Exec::Inline(replica),
+            pending: Vec::new(),
+            deliveries: Vec::new(),
+            wake: false,
+            busy_since: None,
+            has_work: false,
+            done: None,
+            incarnation: 0,
+            alive: true,
+            expected: v,
+            installed: v,
+            lost_at: None,
+            restart_attempts: 0,
+        }
+    }
+
+    pub(super) fn idle(&self) -> bool {
+        self.busy_since.is_none()
+            && self.pending.is_empty()
+            && self.deliveries.is_empty()
+            && !self.wake
+            && !self.has_work
+    }
+}
+
+pub(super) struct LearnerLane {
+    pub(super) exec: Exec<LearnerSide, LearnerWork>,
+    pub(super) busy_since: Option<Micros>,
+    pub(super) done: Option<LearnerDone>,
+    /// Inline: the replicas' bases of the step in flight (its publication is sent when its
+    /// timer fires).
+    pub(super) bases: Option<Vec<Option<WeightVersion>>>,
+    /// Task names of the groups in the step being computed.
+    pub(super) tasks: Vec<String>,
+    /// Version of the learner (steps done), known without asking the lane.
+    pub(super) steps: u64,
+}
+
+impl Scheduler<'_> {
+    /// Wall clock: moves every lane onto its own thread.
+    pub(super) fn start_threads(&mut self) -> Result<(), RunError> {
+        for i in 0..self.replicas.len() {
+            self.start_replica_thread(i)?;
+        }
+        if let Exec::Inline(_) = self.learner.exec {
+            let Exec::Inline(l) = std::mem::replace(&mut self.learner.exec, Exec::Gone) else {
+                unreachable!("matched just above")
+            };
+            self.learner.exec =
+                Exec::spawn(l, "sluice-learner".into(), self.lane_tx.clone(), |l, w| {
+                    Some(LaneMsg::Learner(Box::new(learner_run(l, &w, true))))
+                })?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn start_replica_thread(&mut self, i: usize) -> Result<(), RunError> {
+        let r = &mut self.replicas[i];
+        if !matches!(r.exec, Exec::Inline(_)) {
+            return Ok(());
+        }
+        let Exec::Inline(e) = std::mem::replace(&mut r.exec, Exec::Gone) else {
+            unreachable!("matched just above")
+        };
+        let incarnation = r.incarnation;
+        r.exec = Exec::spawn(
+            e,
+            format!("sluice-engine-{i}"),
+            self.lane_tx.clone(),
+            move |rep: &mut Replica, input| match input {
+                ReplicaIn::Ping(seq) => Some(LaneMsg::Pong(i, incarnation, seq)),
+                ReplicaIn::Work(w) => match replica_run(rep, w) {
+                    ReplicaOutcome::Done(d) => Some(LaneMsg::Engine(i, incarnation, Box::new(d))),
+                    ReplicaOutcome::Failed(kind) => {
+                        if kind == FailKind::Hang {
+                            // Blocks until the stage ends and drops the sender (a real hang
+                            // would block for ever; the scheduler never waits for it).
+                            if let Some(rx) = rep.fail.as_mut().and_then(|f| f.release.take()) {
+                                let _ = rx.recv();
+                            }
+                        }
+                        None
+                    }
+                },
+            },
+        )?;
+        Ok(())
+    }
+}
