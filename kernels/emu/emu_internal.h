@@ -177,6 +177,10 @@ struct Fiber {
   int cp_groups = 0;        // cp.async commit groups issued
   // Inside an emulated instruction (ldmatrix, wgmma): its internal accesses are not profiled.
   int prof_quiet = 0;
+  // Convergence points this thread has passed in the block (warp operations of every live lane
+  // of its warp, barriers): the lanes of a warp with equal epochs are between the same two, so
+  // the profiler groups their accesses into requests within an epoch (profile.cpp).
+  uint32_t sync_epoch = 0;
 };
 
 struct PendingWarpOp {

@@ -4,11 +4,14 @@
 //
 // Requests. A request is one warp-level execution of one memory instruction. The fibers of a warp
 // run one after another (they switch only at barriers and warp operations), so the lanes' accesses
-// are grouped afterwards: lane L's k-th execution of code site S (one instrumented load or store,
-// known by its code address) joins the k-th executions of S by the other lanes of its warp. Lanes
-// that run a loop more often than others make extra requests with fewer lanes, as a divergent
-// loop does on the GPU. The grouping depends only on what each lane executes, never on the
-// schedule, so every count is the same under every schedule seed.
+// are grouped afterwards: within one epoch (the stretch between two warp-synchronous points the
+// lanes pass together: warp operations, barriers), lane L's k-th execution of code site S (one
+// instrumented load or store, known by its code address) joins the k-th executions of S by the
+// other lanes of its warp in the same epoch. Lanes that run a loop more often than others make
+// extra requests with fewer lanes, as a divergent loop does on the GPU; a site that different
+// lanes reach in different rounds of a loop with a warp operation in it (a winner writing its
+// result each round) makes one request per round. The grouping depends only on what each lane
+// executes, never on the schedule, so every count is the same under every schedule seed.
 //
 // Per request: global memory counts bytes, distinct 32-byte sectors and 128-byte lines, and the
 // ideal sectors ceil(unique bytes / 32); shared memory counts wavefronts by the bank rule (32 banks
@@ -67,7 +70,8 @@ enum RecKind : uint8_t { kRecGlobalLoad, kRecGlobalStore, kRecSharedLoad, kRecSh
 struct Rec {
   uint64_t addr;
   uint32_t site;
-  uint32_t occ;   // the lane's execution count of the site before this one
+  uint32_t epoch; // the lane's warp-synchronous epoch (Fiber::sync_epoch)
+  uint32_t occ;   // the lane's execution count of the site in this epoch before this one
   uint32_t size;
   uint16_t warp;
   uint8_t lane;
@@ -111,7 +115,8 @@ struct ProfileWorker {
   std::unordered_map<SiteKey, uint32_t, SiteHash> index;
   std::vector<SiteData> sites;
   std::vector<Rec> recs;
-  std::vector<std::vector<uint32_t>> occ;  // [fiber][site]: executions so far in this block
+  // [fiber][site]: (epoch, executions of the site so far in that epoch)
+  std::vector<std::vector<std::pair<uint32_t, uint32_t>>> occ;
   std::vector<uint64_t> scratch;
   std::vector<std::pair<uint64_t, uint64_t>> spans;
 };
@@ -184,9 +189,14 @@ void record(Worker& w, uint32_t site, uintptr_t a, size_t n, RecKind kind) {
   SiteData& s = p.sites[site];
   s.width_min = std::min<uint32_t>(s.width_min, static_cast<uint32_t>(n));
   s.width_max = std::max<uint32_t>(s.width_max, static_cast<uint32_t>(n));
-  std::vector<uint32_t>& occ = p.occ[f.linear];
-  if (occ.size() <= site) occ.resize(site + 1, 0);
-  p.recs.push_back(Rec{a, site, occ[site]++, static_cast<uint32_t>(n), static_cast<uint16_t>(f.linear >> 5),
+  auto& occ = p.occ[f.linear];
+  if (occ.size() <= site) occ.resize(site + 1, {0u, 0u});
+  auto& [epoch, count] = occ[site];
+  if (epoch != f.sync_epoch) {
+    epoch = f.sync_epoch;
+    count = 0;
+  }
+  p.recs.push_back(Rec{a, site, epoch, count++, static_cast<uint32_t>(n), static_cast<uint16_t>(f.linear >> 5),
                        static_cast<uint8_t>(f.linear & 31), kind});
 }
 
@@ -368,7 +378,7 @@ void prof_job_begin(Worker& w) {
 
 void prof_block_begin(Worker& w) {
   if (!w.prof) return;
-  for (auto& o : w.prof->occ) std::fill(o.begin(), o.end(), 0u);
+  for (auto& o : w.prof->occ) std::fill(o.begin(), o.end(), std::pair<uint32_t, uint32_t>{0u, 0u});
   w.prof->recs.clear();
 }
 
@@ -378,6 +388,7 @@ void prof_block_end(Worker& w) {
   std::sort(p.recs.begin(), p.recs.end(), [](const Rec& a, const Rec& b) {
     if (a.site != b.site) return a.site < b.site;
     if (a.warp != b.warp) return a.warp < b.warp;
+    if (a.epoch != b.epoch) return a.epoch < b.epoch;
     if (a.occ != b.occ) return a.occ < b.occ;
     return a.lane < b.lane;
   });
@@ -385,7 +396,7 @@ void prof_block_end(Worker& w) {
   while (i < p.recs.size()) {
     size_t j = i + 1;
     while (j < p.recs.size() && p.recs[j].site == p.recs[i].site && p.recs[j].warp == p.recs[i].warp &&
-           p.recs[j].occ == p.recs[i].occ) {
+           p.recs[j].epoch == p.recs[i].epoch && p.recs[j].occ == p.recs[i].occ) {
       ++j;
     }
     account_request(p, &p.recs[i], j - i, w.block_weight);

@@ -482,9 +482,13 @@ void complete_warp_op(Worker& w, unsigned warp, const PendingWarpOp& p) {
       break;
     }
   }
+  // A warp operation of every live lane is a convergence point for the profiler's grouping
+  // (one of part of the warp is not: the other lanes did not pass it).
+  const bool whole_warp = mask == w.warps[warp].live;
   for (unsigned m = mask; m; m &= m - 1) {
     unsigned idx = base + static_cast<unsigned>(__builtin_ctz(m));
     w.fibers[idx].state = kReady;
+    if (whole_warp) ++w.fibers[idx].sync_epoch;
     w.ready.push_back(idx);
   }
 }
@@ -566,6 +570,7 @@ bool resolve_quiescence(Worker& w) {
   prof_add(w, kBarriers, static_cast<double>(w.warps.size()), first->file, first->line);  // one per warp
   for (unsigned i = 0; i < n; ++i) {
     w.fibers[i].state = kReady;
+    ++w.fibers[i].sync_epoch;
     w.ready.push_back(i);
   }
   return true;
@@ -595,6 +600,8 @@ bool run_block(Worker& w, unsigned long long b, double weight) {
   for (unsigned i = 0; i < n; ++i) {
     Fiber& f = w.fibers[i];
     f.state = kReady;
+    f.sync_epoch = 0;
+    f.prof_quiet = 0;
     init_fiber_stack(f);
     w.ready.push_back(i);
   }
@@ -1089,6 +1096,7 @@ void warpgroup_gather(const void* in, void* out, unsigned size, const std::sourc
     for (unsigned t = g * 128; t < g * 128 + 128; ++t) {
       std::memcpy(w.fibers[t].out, w.scratch.data(), w.scratch.size());
       w.fibers[t].state = kReady;
+      ++w.fibers[t].sync_epoch;
       w.ready.push_back(t);
     }
   }
@@ -1140,6 +1148,7 @@ void named_barrier(unsigned id, unsigned count, const std::source_location& loc)
     for (unsigned i = 0; i < w.fibers.size(); ++i) {
       if (w.fibers[i].state == kNamed && w.fibers[i].arg == static_cast<int>(id)) {
         w.fibers[i].state = kReady;
+        ++w.fibers[i].sync_epoch;
         w.ready.push_back(i);
       }
     }

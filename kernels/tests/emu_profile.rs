@@ -386,3 +386,25 @@ fn special_functions_barriers_shuffles_and_atomics_are_counted() {
         p.lines.keys().collect::<Vec<_>>()
     );
 }
+
+#[test]
+fn a_winner_per_round_of_a_warp_synchronous_loop_is_one_request_per_round() {
+    let x = upload(&floats(32));
+    let y = upload(&[0.0f32; 4]);
+    let p = profile(
+        "emutest_prof_round_winners",
+        1,
+        32,
+        &[Arg::Buf(&x), Arg::Buf(&y)],
+    );
+    assert_counts(
+        &p.totals,
+        "round winners",
+        &[
+            ("global_load_requests", 4.0),
+            ("global_load_sectors", 4.0),
+            ("global_store_requests", 4.0),
+            ("warp_votes", 4.0),
+        ],
+    );
+}

@@ -127,3 +127,14 @@ extern "C" __global__ void emutest_prof_misc(const float* __restrict__ x, float*
   atomicAdd(count, 1);
   y[i] = v;
 }
+
+// A winner per round: in round r of a loop with a warp vote in it, only lane 8r loads and
+// stores. The GPU issues one request per round (4 of 1 lane each), not one of 4 lanes: the
+// lanes reach the site in different rounds, between different convergence points.
+extern "C" __global__ void emutest_prof_round_winners(const float* __restrict__ x, float* __restrict__ y) {
+  const int lane = threadIdx.x;
+  for (int r = 0; r < 4; ++r) {
+    const unsigned winners = __ballot_sync(0xffffffffu, lane == r * 8);
+    if (lane == r * 8) y[r] = x[lane] + static_cast<float>(__popc(winners));
+  }
+}

@@ -131,8 +131,9 @@ fn moe_strata(kernel: &str) -> Strata {
     }
 }
 
-/// MoE at the doc shape: as [`moe_strata`], but the router's widening, product and softmax are
-/// sampled too. Run in full they took about 10 minutes of the forward's emulation (the SIMT f32
+/// MoE at the doc shape: as [`moe_strata`], but the router's product and softmax are sampled
+/// too (the widening of x stays full, so the sampled rows' logits are real and spread over
+/// every expert). Run in full they took about 10 minutes of the forward's emulation (the SIMT f32
 /// router product is 2.1 G multiply-adds), past the 5-minute budget. Rows outside the sample
 /// keep zero logits, tie, and go to experts 0..k-1; the top-k, gates, counting sort and aux loss
 /// still run in full on what they get. The grouped GEMMs' work moves by the tail tiles only: at
@@ -140,12 +141,7 @@ fn moe_strata(kernel: &str) -> Strata {
 /// tiles, the skewed one 8 x 115 + 56 x 2 = 1032 (under 1% more); unique bytes are not reported
 /// for sampled launches anyway.
 fn moe_doc_strata(kernel: &str) -> Strata {
-    const SAMPLED_ROUTER: &[&str] = &[
-        "moe_widen_bf16",
-        "gemm_f32",
-        "elementwise_softmax",
-        "moe_sigmoid",
-    ];
+    const SAMPLED_ROUTER: &[&str] = &["gemm_f32", "elementwise_softmax", "moe_sigmoid"];
     if SAMPLED_ROUTER.iter().any(|p| kernel.starts_with(p)) {
         Strata::Uniform
     } else {
