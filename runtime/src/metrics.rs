@@ -19,6 +19,14 @@
 //! - policy_lag_hist: trained tokens (repeats included) by lag 0, 1, ...;
 //! - ratio_mean/min/max: the importance ratio over trained tokens;
 //! - zero_lag_tokens / zero_lag_mismatch_tokens: see [`crate::learner`];
+//! - mismatch.lag0.* / mismatch.lagpos.* (this step only): the learner-vs-behavior log-prob
+//!   mismatch of the trained tokens whose whole context is at the learner's version (lag0,
+//!   expected exactly 0) and of the others (lagpos): `tokens`, `abs_diff_mean` and
+//!   `abs_diff_max` of |logp_learner - logp_behavior|, and `k3_kl`, the mean k3 estimate of
+//!   KL(behavior || learner) (see [`crate::learner::Mismatch`]);
+//! - is_clip_fraction, is_gated_low_fraction, is_gated_high_fraction, is_accepted_fraction
+//!   (this step only): shares of the trained tokens the IS gate rejected (ratio outside the
+//!   gate; below it, above it) and kept;
 //! - reward_mean.NAME: mean reward of the unique trajectories of task NAME trained on;
 //!   learner_share.NAME: that task's share of the groups the learner consumed;
 //! - sync_bytes, sync_encoding (publication steps only): bytes sent to the replicas for this
@@ -29,7 +37,7 @@
 
 use crate::buffer::BufferCounters;
 use crate::clock::{ClockMode, Micros};
-use crate::learner::StepReport;
+use crate::learner::{Mismatch, StepReport};
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 
@@ -110,6 +118,17 @@ pub struct LearnerTotals {
     pub zero_lag_tokens: u64,
     pub zero_lag_mismatch_tokens: u64,
     pub lag_hist: Vec<u64>,
+    /// See [`StepReport::mismatch_lag0`].
+    #[serde(default)]
+    pub mismatch_lag0: Mismatch,
+    /// See [`StepReport::mismatch_lagpos`].
+    #[serde(default)]
+    pub mismatch_lagpos: Mismatch,
+    /// Trained tokens the IS gate rejected below / above its range (repeats included).
+    #[serde(default)]
+    pub gated_low: u64,
+    #[serde(default)]
+    pub gated_high: u64,
     pub per_task: BTreeMap<String, TaskTotals>,
 }
 
@@ -133,6 +152,10 @@ impl LearnerTotals {
         self.ratio_max = self.ratio_max.max(r.ratio_max);
         self.zero_lag_tokens += r.zero_lag_tokens;
         self.zero_lag_mismatch_tokens += r.zero_lag_mismatch_tokens;
+        self.mismatch_lag0.merge(&r.mismatch_lag0);
+        self.mismatch_lagpos.merge(&r.mismatch_lagpos);
+        self.gated_low += r.gated_low;
+        self.gated_high += r.gated_high;
         if self.lag_hist.len() < r.lag_hist.len() {
             self.lag_hist.resize(r.lag_hist.len(), 0);
         }
@@ -274,6 +297,28 @@ pub fn metrics_line(x: &LineInputs<'_>) -> Value {
         "zero_lag_mismatch_tokens".into(),
         json!(l.zero_lag_mismatch_tokens),
     );
+    insert_mismatch(&mut m, "mismatch.lag0", &r.mismatch_lag0);
+    insert_mismatch(&mut m, "mismatch.lagpos", &r.mismatch_lagpos);
+    let gated = r.gated_low + r.gated_high;
+    m.insert(
+        "is_clip_fraction".into(),
+        json!(ratio(gated, r.masked_tokens)),
+    );
+    m.insert(
+        "is_gated_low_fraction".into(),
+        json!(ratio(r.gated_low, r.masked_tokens)),
+    );
+    m.insert(
+        "is_gated_high_fraction".into(),
+        json!(ratio(r.gated_high, r.masked_tokens)),
+    );
+    m.insert(
+        "is_accepted_fraction".into(),
+        json!(ratio(
+            r.masked_tokens.saturating_sub(gated),
+            r.masked_tokens
+        )),
+    );
     m.insert("samples_trained".into(), json!(l.samples));
     m.insert("accepted_tokens".into(), json!(l.accepted_tokens));
     m.insert("gradient_tokens".into(), json!(l.gradient_tokens));
@@ -310,6 +355,21 @@ pub fn metrics_line(x: &LineInputs<'_>) -> Value {
     m.insert("replica_restarts".into(), json!(c.replica_restarts));
     m.insert("trajectories_lost".into(), json!(c.trajectories_lost));
     Value::Object(m)
+}
+
+/// The `PREFIX.tokens`, `.abs_diff_mean`, `.abs_diff_max` and `.k3_kl` keys of one
+/// [`Mismatch`] (metrics lines and summary.json).
+pub fn insert_mismatch(m: &mut Map<String, Value>, prefix: &str, x: &Mismatch) {
+    m.insert(format!("{prefix}.tokens"), json!(x.tokens));
+    m.insert(
+        format!("{prefix}.abs_diff_mean"),
+        json!(finite_or_zero(x.abs_diff_mean())),
+    );
+    m.insert(
+        format!("{prefix}.abs_diff_max"),
+        json!(finite_or_zero(x.abs_diff_max)),
+    );
+    m.insert(format!("{prefix}.k3_kl"), json!(finite_or_zero(x.k3_kl())));
 }
 
 /// Rounds to 6 decimals so a line's text does not depend on float formatting noise.

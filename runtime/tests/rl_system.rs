@@ -368,6 +368,50 @@ fn zero_lag_run(device: Device) {
     assert!(multi > 0);
     let last = rec.lines.last().unwrap();
     assert_eq!(last["zero_lag_mismatch_tokens"], 0);
+
+    // Mismatch telemetry split by lag: every trained token in one of the two sets, lag 0
+    // exactly 0, lag > 0 a real, finite, non-negative drift.
+    let (z, p) = (&l.mismatch_lag0, &l.mismatch_lagpos);
+    assert_eq!(
+        z.tokens + p.tokens,
+        l.masked_tokens,
+        "{device}: {z:?} {p:?}"
+    );
+    assert!(z.tokens >= 100, "{device}: {} lag-0 tokens", z.tokens);
+    assert_eq!(z.abs_diff_max, 0.0, "{device}: lag-0 logp differs: {z:?}");
+    assert_eq!(z.abs_diff_sum, 0.0, "{device}: {z:?}");
+    assert_eq!(z.k3_sum, 0.0, "{device}: {z:?}");
+    assert!(p.tokens > 0, "{device}: no lag > 0 tokens");
+    for x in [p.abs_diff_sum, p.abs_diff_max, p.k3_sum] {
+        assert!(x.is_finite() && x >= 0.0, "{device}: lag > 0: {p:?}");
+    }
+    // The weights moved between versions: stale tokens' logps differ.
+    assert!(p.abs_diff_max > 0.0 && p.k3_sum > 0.0, "{device}: {p:?}");
+    assert!(p.abs_diff_mean() <= p.abs_diff_max);
+    // The metrics lines carry each step's share; their sums are the stage's totals.
+    let sum = |key: &str| -> u64 { rec.lines.iter().map(|v| v[key].as_u64().unwrap()).sum() };
+    assert_eq!(sum("mismatch.lag0.tokens"), z.tokens);
+    assert_eq!(sum("mismatch.lagpos.tokens"), p.tokens);
+    let mut lagpos_max = 0.0f64;
+    for v in &rec.lines {
+        let f = |key: &str| v[key].as_f64().unwrap_or_else(|| panic!("{key} in {v}"));
+        assert_eq!(f("mismatch.lag0.abs_diff_max"), 0.0);
+        assert_eq!(f("mismatch.lag0.k3_kl"), 0.0);
+        assert!(f("mismatch.lagpos.k3_kl") >= 0.0);
+        assert!(f("mismatch.lagpos.abs_diff_mean") <= f("mismatch.lagpos.abs_diff_max"));
+        lagpos_max = lagpos_max.max(f("mismatch.lagpos.abs_diff_max"));
+        let (clip, low, high, acc) = (
+            f("is_clip_fraction"),
+            f("is_gated_low_fraction"),
+            f("is_gated_high_fraction"),
+            f("is_accepted_fraction"),
+        );
+        assert!((0.0..=1.0).contains(&clip), "{v}");
+        assert!((low + high - clip).abs() < 1e-12, "{v}");
+        assert!((clip + acc - 1.0).abs() < 1e-12, "{v}");
+    }
+    assert_eq!(lagpos_max, p.abs_diff_max);
+    assert!(l.gated_low + l.gated_high <= l.masked_tokens);
 }
 
 #[test]

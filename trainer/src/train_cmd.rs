@@ -32,8 +32,8 @@ use sluice_runtime::engine::{Engine, EngineConfig};
 use sluice_runtime::env::{Split, Task};
 use sluice_runtime::eval::{pass_rate, PassRate};
 use sluice_runtime::hash::{hash_str, mix64};
-use sluice_runtime::learner::{Learner, LearnerConfig, Publication, StepReport};
-use sluice_runtime::metrics::{LearnerTotals, Trace};
+use sluice_runtime::learner::{Learner, LearnerConfig, Mismatch, Publication, StepReport};
+use sluice_runtime::metrics::{insert_mismatch, LearnerTotals, Trace};
 use sluice_runtime::orchestrator::{Orchestrator, OrchestratorState, RolloutPolicy, TaskSpec};
 use sluice_runtime::system::{
     run_stage, BarrierView, Parts, RunError, StageConfig, StageObserver, StageStart,
@@ -607,6 +607,19 @@ struct RlTotals {
     finished_generated: u64,
     zero_lag: u64,
     zero_lag_mismatch: u64,
+    /// Learner-vs-behavior log-prob mismatch at lag 0 and above (see
+    /// [`sluice_runtime::learner::StepReport::mismatch_lag0`]).
+    #[serde(default)]
+    mismatch_lag0: Mismatch,
+    #[serde(default)]
+    mismatch_lagpos: Mismatch,
+    /// Trained tokens (repeats included) and those the IS gate rejected below / above.
+    #[serde(default)]
+    masked_tokens: u64,
+    #[serde(default)]
+    gated_low: u64,
+    #[serde(default)]
+    gated_high: u64,
     buffer_in: u64,
     stale: u64,
     env: u64,
@@ -1058,6 +1071,11 @@ impl RunContext<'_> {
         t.finished_generated += report.rollout.finished_generated_tokens;
         t.zero_lag += l.zero_lag_tokens;
         t.zero_lag_mismatch += l.zero_lag_mismatch_tokens;
+        t.mismatch_lag0.merge(&l.mismatch_lag0);
+        t.mismatch_lagpos.merge(&l.mismatch_lagpos);
+        t.masked_tokens += l.masked_tokens;
+        t.gated_low += l.gated_low;
+        t.gated_high += l.gated_high;
         t.buffer_in += report.buffer.trajectories_in;
         t.stale += report.buffer.stale_dropped;
         t.env += report.buffer.env_dropped;
@@ -1127,7 +1145,25 @@ impl RunContext<'_> {
             );
         }
         let elapsed = t.map_or(0.0, |t| t.elapsed_s).max(1e-9);
-        json!({
+        // Over the whole run: token-weighted means and the max (the metrics lines' keys).
+        let mut mismatch = serde_json::Map::new();
+        let none = RlTotals::default();
+        let tt = t.unwrap_or(&none);
+        insert_mismatch(&mut mismatch, "mismatch.lag0", &tt.mismatch_lag0);
+        insert_mismatch(&mut mismatch, "mismatch.lagpos", &tt.mismatch_lagpos);
+        let gated = tt.gated_low + tt.gated_high;
+        for (key, n) in [
+            ("is_clip_fraction", gated),
+            ("is_gated_low_fraction", tt.gated_low),
+            ("is_gated_high_fraction", tt.gated_high),
+            (
+                "is_accepted_fraction",
+                tt.masked_tokens.saturating_sub(gated),
+            ),
+        ] {
+            mismatch.insert(key.into(), json!(ratio(n, tt.masked_tokens)));
+        }
+        let mut s = json!({
             // Every rate per second below is per second of this clock.
             "clock": self.clock().as_str(),
             "final_weights_sha256": sha,
@@ -1148,7 +1184,11 @@ impl RunContext<'_> {
             "learner_busy": t.map_or(0.0, |t| t.learner_busy_s / elapsed),
             "stage_seconds": self.state.stage_times.iter().map(|(n, s)| (n.clone(), json!(s))).collect::<serde_json::Map<_, _>>(),
             "tasks": tasks,
-        })
+        });
+        if let Some(m) = s.as_object_mut() {
+            m.extend(mismatch);
+        }
+        s
     }
 
     fn summary_table(&self, s: &Value) -> String {

@@ -37,6 +37,15 @@ fn metrics(rng: &mut Rng, sft_steps: u64, rl_steps: u64, tasks: &[&str]) -> Vec<
         m.insert("effective_tokens_per_s".into(), json!(900.0 + 300.0 * f));
         m.insert("raw_tokens_per_s".into(), json!(1400.0 + 200.0 * f));
         m.insert("policy_lag_hist".into(), json!(lag));
+        // Every third step without lag-0 tokens (a step after a publication mid-rollout).
+        let lag0 = if step % 3 == 0 { 0 } else { 100 + step };
+        m.insert("mismatch.lag0.tokens".into(), json!(lag0));
+        m.insert("mismatch.lag0.abs_diff_mean".into(), json!(0.0));
+        m.insert("mismatch.lag0.k3_kl".into(), json!(0.0));
+        m.insert("mismatch.lagpos.tokens".into(), json!(300));
+        let d = 0.02 + 0.01 * rng.uniform();
+        m.insert("mismatch.lagpos.abs_diff_mean".into(), json!(d));
+        m.insert("mismatch.lagpos.k3_kl".into(), json!(d * d / 2.0));
         for (i, t) in tasks.iter().enumerate() {
             let r = (0.2 + 0.7 * f + 0.2 * (rng.uniform() - 0.5)).clamp(0.0, 1.0);
             m.insert(format!("reward_mean_window.{t}"), json!(r));
@@ -173,6 +182,23 @@ fn every_chart_parses_and_holds_its_series() {
             "learner_share.svg lacks {label:?}"
         );
     }
+
+    // Mismatch: lag > 0 mean |logp diff| and k3 on every step, the lag-0 ones (dashed) only on
+    // the 85 steps that had lag-0 tokens.
+    let mm = &svg["mismatch.svg"];
+    assert_eq!(polylines(mm), vec![127, 127, 85, 85]);
+    let t = texts(mm);
+    for label in [
+        "lag > 0: mean |logp diff|",
+        "lag > 0: k3 KL(behavior || learner)",
+        "lag 0: mean |logp diff|",
+        "lag 0: k3 KL(behavior || learner)",
+    ] {
+        assert!(
+            t.iter().any(|x| x == label),
+            "mismatch.svg lacks {label:?}: {t:?}"
+        );
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -216,7 +242,7 @@ fn repeated_steps_are_drawn_once_and_odd_names_are_escaped() {
     let targets = BTreeMap::from([(name.to_string(), 1.0)]);
     let dir = temp_dir("resume");
     let written = plots::write_all(&dir, &lines, &targets, &[]).unwrap();
-    assert_eq!(written.len(), 4);
+    assert_eq!(written.len(), 5);
     let share = parse(&written[3]);
     assert_eq!(polylines(&share), vec![17]);
     assert_eq!(share.matches("stroke-dasharray=\"7 5\"").count(), 1);

@@ -65,6 +65,22 @@ fn summary(dir: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
 }
 
+/// The learner-vs-behavior mismatch keys of every RL metrics line and of summary.json.
+const MISMATCH_KEYS: [&str; 12] = [
+    "mismatch.lag0.tokens",
+    "mismatch.lag0.abs_diff_mean",
+    "mismatch.lag0.abs_diff_max",
+    "mismatch.lag0.k3_kl",
+    "mismatch.lagpos.tokens",
+    "mismatch.lagpos.abs_diff_mean",
+    "mismatch.lagpos.abs_diff_max",
+    "mismatch.lagpos.k3_kl",
+    "is_clip_fraction",
+    "is_gated_low_fraction",
+    "is_gated_high_fraction",
+    "is_accepted_fraction",
+];
+
 /// Zero mismatch says something only over enough tokens: the run compared at least `min`
 /// zero-lag tokens, and none of them differed from the rollout's log-prob in any bit.
 fn assert_zero_mismatch(s: &serde_json::Value, min: u64, what: &str) {
@@ -149,6 +165,24 @@ fn a_run_leaves_the_run_folder() {
     ] {
         assert!(s.get(key).is_some(), "summary.json lacks {key}");
     }
+    for key in MISMATCH_KEYS {
+        assert!(s[key].is_number(), "summary.json lacks {key}");
+    }
+    // Lag 0 exactly 0 over enough tokens; drift, where any, finite and non-negative.
+    assert!(s["mismatch.lag0.tokens"].as_u64().unwrap() >= 1000, "{s}");
+    assert_eq!(s["mismatch.lag0.abs_diff_max"], 0.0, "{s}");
+    assert_eq!(s["mismatch.lag0.k3_kl"], 0.0, "{s}");
+    for key in ["mismatch.lagpos.abs_diff_mean", "mismatch.lagpos.k3_kl"] {
+        assert!(s[key].as_f64().unwrap() >= 0.0, "{key}: {s}");
+    }
+    let clip = s["is_clip_fraction"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&clip), "{s}");
+    assert!((clip + s["is_accepted_fraction"].as_f64().unwrap() - 1.0).abs() < 1e-9);
+    let svg = std::fs::read_to_string(out.join("mismatch.svg")).expect("mismatch.svg");
+    assert!(
+        roxmltree::Document::parse(&svg).is_ok(),
+        "mismatch.svg is not XML"
+    );
     assert_eq!(s["learner_steps"], 12);
     // About 3,000 zero-lag tokens (a wall-clock run: the count varies).
     assert_zero_mismatch(&s, 1000, "the run folder's run");
@@ -210,10 +244,20 @@ fn a_run_leaves_the_run_folder() {
             "learner_share.tool",
             "sync_bytes",
             "sync_encoding",
-        ] {
+        ]
+        .into_iter()
+        .chain(MISMATCH_KEYS)
+        {
             assert!(l.get(key).is_some(), "metrics line lacks {key}: {l}");
         }
+        assert_eq!(l["mismatch.lag0.abs_diff_max"], 0.0, "{l}");
     }
+    // The lines hold each step's tokens; summary.json their sum.
+    let lag0: u64 = rl
+        .iter()
+        .map(|l| l["mismatch.lag0.tokens"].as_u64().unwrap())
+        .sum();
+    assert_eq!(s["mismatch.lag0.tokens"], lag0);
     // The trace is Chrome trace JSON with the four kinds of span.
     let trace: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("trace.json")).unwrap()).unwrap();

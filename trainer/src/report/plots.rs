@@ -6,6 +6,7 @@
 //! | `throughput.svg`    | `effective_tokens_per_s` and `raw_tokens_per_s` over `time_s`      |
 //! | `policy_lag.svg`    | the last line's `policy_lag_hist`: trained tokens by policy lag    |
 //! | `learner_share.svg` | `learner_share.NAME` per task over steps, its target dashed         |
+//! | `mismatch.svg`      | per step, `mismatch.lagpos.abs_diff_mean` and `.k3_kl` (policy drift), the lag-0 ones dashed (expected 0) |
 //!
 //! Stages. `step` and `time_s` restart with every stage, so a chart's x axis runs over all
 //! stages in the order they first appear: a stage's x is its own step (or time) plus the last
@@ -29,11 +30,12 @@ pub struct PassPoint {
 }
 
 /// The chart files [`write_all`] may write.
-pub const FILES: [&str; 4] = [
+pub const FILES: [&str; 5] = [
     "reward.svg",
     "throughput.svg",
     "policy_lag.svg",
     "learner_share.svg",
+    "mismatch.svg",
 ];
 
 /// Reads a metrics.jsonl file: one JSON object per non-empty line.
@@ -72,6 +74,7 @@ pub fn write_all(
         throughput_chart(lines),
         lag_chart(lines),
         share_chart(lines, targets),
+        mismatch_chart(lines),
     ];
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut written = Vec::new();
@@ -142,6 +145,18 @@ impl<'a> Timeline<'a> {
     fn by_step(&self, key: &str) -> Vec<(f64, f64)> {
         self.rows
             .iter()
+            .filter_map(|(stage, step, line)| {
+                Some((self.offsets[stage].0 + *step as f64, num(line, key)?))
+            })
+            .collect()
+    }
+
+    /// (global step, value of `key`) for every line that has it and whose `count` key is
+    /// above 0.
+    fn by_step_where(&self, key: &str, count: &str) -> Vec<(f64, f64)> {
+        self.rows
+            .iter()
+            .filter(|(_, _, line)| num(line, count).is_some_and(|n| n > 0.0))
             .filter_map(|(stage, step, line)| {
                 Some((self.offsets[stage].0 + *step as f64, num(line, key)?))
             })
@@ -366,6 +381,45 @@ pub fn lag_chart(lines: &[Value]) -> Option<Chart> {
         x_min_range: None,
         integer_x: true,
         markers: Vec::new(),
+    };
+    chart.has_data().then_some(chart)
+}
+
+/// Learner-vs-behavior log-prob mismatch per learner step: for the tokens at lag > 0 (policy
+/// drift) and, dashed, at lag 0 (expected exactly 0); steps without such tokens are skipped.
+pub fn mismatch_chart(lines: &[Value]) -> Option<Chart> {
+    let tl = Timeline::new(lines);
+    let mut series = Vec::new();
+    for (set, label, mark) in [
+        ("lagpos", "lag > 0", Mark::Line),
+        ("lag0", "lag 0", Mark::Dashed),
+    ] {
+        let count = format!("mismatch.{set}.tokens");
+        series.push(Series::new(
+            format!("{label}: mean |logp diff|"),
+            color(0),
+            mark,
+            tl.by_step_where(&format!("mismatch.{set}.abs_diff_mean"), &count),
+        ));
+        series.push(Series::new(
+            format!("{label}: k3 KL(behavior || learner)"),
+            color(1),
+            mark,
+            tl.by_step_where(&format!("mismatch.{set}.k3_kl"), &count),
+        ));
+    }
+    let chart = Chart {
+        title: "Learner vs behavior log-probs".into(),
+        subtitle: "per learner step over trained tokens: mean |logp_learner - logp_behavior| \
+                   and the k3 KL estimate; lag 0 dashed (expected 0)"
+            .into(),
+        x_label: "learner step".into(),
+        y_label: "nats per token".into(),
+        series,
+        y_min_range: None,
+        x_min_range: Some((0.0, 1.0)),
+        integer_x: true,
+        markers: tl.markers(false),
     };
     chart.has_data().then_some(chart)
 }
