@@ -254,12 +254,7 @@ impl Api {
         opts: &LaunchOptions,
     ) -> Result<Vec<EmuFinding>, String> {
         // Profiled when a recording is active on this thread (emu::profile::Recording).
-        let Some(mut req) = profile::request(kernel, grid) else {
-            // SAFETY: the caller's contract.
-            return unsafe {
-                self.launch_with(kernel, grid, block, shared_bytes, params, seed, opts, None)
-            };
-        };
+        let mut req = profile::request(kernel, grid);
         // SAFETY: the caller's contract; req lives until the launch returns.
         let found = unsafe {
             self.launch_with(
@@ -270,10 +265,12 @@ impl Api {
                 params,
                 seed,
                 opts,
-                Some(&mut req),
+                req.as_mut(),
             )
         }?;
-        profile::record(req, kernel, grid, block, shared_bytes);
+        if let Some(req) = req {
+            profile::record(req, kernel, grid, block, shared_bytes);
+        }
         Ok(found)
     }
 
