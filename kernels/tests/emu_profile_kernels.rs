@@ -204,24 +204,28 @@ fn profile_with(
     rec.finish()
 }
 
-/// Causal attention, 4 sequences of 200 tokens, 4 heads: the per-block work grows along the
-/// query axis, which the op's strata follow; 64 sampled blocks of 800 stay within 2%.
+/// Causal attention on the tile path, 8 sequences of 256 tokens, 4 heads: the per-block work
+/// grows along the query axis (and the grid's tail blocks exit at once), which the op's strata
+/// follow; 48 sampled blocks of 96 stay within 2%.
 #[test]
 fn a_sampled_causal_attention_profile_is_within_2_percent_of_the_full_one() {
     let backend = Backend::emu_with_seed(0);
     let strata = cases::case("attention_forward", Preset::Small, &backend)
         .unwrap()
         .strata;
-    let (t, h, d) = (800, 4, 32);
+    let (t, h, d) = (2048, 4, 16);
     let q = random(&backend, &[t, h, d], DType::BF16, 3);
     let k = random(&backend, &[t, 2, d], DType::BF16, 4);
     let v = random(&backend, &[t, 2, d], DType::BF16, 5);
-    let cu = Tensor::from_slice(&backend, &[5], &[0i32, 200, 400, 600, 800]).unwrap();
+    let cu_host: Vec<i32> = (0..=8).map(|i| i * 256).collect();
+    let cu = Tensor::from_slice(&backend, &[9], &cu_host).unwrap();
     let run = || {
         ops::attention::attention_forward(&backend, &q, &k, &v, &cu, true, None).unwrap();
     };
     let full = profile_with(strata, None, run);
-    let sampled = profile_with(strata, Some(64), run);
+    assert_eq!(full.len(), 1, "one launch");
+    assert_eq!(full[0].name, "attention_tc_forward_d16");
+    let sampled = profile_with(strata, Some(48), run);
     assert!(
         sampled.iter().any(|k| !k.is_full()),
         "the sample ran fewer blocks"

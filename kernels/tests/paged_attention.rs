@@ -2,6 +2,7 @@
 //! against the training forward (the same query over the same keys) on cpu, emu and cuda.
 
 use sluice_kernels::ops::attention::attention_forward;
+use sluice_kernels::ops::attention_tile::RowOrder;
 use sluice_kernels::ops::paged_attention::{
     kv_append, paged_attention, paged_attention_reference, paged_prefill, PagedDims,
 };
@@ -249,6 +250,7 @@ fn reference_function_directly() {
         &bt.ctx(),
         dims,
         0.25,
+        RowOrder::Chunks,
         &mut out,
     )
     .unwrap();
@@ -280,6 +282,63 @@ fn cpu_decode_bit_identical_to_training_forward() {
 #[test]
 fn emu_decode_bit_identical_to_training_forward() {
     check_bit_identity(&Backend::emu_with_seed(1));
+}
+
+/// The bits contract of the tile path at the edges of a query tile: one 128-token sequence; the
+/// decode of the query at position p over a context of p + 1 keys equals the training forward's
+/// row p, for p at the start, inside and at the ends of warps and key tiles (0, 1, 31, 32, 63, 64,
+/// 127), with a GQA group of 8 heads in the decode's m16 tile.
+fn check_decode_positions(be: &Backend, dtype: DType) {
+    let (h, hkv, d, bs) = (8, 1, 16, 16);
+    let bt = Batch::new(61, &[128], h, hkv, d, bs, dtype);
+    let train = {
+        let q = Tensor::from_f32_as(be, &[128, h, d], dtype, &bt.q).unwrap();
+        let k = Tensor::from_f32_as(be, &[128, hkv, d], dtype, &bt.k).unwrap();
+        let v = Tensor::from_f32_as(be, &[128, hkv, d], dtype, &bt.v).unwrap();
+        let cu = Tensor::from_slice(be, &[2], &[0i32, 128]).unwrap();
+        attention_forward(be, &q, &k, &v, &cu, true, None)
+            .unwrap()
+            .out
+            .to_vec::<f32>()
+            .unwrap()
+    };
+    let (kc, vc) = bt.caches(be, dtype);
+    let positions = [0usize, 1, 31, 32, 63, 64, 127];
+    // One decode batch: sequence i is the same cache rows with context positions[i] + 1.
+    let n = positions.len();
+    let hd = h * d;
+    let mut q = Vec::new();
+    let mut table = Vec::new();
+    for &p in &positions {
+        q.extend_from_slice(&bt.q[p * hd..(p + 1) * hd]);
+        table.extend_from_slice(&bt.table[..bt.mb]);
+    }
+    let ctx: Vec<i32> = positions.iter().map(|&p| p as i32 + 1).collect();
+    let qt = Tensor::from_f32_as(be, &[n, h, d], dtype, &q).unwrap();
+    let tb = Tensor::from_slice(be, &[n, bt.mb], &table).unwrap();
+    let cl = Tensor::from_slice(be, &[n], &ctx).unwrap();
+    let got = paged_attention(be, &qt, &kc, &vc, &tb, &cl, None)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    for (i, &p) in positions.iter().enumerate() {
+        assert_bits_eq(
+            &got[i * hd..(i + 1) * hd],
+            &train[p * hd..(p + 1) * hd],
+            &format!("{be:?} {dtype} decode at position {p} vs training row {p}"),
+        );
+    }
+}
+
+#[test]
+fn cpu_decode_equals_training_at_tile_edges() {
+    check_decode_positions(&Backend::Cpu, DType::BF16);
+    check_decode_positions(&Backend::Cpu, DType::F32);
+}
+
+#[test]
+fn emu_decode_equals_training_at_tile_edges() {
+    check_decode_positions(&Backend::emu_with_seed(1), DType::BF16);
 }
 
 fn check_device(be1: &Backend, be2: &Backend) {
@@ -393,6 +452,7 @@ fn cuda_matches_reference_bit_identical_and_deterministic() {
     if let Some(gpu) = sluice_kernels::device::cuda_for_tests("paged_attention cuda") {
         check_device(&gpu, &gpu);
         check_bit_identity(&gpu);
+        check_decode_positions(&gpu, DType::BF16);
     }
 }
 

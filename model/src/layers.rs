@@ -518,7 +518,10 @@ pub fn attn_block_backward(
     let out_t = transpose(backend, &*as_dtype(backend, &out, dtype)?)?;
     let dwo = linear_dw(backend, &dxm, &out_t)?;
     drop(out_t);
-    let dout = linear_dx(backend, &dxm, &w.wo)?.reshape(&[t, hq, hd])?;
+    // Rounded to the model's dtype: in a bf16 model dO is an operand of the attention
+    // backward's mma.sync (the tile kernels, docs/perf/attention.md); in an f32 model a no-op.
+    let dout =
+        into_dtype(backend, linear_dx(backend, &dxm, &w.wo)?, dtype)?.reshape(&[t, hq, hd])?;
     drop(dxm);
     let out = out.reshape(&[t, hq, hd])?;
     // Attention, then RoPE.

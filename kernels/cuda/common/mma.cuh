@@ -79,6 +79,36 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
 #endif
 }
 
+// ldmatrix .x4 .trans: the same row addresses as ldmatrix_x4, but lane L receives, of matrix i,
+// the two b16 at (row 2(L%4), column L/4) and (row 2(L%4)+1, column L/4), lower row in the low
+// half: the B fragment of mma.m16n8k16 from a row-major [k][n] tile (e.g. V stored key-major).
+#ifdef SLUICE_EMU
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row,
+                                                  std::source_location loc = std::source_location::current()) {
+    const int lane = static_cast<int>(emu_lane_id());
+    const void* rows[32];
+    emu_warp_gather(row, rows);
+    // The transpose happens in the datapath: the shared-memory footprint is that of ldmatrix.
+    if (lane == 0) ::sluice_emu::prof_ldmatrix(rows, 4, loc);
+    ::sluice_emu::prof_quiet(1);
+    for (int i = 0; i < 4; ++i) {
+        const unsigned char* lo = static_cast<const unsigned char*>(rows[8 * i + 2 * (lane % 4)]);
+        const unsigned char* hi = static_cast<const unsigned char*>(rows[8 * i + 2 * (lane % 4) + 1]);
+        uint16_t a, b;
+        memcpy(&a, lo + 2 * (lane / 4), 2);
+        memcpy(&b, hi + 2 * (lane / 4), 2);
+        r[i] = static_cast<uint32_t>(a) | (static_cast<uint32_t>(b) << 16);
+    }
+    ::sluice_emu::prof_quiet(-1);
+#else
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+#endif
+}
+
 // d += A(16x16) * B(16x8), bf16 inputs, f32 accumulate. Fragments as in the layout above.
 // Every lane of the warp must call it (.sync.aligned).
 #ifdef SLUICE_EMU

@@ -222,7 +222,9 @@ pub fn sample_blocks(
         (dims[axis], total / dims[axis])
     };
     let nstrata = if axis == 3 { 1 } else { levels.min(max_blocks) };
-    let per = (max_blocks / nstrata).max(1);
+    // The budget spread over the strata, the remainder to the first ones (so a request of N
+    // blocks profiles N whenever the grid has them).
+    let (per, extra) = (max_blocks / nstrata, max_blocks % nstrata);
     let mut blocks = Vec::new();
     let mut weights = Vec::new();
     for s in 0..nstrata {
@@ -232,7 +234,7 @@ pub fn sample_blocks(
         let hi = (s + 1) * levels / nstrata;
         let len = hi - lo;
         let size = len * others;
-        let picks = per.min(size);
+        let picks = (per + u64::from(s < extra)).min(size);
         for j in 0..picks {
             let idx = ((2 * j + 1) * size) / (2 * picks);
             let level = lo + idx / others;

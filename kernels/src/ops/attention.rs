@@ -22,6 +22,7 @@ use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
+use crate::ops::attention_tile::{self, attend_row_tiles, RowOrder};
 use crate::par;
 use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
 use crate::tensor::Tensor;
@@ -103,7 +104,7 @@ const DOT_LANES: usize = 8;
 /// `out[jj] = dot_fma(q, keys[jj])` for the DOT_LANES keys, interleaved: each key's own chain is
 /// d ascending from 0, so the bits are those of [`dot_fma`]. Every key holds `q.len()` values.
 #[inline(always)]
-fn dots8(q: &[f32], keys: &[&[f32]; DOT_LANES]) -> [f32; DOT_LANES] {
+pub(crate) fn dots8(q: &[f32], keys: &[&[f32]; DOT_LANES]) -> [f32; DOT_LANES] {
     let d = q.len();
     assert!(
         keys.iter().all(|k| k.len() == d),
@@ -193,17 +194,18 @@ impl RowState {
 /// routine of both the training reference and the paged decode reference. With no keys the
 /// output is zero and the logsumexp -inf.
 pub fn attend_row<'a, F: Fn(usize) -> (&'a [f32], &'a [f32])>(
+    order: RowOrder,
     q: &[f32],
     n_keys: usize,
     scale: f32,
     kv: F,
     out: &mut [f32],
 ) -> f32 {
-    attend_row_dispatch(q, n_keys, scale, kv, out)
+    attend_row_dispatch(order, q, n_keys, scale, kv, out)
 }
 
 fma_dispatch! {
-    fn attend_row_dispatch<'a, F: KeyValueFn<'a>>(q: &[f32], n_keys: usize, scale: f32, kv: F, out: &mut [f32]) -> f32 = attend_row_body;
+    fn attend_row_dispatch<'a, F: KeyValueFn<'a>>(order: RowOrder, q: &[f32], n_keys: usize, scale: f32, kv: F, out: &mut [f32]) -> f32 = attend_row_body;
 }
 
 /// Where a row's key j and its value live (a trait alias, for the macro).
@@ -212,12 +214,16 @@ impl<'a, F: Fn(usize) -> (&'a [f32], &'a [f32])> KeyValueFn<'a> for F {}
 
 #[inline(always)]
 fn attend_row_body<'a, F: Fn(usize) -> (&'a [f32], &'a [f32])>(
+    order: RowOrder,
     q: &[f32],
     n_keys: usize,
     scale: f32,
     kv: F,
     out: &mut [f32],
 ) -> f32 {
+    if order == RowOrder::Tiles {
+        return attend_row_tiles(q, n_keys, scale, kv, out, |q, keys| dots8(q, keys));
+    }
     if n_keys == 0 {
         out.fill(0.0);
         return f32::NEG_INFINITY;
@@ -347,6 +353,7 @@ pub fn attention_forward_reference(
     dims: AttnDims,
     causal: bool,
     scale: f32,
+    order: RowOrder,
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<()> {
@@ -370,6 +377,7 @@ pub fn attention_forward_reference(
         let (s0, n) = key_range(cu_seqlens, tok, causal);
         let qr = &q[r * d..(r + 1) * d];
         l[0] = attend_row(
+            order,
             qr,
             n,
             scale,
@@ -397,6 +405,7 @@ pub fn attention_backward_reference(
     dims: AttnDims,
     causal: bool,
     scale: f32,
+    order: RowOrder,
     out: &[f32],
     lse: &[f32],
     dout: &[f32],
@@ -421,7 +430,13 @@ pub fn attention_backward_reference(
         )));
     }
     let delta: Vec<f32> = (0..t * h)
-        .map(|r| dot_fma(&dout[r * d..(r + 1) * d], &out[r * d..(r + 1) * d]))
+        .map(|r| {
+            let (dor, outr) = (&dout[r * d..(r + 1) * d], &out[r * d..(r + 1) * d]);
+            match order {
+                RowOrder::Chunks => dot_fma(dor, outr),
+                RowOrder::Tiles => attention_tile::delta_tiles(dor, outr),
+            }
+        })
         .collect();
 
     let ctx = BwdCtx {
@@ -435,6 +450,7 @@ pub fn attention_backward_reference(
         lse,
         dout,
         delta: &delta,
+        round_bf16: order == RowOrder::Tiles,
     };
     let sequences = cu_seqlens.len() - 1;
     if sequences >= 2 * par::threads() {
@@ -531,7 +547,8 @@ fn sequence_backward_body(
                     let dpv = dots8(dor, &vals);
                     for jj in 0..m {
                         let p = (qk[jj] * c.scale - lse).exp();
-                        let ds = p * (dpv[jj] - delta);
+                        let ds = c.operand(p * (dpv[jj] - delta));
+                        let p = c.operand(p);
                         for (a, &x) in dqr.iter_mut().zip(keys[jj]) {
                             *a = ds.mul_add(x, *a);
                         }
@@ -567,6 +584,21 @@ struct BwdCtx<'a> {
     lse: &'a [f32],
     dout: &'a [f32],
     delta: &'a [f32],
+    /// The tile order's rounding: P and dS to bf16 before they multiply dO, K and Q (the
+    /// operands of the v2 kernels' mma.sync).
+    round_bf16: bool,
+}
+
+impl BwdCtx<'_> {
+    /// The operand value of a P or dS: itself, or rounded to bf16 in the tile order.
+    #[inline(always)]
+    fn operand(&self, x: f32) -> f32 {
+        if self.round_bf16 {
+            attention_tile::round_bf16(x)
+        } else {
+            x
+        }
+    }
 }
 
 fma_dispatch! {
@@ -592,7 +624,7 @@ fn dq_row_body(c: &BwdCtx<'_>, r: usize, dqr: &mut [f32]) {
         let kr = &c.k[row..row + d];
         let p = (dot_fma(qr, kr) * c.scale - c.lse[r]).exp();
         let dp = dot_fma(dor, &c.v[row..row + d]);
-        let ds = p * (dp - c.delta[r]);
+        let ds = c.operand(p * (dp - c.delta[r]));
         for (a, &x) in dqr.iter_mut().zip(kr) {
             *a = ds.mul_add(x, *a);
         }
@@ -621,7 +653,8 @@ fn dkdv_row_body(c: &BwdCtx<'_>, r: usize, dkr: &mut [f32], dvr: &mut [f32]) {
             let dor = &c.dout[qi * d..(qi + 1) * d];
             let p = (dot_fma(kr, qr) * c.scale - c.lse[qi]).exp();
             let dp = dot_fma(vr, dor);
-            let ds = p * (dp - c.delta[qi]);
+            let ds = c.operand(p * (dp - c.delta[qi]));
+            let p = c.operand(p);
             for ((a, b), (&x, &y)) in dvr.iter_mut().zip(dkr.iter_mut()).zip(dor.iter().zip(qr)) {
                 *a = p.mul_add(x, *a);
                 *b = ds.mul_add(y, *b);
@@ -733,9 +766,34 @@ pub fn attention_forward(
     causal: bool,
     scale: Option<f32>,
 ) -> Result<AttentionOutput> {
+    attention_forward_on(
+        attention_tile::attention_path()?,
+        backend,
+        q,
+        k,
+        v,
+        cu_seqlens,
+        causal,
+        scale,
+    )
+}
+
+/// [`attention_forward`] on an explicit attention path (v1 or v2) instead of the process's.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_forward_on(
+    path: attention_tile::AttentionPath,
+    backend: &Backend,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cu_seqlens: &Tensor,
+    causal: bool,
+    scale: Option<f32>,
+) -> Result<AttentionOutput> {
     let dims = validate_inputs(q, k, v, cu_seqlens)?;
     let scale = resolve_scale(scale, dims.d)?;
     let AttnDims { t, h, hkv, d } = dims;
+    let order = RowOrder::of(path, q.dtype(), d);
     match backend {
         Backend::Cpu => {
             let mut out = vec![0.0f32; t * h * d];
@@ -748,6 +806,7 @@ pub fn attention_forward(
                 dims,
                 causal,
                 scale,
+                order,
                 &mut out,
                 &mut lse,
             )?;
@@ -759,7 +818,21 @@ pub fn attention_forward(
         _ => {
             let out = Tensor::poisoned(backend, &[t, h, d], DType::F32)?;
             let lse = Tensor::poisoned(backend, &[t, h], DType::F32)?;
-            if t > 0 {
+            if t > 0 && order == RowOrder::Tiles {
+                // Every (query tile, head) block writes its rows' out and lse once.
+                attention_tile::launch_forward(
+                    backend,
+                    q,
+                    k,
+                    v,
+                    cu_seqlens,
+                    (t, h, hkv, d),
+                    causal,
+                    scale,
+                    &out,
+                    &lse,
+                )?;
+            } else if t > 0 {
                 let b = cu_seqlens.numel() - 1;
                 let name =
                     kernel_name(q.dtype(), "attention_forward_f32", "attention_forward_bf16");
@@ -824,6 +897,38 @@ pub fn attention_backward_saved(
     causal: bool,
     scale: Option<f32>,
 ) -> Result<AttentionGrads> {
+    attention_backward_saved_on(
+        attention_tile::attention_path()?,
+        backend,
+        q,
+        k,
+        v,
+        cu_seqlens,
+        out,
+        lse,
+        dout,
+        causal,
+        scale,
+    )
+}
+
+/// [`attention_backward_saved`] on an explicit attention path (v1 or v2) instead of the
+/// process's. BF16 inputs with a BF16 dout take v2's kernels on the tile path; an F32 dout takes
+/// v1 on widened copies (the tile kernels' operands are bf16).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_saved_on(
+    path: attention_tile::AttentionPath,
+    backend: &Backend,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cu_seqlens: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    causal: bool,
+    scale: Option<f32>,
+) -> Result<AttentionGrads> {
     let dims = validate_inputs(q, k, v, cu_seqlens)?;
     let scale = resolve_scale(scale, dims.d)?;
     let AttnDims { t, h, hkv, d } = dims;
@@ -836,7 +941,8 @@ pub fn attention_backward_saved(
         // so running the f32 kernels on widened copies gives the same bits a mixed kernel would
         // (at the cost of the copies).
         let widen = |t: &Tensor| t.cast(backend, DType::F32);
-        return attention_backward_saved(
+        return attention_backward_saved_on(
+            path,
             backend,
             &widen(q)?,
             &widen(k)?,
@@ -868,6 +974,8 @@ pub fn attention_backward_saved(
         ));
     }
     lse.expect_dtype("lse", DType::F32)?;
+    // The order of the backward: the tiles' only when every operand is bf16.
+    let order = RowOrder::of(path, dout.dtype(), d).min_with(RowOrder::of(path, q.dtype(), d));
     match backend {
         Backend::Cpu => {
             let mut dq = vec![0.0f32; t * h * d];
@@ -881,6 +989,7 @@ pub fn attention_backward_saved(
                 dims,
                 causal,
                 scale,
+                order,
                 &out.to_vec::<f32>()?,
                 &lse.to_vec::<f32>()?,
                 &dout.f32_data()?,
@@ -899,6 +1008,18 @@ pub fn attention_backward_saved(
             let dk = Tensor::poisoned(backend, &[t, hkv, d], DType::F32)?;
             let dv = Tensor::poisoned(backend, &[t, hkv, d], DType::F32)?;
             if t == 0 {
+                return Ok(AttentionGrads { dq, dk, dv });
+            }
+            if order == RowOrder::Tiles {
+                // delta and lse head-major, then the two passes, each output row written once.
+                attention_tile::launch_backward(
+                    backend,
+                    [q, k, v, cu_seqlens, dout, out, lse],
+                    (t, h, hkv, d),
+                    causal,
+                    scale,
+                    [&dq, &dk, &dv],
+                )?;
                 return Ok(AttentionGrads { dq, dk, dv });
             }
             let delta = Tensor::poisoned(backend, &[t, h], DType::F32)?;
@@ -1129,9 +1250,10 @@ mod backward_paths {
     #[test]
     fn by_sequence_equals_by_row_bit_for_bit() {
         let mut rng = Rng::new(5);
-        for (causal, cu) in [
-            (true, vec![0i32, 1, 18, 18, 45, 46]),
-            (false, vec![0, 17, 20, 53]),
+        for (causal, cu, round_bf16) in [
+            (true, vec![0i32, 1, 18, 18, 45, 46], false),
+            (false, vec![0, 17, 20, 53], false),
+            (true, vec![0i32, 1, 18, 18, 45, 46], true),
         ] {
             let t = *cu.last().unwrap() as usize;
             let dims = AttnDims {
@@ -1148,8 +1270,19 @@ mod backward_paths {
             );
             let dout = rng.normal_vec(nq, 1.0);
             let (mut out, mut lse) = (vec![f32::NAN; nq], vec![f32::NAN; t * 4]);
-            attention_forward_reference(&q, &k, &v, &cu, dims, causal, 0.3, &mut out, &mut lse)
-                .unwrap();
+            attention_forward_reference(
+                &q,
+                &k,
+                &v,
+                &cu,
+                dims,
+                causal,
+                0.3,
+                RowOrder::Chunks,
+                &mut out,
+                &mut lse,
+            )
+            .unwrap();
             let delta: Vec<f32> = (0..t * 4)
                 .map(|r| dot_fma(&dout[r * 17..(r + 1) * 17], &out[r * 17..(r + 1) * 17]))
                 .collect();
@@ -1164,6 +1297,7 @@ mod backward_paths {
                 lse: &lse,
                 dout: &dout,
                 delta: &delta,
+                round_bf16,
             };
             let mut a = (vec![f32::NAN; nq], vec![f32::NAN; nk], vec![f32::NAN; nk]);
             let mut b = (vec![f32::NAN; nq], vec![f32::NAN; nk], vec![f32::NAN; nk]);
@@ -1177,7 +1311,7 @@ mod backward_paths {
                     .all(|(p, q)| p.to_bits() == q.to_bits());
                 assert!(
                     same,
-                    "{name} differs between the two paths (causal {causal})"
+                    "{name} differs between the two paths (causal {causal}, round {round_bf16})"
                 );
             }
         }

@@ -17,6 +17,7 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
 use crate::ops::attention::{attend_row, resolve_scale, scale_param, MAX_HEAD_DIM, SCALE_DEFAULT};
+use crate::ops::attention_tile::{self, AttentionPath, PagedArgs, RowOrder};
 use crate::par;
 use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
 use crate::tensor::Tensor;
@@ -87,6 +88,7 @@ pub fn paged_attention_reference(
     context_lens: &[i32],
     dims: PagedDims,
     scale: f32,
+    order: RowOrder,
     out: &mut [f32],
 ) -> Result<()> {
     let PagedDims {
@@ -132,6 +134,7 @@ pub fn paged_attention_reference(
         let g = head / group;
         let table = &block_table[s * mb..(s + 1) * mb];
         attend_row(
+            order,
             &q[r * d..(r + 1) * d],
             context_lens[s] as usize,
             scale,
@@ -464,6 +467,30 @@ pub fn paged_attention(
     context_lens: &Tensor,
     scale: Option<f32>,
 ) -> Result<Tensor> {
+    paged_attention_on(
+        attention_tile::attention_path()?,
+        backend,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        context_lens,
+        scale,
+    )
+}
+
+/// [`paged_attention`] on an explicit attention path (v1 or v2) instead of the process's.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention_on(
+    path: AttentionPath,
+    backend: &Backend,
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    block_table: &Tensor,
+    context_lens: &Tensor,
+    scale: Option<f32>,
+) -> Result<Tensor> {
     let dims = validate_inputs(q, k_cache, v_cache, block_table, context_lens)?;
     let PagedDims {
         b,
@@ -475,6 +502,7 @@ pub fn paged_attention(
         ..
     } = dims;
     let scale = resolve_scale(scale, d)?;
+    let order = RowOrder::of(path, q.dtype(), d);
     match backend {
         Backend::Cpu => {
             let mut out = vec![0.0f32; b * h * d];
@@ -489,13 +517,34 @@ pub fn paged_attention(
                 &ctx,
                 c.dims,
                 scale,
+                order,
                 &mut out,
             )?;
             Tensor::from_slice(backend, &[b, h, d], &out)
         }
         _ => {
             let out = Tensor::poisoned(backend, &[b, h, d], DType::F32)?;
-            if b > 0 {
+            if b > 0 && order == RowOrder::Tiles {
+                if b > i32::MAX as usize || hkv > 65535 {
+                    return Err(Error::shape(
+                        "q",
+                        "[B,H,D] with B < 2^31, Hkv <= 65535",
+                        q.shape(),
+                    ));
+                }
+                // One warp per (sequence, kv head, 16 query heads) writes its rows once; every
+                // cache slot it reads was checked against the cache's size above.
+                let c = PagedArgs {
+                    k_cache,
+                    v_cache,
+                    block_table,
+                    context_lens,
+                    hkv,
+                    bs,
+                    mb,
+                };
+                attention_tile::launch_decode(backend, q, &c, (b, h, d), scale, &out)?;
+            } else if b > 0 {
                 let name = if q.dtype() == DType::BF16 {
                     "paged_attention_decode_bf16"
                 } else {
@@ -615,6 +664,7 @@ pub fn paged_prefill_reference(
     context_lens: &[i32],
     dims: PagedDims,
     scale: f32,
+    order: RowOrder,
     out: &mut [f32],
 ) -> Result<()> {
     let PagedDims {
@@ -666,6 +716,7 @@ pub fn paged_prefill_reference(
         #[cfg(feature = "planted-faults")]
         let scale = crate::planted::prefill_scale(scale, context_lens[s] as usize - n_new);
         attend_row(
+            order,
             &q[r * d..(r + 1) * d],
             n_keys,
             scale,
@@ -696,6 +747,32 @@ pub fn paged_prefill(
     context_lens: &Tensor,
     scale: Option<f32>,
 ) -> Result<Tensor> {
+    paged_prefill_on(
+        attention_tile::attention_path()?,
+        backend,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        cu_seqlens,
+        context_lens,
+        scale,
+    )
+}
+
+/// [`paged_prefill`] on an explicit attention path (v1 or v2) instead of the process's.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_prefill_on(
+    path: AttentionPath,
+    backend: &Backend,
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    block_table: &Tensor,
+    cu_seqlens: &Tensor,
+    context_lens: &Tensor,
+    scale: Option<f32>,
+) -> Result<Tensor> {
     q.expect_rank("q", 3, "[T,H,D]")?;
     cu_seqlens.expect_rank("cu_seqlens", 1, "[B+1]")?;
     cu_seqlens.expect_dtype("cu_seqlens", DType::I32)?;
@@ -714,6 +791,7 @@ pub fn paged_prefill(
     check_prefill_lens(&cu, &ctx)?;
     let scale = resolve_scale(scale, d)?;
     let PagedDims { hkv, bs, mb, .. } = dims;
+    let order = RowOrder::of(path, q.dtype(), d);
     match backend {
         Backend::Cpu => {
             let mut out = vec![0.0f32; t * h * d];
@@ -728,13 +806,27 @@ pub fn paged_prefill(
                 &ctx,
                 c.dims,
                 scale,
+                order,
                 &mut out,
             )?;
             Tensor::from_slice(backend, &[t, h, d], &out)
         }
         _ => {
             let out = Tensor::poisoned(backend, &[t, h, d], DType::F32)?;
-            if t > 0 {
+            if t > 0 && order == RowOrder::Tiles {
+                // One block per (128-position tile of a sequence, head) writes its new tokens'
+                // rows once; every slot it reads is below context_lens[b] (checked above).
+                let c = PagedArgs {
+                    k_cache,
+                    v_cache,
+                    block_table,
+                    context_lens,
+                    hkv,
+                    bs,
+                    mb,
+                };
+                attention_tile::launch_prefill(backend, q, &c, cu_seqlens, (t, h, d), scale, &out)?;
+            } else if t > 0 {
                 let name = if q.dtype() == DType::BF16 {
                     "paged_attention_prefill_bf16"
                 } else {
