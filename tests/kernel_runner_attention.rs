@@ -3,8 +3,8 @@
 
 mod support;
 
-use sluice_kernels::testing::{rel_norm, Rng, F32_TOL};
-use sluice_kernels::{Backend, Device, Tensor};
+use sluice_kernels::testing::{rel_norm, Rng, BF16_TOL, F32_TOL};
+use sluice_kernels::{Backend, DType, Device, Tensor};
 use sluice_trainer::kernel_cmd::run_kernel;
 use std::path::{Path, PathBuf};
 use support::{read_f32, scratch_dir, write_tensors};
@@ -84,12 +84,21 @@ fn naive(x: &Inputs, causal: bool, scale: f64) -> [Vec<f64>; 4] {
 }
 
 fn write_inputs(path: &Path, x: &Inputs, with_dout: bool, meta: &[(&str, &str)]) {
+    write_inputs_as(path, x, with_dout, meta, DType::F32);
+}
+
+/// `write_inputs` with q, k, v and dout stored as `dtype`.
+fn write_inputs_as(path: &Path, x: &Inputs, with_dout: bool, meta: &[(&str, &str)], dtype: DType) {
     let cpu = Backend::Cpu;
-    let q = Tensor::from_slice(&cpu, &[T, H, D], &x.q).unwrap();
-    let k = Tensor::from_slice(&cpu, &[T, HKV, D], &x.k).unwrap();
-    let v = Tensor::from_slice(&cpu, &[T, HKV, D], &x.v).unwrap();
+    let t = |shape: &[usize], data: &[f32]| {
+        let t = Tensor::from_slice(&cpu, shape, data).unwrap();
+        t.cast(&cpu, dtype).unwrap()
+    };
+    let q = t(&[T, H, D], &x.q);
+    let k = t(&[T, HKV, D], &x.k);
+    let v = t(&[T, HKV, D], &x.v);
     let cu = Tensor::from_slice(&cpu, &[4], &x.cu).unwrap();
-    let dout = Tensor::from_slice(&cpu, &[T, H, D], &x.dout).unwrap();
+    let dout = t(&[T, H, D], &x.dout);
     let mut named = vec![("q", &q), ("k", &k), ("v", &v), ("cu_seqlens", &cu)];
     if with_dout {
         named.push(("dout", &dout));
@@ -193,6 +202,57 @@ fn emu_row_matches_cpu_row() {
             rel_norm(&read_f32(&out_emu, name), &want) <= F32_TOL,
             "{name}"
         );
+    }
+}
+
+/// bf16 inputs take the tensor-core tile kernels on emu and their cpu twin on cpu: the runner's
+/// rows agree bit for bit, and both are within bf16 tolerance of the f64 computation on the
+/// rounded inputs (forward and backward).
+#[test]
+fn bf16_rows_take_the_tile_path_with_the_same_bits_on_cpu_and_emu() {
+    let mut x = inputs();
+    for data in [&mut x.q, &mut x.k, &mut x.v, &mut x.dout] {
+        for a in data.iter_mut() {
+            *a = half::bf16::from_f32(*a).to_f32();
+        }
+    }
+    let want = naive(&x, true, 1.0 / (D as f64).sqrt());
+    for (op, names) in [
+        ("attention_forward", &["out"][..]),
+        ("attention_backward", &["dq", "dk", "dv"][..]),
+    ] {
+        let inp = tmp(&format!("{op}_bf16_in.safetensors"));
+        write_inputs_as(&inp, &x, op == "attention_backward", &[], DType::BF16);
+        let out_cpu = tmp(&format!("{op}_bf16_cpu.safetensors"));
+        let out_emu = tmp(&format!("{op}_bf16_emu.safetensors"));
+        run_kernel(op, &inp, &out_cpu, Device::Cpu).unwrap();
+        run_kernel(op, &inp, &out_emu, Device::Emu).unwrap();
+        for name in names {
+            let (cpu, emu) = (read_f32(&out_cpu, name), read_f32(&out_emu, name));
+            assert_eq!(
+                cpu.len(),
+                T * if *name == "dk" || *name == "dv" {
+                    HKV
+                } else {
+                    H
+                } * D
+            );
+            let same = cpu
+                .iter()
+                .zip(&emu)
+                .filter(|(a, b)| a.to_bits() == b.to_bits());
+            assert_eq!(
+                same.count(),
+                cpu.len(),
+                "{op} {name}: cpu and emu bits differ"
+            );
+            let i = ["out", "dq", "dk", "dv"]
+                .iter()
+                .position(|n| n == name)
+                .unwrap();
+            let err = rel_norm(&cpu, &want[i]);
+            assert!(err <= BF16_TOL, "{op} {name}: {err}");
+        }
     }
 }
 

@@ -169,14 +169,14 @@ __device__ __forceinline__ void store_rows(const float (&acc)[DP / 8][4], float*
     for (int h = 0; h < 2; ++h) {
         const long long off = row_off(g + 8 * h);
         if (off < 0) continue;
+        float* row = dst + off;
+        const bool pair = pairs_aligned(row, D);
 #pragma unroll
-        for (int n = 0; n < DP / 8; ++n)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int d = 8 * n + 2 * t + c;
-                const float x = acc[n][2 * h + c];
-                if (d < D) dst[off + d] = scaled ? mul_rn(x, scale) : x;
-            }
+        for (int n = 0; n < DP / 8; ++n) {
+            const float x0 = acc[n][2 * h], x1 = acc[n][2 * h + 1];
+            store_pair(row, 8 * n + 2 * t, D, scaled ? mul_rn(x0, scale) : x0,
+                       scaled ? mul_rn(x1, scale) : x1, pair);
+        }
     }
 }
 

@@ -240,20 +240,34 @@ __device__ __forceinline__ void tile_step(WarpRows<MT, DP>& st, const __nv_bfloa
     }
 }
 
+// A lane of an mma accumulator holds two adjacent columns (2t, 2t + 1) of a row: one 8-byte
+// store where D is even and the row 8-byte aligned (a quad then fills a 32-byte sector), else
+// two 4-byte stores; columns >= D are not written.
+__device__ __forceinline__ bool pairs_aligned(const float* row, int D) {
+    return D % 2 == 0 && (reinterpret_cast<uintptr_t>(row) & 7) == 0;
+}
+
+__device__ __forceinline__ void store_pair(float* row, int d, int D, float x0, float x1,
+                                           bool pair) {
+    if (pair) {
+        if (d < D) *reinterpret_cast<float2*>(row + d) = make_float2(x0, x1);
+    } else {
+        if (d < D) row[d] = x0;
+        if (d + 1 < D) row[d + 1] = x1;
+    }
+}
+
 // Writes the lane's part of row (mt, h): out[8n + 2t + c] = O / l for columns < D (out_row may
 // be nullptr: a padding row), and returns lse = m + log(l).
 template <int MT, int DP>
 __device__ __forceinline__ float row_finish(const WarpRows<MT, DP>& st, int mt, int h,
                                             float* out_row, int D, int lane) {
-    const int t = lane % 4;
     if (out_row != nullptr) {
+        const bool pair = pairs_aligned(out_row, D);
 #pragma unroll
         for (int n = 0; n < DP / 8; ++n)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int d = 8 * n + 2 * t + c;
-                if (d < D) out_row[d] = st.o[mt][n][2 * h + c] / st.l[mt][h];
-            }
+            store_pair(out_row, 8 * n + 2 * (lane % 4), D, st.o[mt][n][2 * h] / st.l[mt][h],
+                       st.o[mt][n][2 * h + 1] / st.l[mt][h], pair);
     }
     return st.m[mt][h] + logf(st.l[mt][h]);
 }

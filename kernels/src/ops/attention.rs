@@ -1181,7 +1181,7 @@ fn run_backward(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
 /// `sluice kernel attention_forward`.
 pub static FORWARD_SPEC: OpSpec = OpSpec {
     name: "attention_forward",
-    summary: "varlen causal/GQA attention forward in fixed 32-key chunks (out F32; BF16 inputs accumulate in f32)",
+    summary: "varlen causal/GQA attention forward over 32-key tiles: BF16 on tensor cores (128-query tiles, f32 accumulation), F32 on the SIMT path (SLUICE_ATTENTION=simt puts BF16 there too); out F32",
     inputs: FWD_INPUTS,
     params: PARAMS,
     outputs: &[TensorSpec { name: "out", shape: "[T,H,D]", dtypes: "F32" }],
@@ -1191,7 +1191,7 @@ pub static FORWARD_SPEC: OpSpec = OpSpec {
 /// `sluice kernel attention_backward`.
 pub static BACKWARD_SPEC: OpSpec = OpSpec {
     name: "attention_backward",
-    summary: "attention backward: recomputes the forward, then dq, dk, dv without atomics (F32)",
+    summary: "attention backward: recomputes the forward, then dq, dk, dv without atomics (BF16 on tensor-core tiles, F32 on the SIMT path; outputs F32)",
     inputs: &[
         TensorSpec {
             name: "q",

@@ -874,7 +874,7 @@ fn run_paged(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
 /// `sluice kernel paged_attention`.
 pub static SPEC: OpSpec = OpSpec {
     name: "paged_attention",
-    summary: "decode attention, one query per sequence over its paged KV cache; the training forward's 32-key chunks, so bit-identical to it (out F32)",
+    summary: "decode attention, one query per sequence over its paged KV cache; the training forward's 32-key tiles counted from the sequence start (BF16: the same tensor-core tile routine), so bit-identical to it (out F32)",
     inputs: &[
         TensorSpec { name: "q", shape: "[B,H,D]", dtypes: "F32|BF16" },
         TensorSpec { name: "k_cache", shape: "[NB,BS,Hkv,D]", dtypes: "F32|BF16 (the dtype of q)" },
