@@ -222,7 +222,7 @@ fn attend_row_body<'a, F: Fn(usize) -> (&'a [f32], &'a [f32])>(
     out: &mut [f32],
 ) -> f32 {
     if order == RowOrder::Tiles {
-        return attend_row_tiles(q, n_keys, scale, kv, out, |q, keys| dots8(q, keys));
+        return attend_row_tiles(q, n_keys, scale, kv, out, dots8);
     }
     if n_keys == 0 {
         out.fill(0.0);
