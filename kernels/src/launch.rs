@@ -151,6 +151,7 @@ impl Backend {
     pub fn launch(&self, launch: &Launch<'_>) -> Result<()> {
         let device = self.device().to_string();
         launch.validate(&device)?;
+        crate::counters::launch();
         let mut slots = launch.resolve(self)?;
         // The cuLaunchKernel convention: params[i] points at the i-th argument's value.
         let mut params: Vec<*mut c_void> = slots

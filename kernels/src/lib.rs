@@ -7,6 +7,7 @@
 
 pub mod bench;
 pub mod bench_cases;
+pub mod counters;
 pub mod cuda;
 pub mod device;
 pub mod dtype;
