@@ -197,3 +197,24 @@ fn bench_profile_adds_counters_and_the_bound_on_emu() {
     assert!(err.to_string().contains("--device emu"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `--op` takes a comma-separated list: a case runs if its op contains any of the names.
+#[test]
+fn a_list_of_ops_selects_each() {
+    let dir = scratch("list");
+    let jsonl = dir.join("rows.jsonl");
+    run_bench(&opts(
+        Device::Cpu,
+        Some("topk, rmsnorm"),
+        Preset::Tiny,
+        &jsonl,
+    ))
+    .unwrap();
+    let ops: Vec<String> = read_rows(&jsonl)
+        .unwrap()
+        .iter()
+        .map(|r| r.op().to_string())
+        .collect();
+    assert_eq!(ops, ["topk", "rmsnorm"]);
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 /// Options of one `sluice bench` run.
 pub struct BenchOptions<'a> {
     pub device: Device,
-    /// Only ops whose name contains this.
+    /// Only ops whose name contains one of these (comma-separated).
     pub filter: Option<&'a str>,
     pub preset: Preset,
     pub timing: TimingConfig,
@@ -96,9 +96,19 @@ pub fn run_bench(opts: &BenchOptions<'_>) -> Result<BenchOutcome> {
             "--profile needs --device emu (the profiler is the emulator's)".into(),
         ));
     }
+    // A comma-separated list: a case runs if its op contains any of the names.
+    let wanted: Vec<&str> = opts
+        .filter
+        .map(|f| {
+            f.split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .collect()
+        })
+        .unwrap_or_default();
     let cases: Vec<_> = cases(opts.preset)?
         .into_iter()
-        .filter(|c| opts.filter.is_none_or(|f| c.op.contains(f)))
+        .filter(|c| wanted.is_empty() || wanted.iter().any(|w| c.op.contains(w)))
         .collect();
     if cases.is_empty() {
         return Err(Error::Invalid(format!(
@@ -134,7 +144,13 @@ pub fn run_bench(opts: &BenchOptions<'_>) -> Result<BenchOutcome> {
         // After the row is on disk: a reader of stderr may rely on the row being in the file.
         eprintln!("row {} written: {} {}", i + 1, case.op, case.shape);
         if opts.profile {
-            profiles.push(profile_case(case, &backend)?);
+            // One entry per row, None where the row was skipped (it has nothing to profile).
+            let skipped = case.cuda_only && backend.cuda().is_none();
+            profiles.push(if skipped {
+                None
+            } else {
+                Some(profile_case(case, &backend)?)
+            });
         }
     }
     let rows = read_rows(&jsonl)?;
@@ -154,7 +170,9 @@ pub fn run_bench(opts: &BenchOptions<'_>) -> Result<BenchOutcome> {
     if let Some(p) = opts.json {
         let mut arr: Vec<serde_json::Value> = rows.into_iter().map(|r: Row| r.0).collect();
         for (row, profile) in arr.iter_mut().zip(&profiles) {
-            row["profile"] = report::to_json(profile);
+            if let Some(profile) = profile {
+                row["profile"] = report::to_json(profile);
+            }
         }
         std::fs::write(p, serde_json::to_string_pretty(&arr).unwrap_or_default())
             .map_err(|e| io(p, e))?;
@@ -261,13 +279,13 @@ fn profile_case(case: &BenchCase, backend: &Backend) -> Result<OpProfile> {
 }
 
 /// The profiler's columns: counts per case and the H200 bound (a model).
-fn profile_table(profiles: &[OpProfile]) -> String {
+fn profile_table(profiles: &[Option<OpProfile>]) -> String {
     let mut out = String::from(
         "\nProfile (emulator counts; the bound is a model: docs/emulator.md, \"Profiling\"):\n\n\
          | op | shape | launches | global sectors / ideal | shared wavefronts / ideal | tensor share | H200 bound | bound by |\n\
          |---|---|---|---|---|---|---|---|\n",
     );
-    for p in profiles {
+    for p in profiles.iter().flatten() {
         let t = report::op_totals(p);
         let sectors = t.get("global_load_sectors") + t.get("global_store_sectors");
         let ideal = t.get("global_load_ideal_sectors") + t.get("global_store_ideal_sectors");

@@ -41,7 +41,7 @@ enum Command {
         /// cpu, emu, cuda or cuda:N.
         #[arg(long, default_value = "cpu")]
         device: String,
-        /// Only ops whose name contains this.
+        /// Only ops whose name contains one of these (comma-separated).
         #[arg(long)]
         op: Option<String>,
         /// doc (the doc shapes; the default on cuda), quick (the default elsewhere) or tiny

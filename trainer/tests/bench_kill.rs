@@ -65,3 +65,24 @@ fn a_killed_bench_keeps_every_finished_row() {
     assert!(report.contains(&format!("{} rows", rows.len())), "{report}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Bad settings are errors that name the setting, exit 2, before anything runs.
+#[test]
+fn bad_bench_input_exits_2_naming_it() {
+    for (args, names) in [
+        (&["--preset", "huge"][..], "huge"),
+        (&["--samples", "0"][..], "--samples"),
+        (&["--warmup", "0"][..], "--warmup"),
+        (&["--full", "--preset", "tiny"][..], "--full"),
+        (&["--device", "gpu"][..], "gpu"),
+    ] {
+        let out = std::process::Command::new(BIN)
+            .arg("bench")
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(names), "{args:?}: {err}");
+    }
+}
