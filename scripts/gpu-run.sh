@@ -87,14 +87,14 @@ write_summary() {
     local result="$1"
     {
         echo "==== sluice GPU check summary: $MODE, $(($(date +%s) - T0)) s of ${BUDGET} s; files in $OUT ===="
-        printf '%-12s %-8s %6s  %s\n' phase result time detail
+        printf '%-13s %-8s %6s  %s\n' phase result time detail
         printf '%s\n' "${PHASE_ROWS[@]}"
         echo "RESULT: $result"
     } >"$SUMMARY"
 }
 # phase_row PHASE RESULT SECONDS DETAIL (RESULT: PASS, FAIL, TIMEOUT or SKIPPED)
 phase_row() {
-    PHASE_ROWS+=("$(printf '%-12s %-8s %5ss  %s' "$1" "$2" "$3" "$4")")
+    PHASE_ROWS+=("$(printf '%-13s %-8s %5ss  %s' "$1" "$2" "$3" "$4")")
     [[ "$2" == FAIL || "$2" == TIMEOUT ]] && FAILED=1
     echo ">>> $1: $2 ($3 s) $4" | tee -a "$LOG"
     write_summary "(running)"
@@ -375,7 +375,7 @@ fi
 # ---- sanitizer: memcheck and racecheck over the ops at tiny shapes ----
 # The named ops of the tiny preset (not the model steps: hundreds of launches each), one
 # timed run each: every kernel at small shapes, so the tools' 10-1000x slowdown fits.
-SANITIZE_OPS="gemm,topk,is_gate_loss,sample,newton_schulz,moe,attention,rmsnorm,softmax,transpose,adamw"
+SANITIZE_OPS="gemm,topk,is_gate_loss,sample,newton_schulz,moe,attention,rmsnorm,softmax,transpose,adamw,swiglu,rope,embedding"
 start=$(date +%s)
 section sanitizer
 SAN=""

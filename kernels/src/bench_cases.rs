@@ -14,6 +14,8 @@ use crate::ops::newton_schulz::NsPrecision;
 use crate::tensor::Tensor;
 use crate::testing::Rng;
 
+mod layer;
+
 /// Inputs for timing: uniform in [-4, 4), from a hash of the index (fast and parallel even for
 /// the 1.25e9 logits of the is_gate_loss target; the distribution does not matter for a timing).
 /// Element i depends on `seed` and i alone, so a tensor's first rows are the same whatever its
@@ -574,6 +576,33 @@ pub fn all_cases(preset: Preset) -> Vec<BenchCase> {
             adamw_case(1 << 28),
         ],
     };
+    // The layer's supporting ops, forward and backward.
+    cases.extend(match preset {
+        Preset::Tiny => layer::layer_cases(
+            (32, 64),
+            (32, 64),
+            (16, 2, 32),
+            (16, 64, 32),
+            (16, 128),
+            DType::F32,
+        ),
+        Preset::Quick => layer::layer_cases(
+            (1024, 1024),
+            (2048, 512),
+            (512, 8, 64),
+            (1024, 4096, 256),
+            (256, 4096),
+            DType::F32,
+        ),
+        Preset::Doc => layer::layer_cases(
+            (16384, 2048),
+            (131072, 1024),
+            (32768, 32, 128),
+            (16384, 152064, 2048),
+            (8192, 8192),
+            DType::BF16,
+        ),
+    });
     // The ceilings first: a run cut short still has what its rows are measured against.
     let (copy_bytes, gemm) = match preset {
         Preset::Doc => (1 << 30, (8192, 8192, 8192)),

@@ -16,6 +16,7 @@ pub mod error;
 pub mod io;
 pub mod kernel_table;
 pub mod launch;
+pub mod nvtx;
 pub mod ops;
 pub mod par;
 #[cfg(feature = "planted-faults")]

@@ -67,6 +67,13 @@ PEERS = {
     "softmax": ("torch.softmax", ["T", "n"]),
     "transpose": ("x.t().contiguous()", ["R", "C"]),
     "adamw": ("torch.optim.AdamW(fused=True).step", ["N"]),
+    "rmsnorm_backward": ("F.rms_norm backward (autograd; forward included)", ["T", "d"]),
+    "swiglu": ("F.silu(a) * b", ["T", "f"]),
+    "swiglu_backward": ("F.silu(a) * b backward (autograd; forward included)", ["T", "f"]),
+    "rope": ("RoPE rotating interleaved pairs, cos/sin tables made beforehand", ["T", "H", "D"]),
+    "embedding": ("F.embedding", ["T", "V", "d"]),
+    "embedding_backward": ("index_add_ into a zeroed table", ["T", "V", "d"]),
+    "softmax_backward": ("torch._softmax_backward_data", ["T", "n"]),
 }
 
 
@@ -233,6 +240,39 @@ def peers_of(torch, c):
     if op == "transpose":
         x = rnd(d["R"], d["C"])
         return [("t().contiguous()", lambda: x.t().contiguous())]
+    if op == "rmsnorm_backward":
+        x, w = rnd(d["T"], d["d"]).requires_grad_(True), rnd(d["d"]).requires_grad_(True)
+        g = rnd(d["T"], d["d"])
+        return [("rms_norm fwd+bwd", lambda: F.rms_norm(x, (d["d"],), w, 1e-6).backward(g))]
+    if op in ("swiglu", "swiglu_backward"):
+        grad = op == "swiglu_backward"
+        a, b = rnd(d["T"], d["f"]).requires_grad_(grad), rnd(d["T"], d["f"]).requires_grad_(grad)
+        if grad:
+            g = rnd(d["T"], d["f"])
+            return [("silu*mul fwd+bwd", lambda: (F.silu(a) * b).backward(g))]
+        return [("silu*mul", lambda: F.silu(a) * b)]
+    if op == "rope":
+        T, H, D = d["T"], d["H"], d["D"]
+        x = rnd(T, H, D)
+        inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, device=dev, dtype=torch.float32) / D))
+        ang = torch.arange(T, device=dev, dtype=torch.float32)[:, None] * inv[None, :]
+        cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+
+        def rope():
+            x1, x2 = x[..., ::2].float(), x[..., 1::2].float()
+            return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2)
+        return [("rotate pairs", rope)]
+    if op == "embedding":
+        table = rnd(d["V"], d["d"])
+        ids = torch.randint(0, d["V"], (d["T"],), device=dev)
+        return [("F.embedding", lambda: F.embedding(ids, table))]
+    if op == "embedding_backward":
+        dout = rnd(d["T"], d["d"])
+        ids = torch.randint(0, d["V"], (d["T"],), device=dev)
+        return [("index_add_", lambda: torch.zeros(d["V"], d["d"], device=dev).index_add_(0, ids, dout.float()))]
+    if op == "softmax_backward":
+        y, dy = torch.softmax(rnd(d["T"], d["n"]).float(), -1), rnd(d["T"], d["n"]).float()
+        return [("_softmax_backward_data", lambda: torch._softmax_backward_data(dy, y, -1, torch.float32))]
     if op == "adamw":
         p = torch.nn.Parameter(rnd(d["N"], dtype=torch.float32))
         p.grad = torch.randn_like(p)

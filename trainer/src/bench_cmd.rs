@@ -164,6 +164,14 @@ pub fn run_bench(opts: &BenchOptions<'_>) -> Result<BenchOutcome> {
         verification.as_ref(),
     );
     report.push_str(&format!("\nRows: {}\n", jsonl.display()));
+    if on_cuda {
+        report.push_str(&match sluice_kernels::nvtx::status() {
+            sluice_kernels::nvtx::Status::Active(tool) => {
+                format!("NVTX ranges (every launch, row and step stage): to {tool}\n")
+            }
+            sluice_kernels::nvtx::Status::Inactive(why) => format!("NVTX ranges: off, {why}\n"),
+        });
+    }
     if opts.profile {
         report.push_str(&profile_table(&profiles));
     }
@@ -215,7 +223,18 @@ fn run_case(
     } else {
         opts.timing.clone()
     };
-    let timed = time_case(case, backend, &timing);
+    // The row on an Nsight timeline (a no-op without a tool, and off cuda).
+    let timed = {
+        let label = format!(
+            "bench {} {} {} {}",
+            case.op,
+            case.pass.name(),
+            case.path,
+            case.shape
+        );
+        let _row = sluice_kernels::nvtx::range_on(backend, &label);
+        time_case(case, backend, &timing)
+    };
     match sampler.and_then(Sampler::finish) {
         Ok(t) => base["telemetry"] = t,
         Err(why) => base["telemetry_unavailable"] = json!(why),
