@@ -4,14 +4,17 @@
 //! Bytes and FLOPs are counted from each op's math (the minimum it must move and compute), so
 //! the report's fractions are against the true roofline, not against what a kernel happens to do.
 
-use crate::bench::{BenchCase, BenchRun};
+use crate::bench::{BenchCase, BenchRun, Pass};
 use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::ops;
+use crate::ops::gemm::GemmPath;
 use crate::ops::newton_schulz::NsPrecision;
 use crate::tensor::Tensor;
 use crate::testing::Rng;
+
+mod layer;
 
 /// Inputs for timing: uniform in [-4, 4), from a hash of the index (fast and parallel even for
 /// the 1.25e9 logits of the is_gate_loss target; the distribution does not matter for a timing).
@@ -37,9 +40,20 @@ fn dtype_name(dtype: DType) -> &'static str {
     }
 }
 
-fn gemm_case(m: usize, n: usize, k: usize, dtype: DType) -> BenchCase {
+/// C = A . B^T through `gemm_into_with_path`: the output is allocated once, before the timing.
+fn gemm_case(m: usize, n: usize, k: usize, dtype: DType, path: GemmPath) -> BenchCase {
+    let path_name = match (dtype, path) {
+        (DType::F32, _) => "f32",
+        (_, GemmPath::Mma) => "mma",
+        (_, GemmPath::Wgmma) => "wgmma",
+    };
     BenchCase {
         op: "gemm",
+        pass: Pass::Forward,
+        path: path_name,
+        // The CUDA test runs the wgmma path too where the GPU is sm_90 (kernels/tests/gemm.rs).
+        check: "gemm::cuda_matches_cpu_and_is_deterministic",
+        cuda_only: false,
         shape: format!("M={m} N={n} K={k} {}", dtype_name(dtype)),
         // read A and B once, write C (f32)
         bytes: ((m * k + n * k) * dtype.size_bytes() + m * n * 4) as f64,
@@ -47,7 +61,10 @@ fn gemm_case(m: usize, n: usize, k: usize, dtype: DType) -> BenchCase {
         prepare: Box::new(move |b| {
             let a = random(b, &[m, k], dtype, 5)?;
             let w = random(b, &[n, k], dtype, 6)?;
-            let run: BenchRun = Box::new(move |b: &Backend| ops::gemm::gemm(b, &a, &w).map(|_| ()));
+            let mut c = Tensor::zeros(b, &[m, n], DType::F32)?;
+            let run: BenchRun = Box::new(move |b: &Backend| {
+                ops::gemm::gemm_into_with_path(b, &a, &w, &mut c, path)
+            });
             Ok(run)
         }),
     }
@@ -68,6 +85,10 @@ fn attention_case(
     let pairs = batch as f64 * (len * (len + 1) / 2) as f64;
     BenchCase {
         op: "attention_forward",
+        pass: Pass::Forward,
+        path: "default",
+        check: "attention::cuda_matches_reference",
+        cuda_only: false,
         shape: format!(
             "{batch}x{len} tokens H={h} Hkv={hkv} D={d} {}",
             dtype_name(dtype)
@@ -102,6 +123,10 @@ fn paged_attention_case(
     let kv_bytes = 2 * batch * ctx * hkv * d * dtype.size_bytes();
     BenchCase {
         op: "paged_attention",
+        pass: Pass::Forward,
+        path: "default",
+        check: "paged_attention::cuda_matches_reference",
+        cuda_only: false,
         shape: format!(
             "B={batch} ctx={ctx} H={h} Hkv={hkv} D={d} {}",
             dtype_name(dtype)
@@ -129,6 +154,10 @@ fn paged_attention_case(
 fn is_gate_loss_case(n: usize, v: usize, dtype: DType) -> BenchCase {
     BenchCase {
         op: "is_gate_loss",
+        pass: Pass::Forward,
+        path: "default",
+        check: "is_gate_loss::cuda_matches_reference",
+        cuda_only: false,
         shape: format!("N={n} V={v} {}", dtype_name(dtype)),
         bytes: (3 * n * v * dtype.size_bytes() + n * 4 * 5) as f64,
         flops: (5 * n * v) as f64,
@@ -159,6 +188,10 @@ fn is_gate_loss_case(n: usize, v: usize, dtype: DType) -> BenchCase {
 fn sample_case(batch: usize, v: usize, dtype: DType) -> BenchCase {
     BenchCase {
         op: "sample",
+        pass: Pass::Forward,
+        path: "default",
+        check: "sample::cuda_matches_reference",
+        cuda_only: false,
         shape: format!("B={batch} V={v} {}", dtype_name(dtype)),
         bytes: (batch * v * dtype.size_bytes() + batch * 16) as f64,
         flops: (4 * batch * v) as f64,
@@ -182,6 +215,10 @@ fn moe_case(t: usize, d: usize, e: usize, k: usize, f: usize, dtype: DType) -> B
     let router_flops = 2.0 * t as f64 * d as f64 * e as f64;
     BenchCase {
         op: "moe_forward",
+        pass: Pass::Forward,
+        path: "default",
+        check: "moe::cuda_matches_reference",
+        cuda_only: false,
         shape: format!("T={t} d={d} E={e} k={k} f={f} {}", dtype_name(dtype)),
         bytes: ((t * d + e * d + 3 * e * f * d) * dtype.size_bytes() + t * d * 4) as f64,
         flops: expert_flops + router_flops,
@@ -214,6 +251,10 @@ fn newton_schulz_case(
     let per_step = 2.0 * (r0 * r0) as f64 * (2 * c0 + r0) as f64;
     BenchCase {
         op: "newton_schulz",
+        pass: Pass::Forward,
+        path: "default",
+        check: "newton_schulz::cuda_",
+        cuda_only: false,
         shape: format!(
             "n={n} [{r},{c}] 5 steps {} in, {} products",
             dtype_name(dtype),
@@ -234,6 +275,10 @@ fn newton_schulz_case(
 fn topk_case(t: usize, e: usize, k: usize, dtype: DType) -> BenchCase {
     BenchCase {
         op: "topk",
+        pass: Pass::Forward,
+        path: "default",
+        check: "topk::cuda_matches_cpu",
+        cuda_only: false,
         shape: format!("T={t} E={e} k={k} {}", dtype_name(dtype)),
         bytes: (t * e * dtype.size_bytes() + t * k * 8) as f64,
         flops: 0.0,
@@ -249,6 +294,10 @@ fn topk_case(t: usize, e: usize, k: usize, dtype: DType) -> BenchCase {
 fn rmsnorm_case(t: usize, d: usize, dtype: DType) -> BenchCase {
     BenchCase {
         op: "rmsnorm",
+        pass: Pass::Forward,
+        path: "default",
+        check: "rmsnorm::cuda_matches_reference",
+        cuda_only: false,
         shape: format!("T={t} d={d} {}", dtype_name(dtype)),
         // read x and w, write y (f32)
         bytes: (t * d * dtype.size_bytes() + d * dtype.size_bytes() + t * d * 4) as f64,
@@ -266,6 +315,10 @@ fn rmsnorm_case(t: usize, d: usize, dtype: DType) -> BenchCase {
 fn softmax_case(t: usize, n: usize, dtype: DType) -> BenchCase {
     BenchCase {
         op: "softmax",
+        pass: Pass::Forward,
+        path: "default",
+        check: "elementwise::cuda_matches_reference",
+        cuda_only: false,
         shape: format!("T={t} n={n} {}", dtype_name(dtype)),
         bytes: (t * n * dtype.size_bytes() + t * n * 4) as f64,
         flops: (4 * t * n) as f64,
@@ -282,6 +335,10 @@ fn softmax_case(t: usize, n: usize, dtype: DType) -> BenchCase {
 fn transpose_case(r: usize, c: usize, dtype: DType) -> BenchCase {
     BenchCase {
         op: "transpose",
+        pass: Pass::Forward,
+        path: "default",
+        check: "elementwise::transpose_cuda_matches_reference",
+        cuda_only: false,
         shape: format!("R={r} C={c} {}", dtype_name(dtype)),
         bytes: (2 * r * c * dtype.size_bytes()) as f64,
         flops: 0.0,
@@ -300,6 +357,10 @@ fn transpose_case(r: usize, c: usize, dtype: DType) -> BenchCase {
 fn adamw_case(n: usize) -> BenchCase {
     BenchCase {
         op: "adamw",
+        pass: Pass::Forward,
+        path: "default",
+        check: "optim::cuda_matches_reference",
+        cuda_only: false,
         shape: format!("N={n} f32"),
         bytes: (28 * n) as f64,
         flops: (16 * n) as f64,
@@ -334,30 +395,167 @@ fn adamw_case(n: usize) -> BenchCase {
     }
 }
 
-/// All cases; `quick` keeps to sizes that run in seconds on a CPU or the emulator.
-pub fn all_cases(quick: bool) -> Vec<BenchCase> {
-    if quick {
-        vec![
-            gemm_case(512, 512, 512, DType::F32),
-            gemm_case(256, 256, 256, DType::BF16),
+/// The attention backward alone, from the forward's saved `out` and `lse` (computed once in
+/// `prepare`): FLOPs 2.5x the forward's (DESIGN 9.1); bytes: q, k, v, out, dout read, dq, dk,
+/// dv written (f32 gradients).
+fn attention_backward_case(
+    batch: usize,
+    len: usize,
+    h: usize,
+    hkv: usize,
+    d: usize,
+    dtype: DType,
+) -> BenchCase {
+    let t = batch * len;
+    let pairs = batch as f64 * (len * (len + 1) / 2) as f64;
+    BenchCase {
+        op: "attention_backward",
+        pass: Pass::Backward,
+        path: "default",
+        check: "attention::cuda_matches_reference",
+        cuda_only: false,
+        shape: format!(
+            "{batch}x{len} tokens H={h} Hkv={hkv} D={d} {}",
+            dtype_name(dtype)
+        ),
+        bytes: ((t * h * d + 2 * t * hkv * d) * dtype.size_bytes()
+            + (2 * t * h * d + t * h) * 4
+            + (t * h * d + 2 * t * hkv * d) * 4) as f64,
+        flops: 2.5 * 4.0 * pairs * h as f64 * d as f64,
+        prepare: Box::new(move |b| {
+            let q = random(b, &[t, h, d], dtype, 7)?;
+            let k = random(b, &[t, hkv, d], dtype, 8)?;
+            let v = random(b, &[t, hkv, d], dtype, 9)?;
+            let dout = random(b, &[t, h, d], DType::F32, 23)?;
+            let cu: Vec<i32> = (0..=batch).map(|i| (i * len) as i32).collect();
+            let cu = Tensor::from_slice(b, &[batch + 1], &cu)?;
+            let fwd = ops::attention::attention_forward(b, &q, &k, &v, &cu, true, None)?;
+            let run: BenchRun = Box::new(move |b: &Backend| {
+                ops::attention::attention_backward_saved(
+                    b, &q, &k, &v, &cu, &fwd.out, &fwd.lse, &dout, true, None,
+                )
+                .map(|_| ())
+            });
+            Ok(run)
+        }),
+    }
+}
+
+/// The MoE layer backward. Off the CPU it recomputes the forward (ops::moe says why), so the
+/// time includes one forward; FLOPs count the backward's GEMMs (twice the forward's) plus that
+/// forward.
+fn moe_backward_case(t: usize, d: usize, e: usize, k: usize, f: usize, dtype: DType) -> BenchCase {
+    let fwd_flops = 3.0 * 2.0 * (t * k) as f64 * d as f64 * f as f64 + 2.0 * (t * d * e) as f64;
+    BenchCase {
+        op: "moe_backward",
+        pass: Pass::Backward,
+        path: "recompute",
+        check: "moe::cuda_matches_reference",
+        cuda_only: false,
+        shape: format!(
+            "T={t} d={d} E={e} k={k} f={f} {} (incl. forward)",
+            dtype_name(dtype)
+        ),
+        bytes: (2 * (t * d + e * d + 3 * e * f * d) * dtype.size_bytes()
+            + (t * d + e * d + 3 * e * f * d) * 4) as f64,
+        flops: 3.0 * fwd_flops,
+        prepare: Box::new(move |b| {
+            let x = random(b, &[t, d], dtype, 15)?;
+            let wr = random(b, &[e, d], dtype, 16)?;
+            let w1 = random(b, &[e, f, d], dtype, 17)?;
+            let w3 = random(b, &[e, f, d], dtype, 18)?;
+            let w2 = random(b, &[e, d, f], dtype, 19)?;
+            let dy = random(b, &[t, d], DType::F32, 24)?;
+            let cfg = ops::moe::MoeConfig::new(k);
+            let run: BenchRun = Box::new(move |b: &Backend| {
+                ops::moe::moe_backward(b, &x, &wr, &w1, &w3, &w2, &dy, cfg).map(|_| ())
+            });
+            Ok(run)
+        }),
+    }
+}
+
+/// Which sizes `sluice bench` times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Preset {
+    /// The doc shapes (DESIGN 9.1): what a GPU run times.
+    Doc,
+    /// Sizes that run in seconds on a CPU or the emulator (the default off a GPU).
+    Quick,
+    /// The smallest shapes that still launch every kernel path: the dry run of
+    /// scripts/gpu-check, every op in a few seconds on emu.
+    Tiny,
+}
+
+impl Preset {
+    pub fn parse(s: &str) -> crate::error::Result<Preset> {
+        match s {
+            "doc" => Ok(Preset::Doc),
+            "quick" => Ok(Preset::Quick),
+            "tiny" => Ok(Preset::Tiny),
+            other => Err(crate::error::Error::Invalid(format!(
+                "unknown bench preset `{other}`; use doc, quick or tiny"
+            ))),
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::Doc => "doc",
+            Preset::Quick => "quick",
+            Preset::Tiny => "tiny",
+        }
+    }
+}
+
+/// Every case of a preset: each op forward (and backward where it has one), both GEMM paths,
+/// and the ceilings (copy bandwidth, cuBLAS bf16 GEMM) that the report sets rows against.
+pub fn all_cases(preset: Preset) -> Vec<BenchCase> {
+    use crate::bench::ceilings::ceiling_cases;
+    use GemmPath::{Mma, Wgmma};
+    let mut cases = match preset {
+        Preset::Tiny => vec![
+            gemm_case(64, 64, 64, DType::F32, Mma),
+            gemm_case(128, 128, 64, DType::BF16, Mma),
+            gemm_case(128, 128, 64, DType::BF16, Wgmma),
+            topk_case(64, 32, 4, DType::F32),
+            is_gate_loss_case(8, 512, DType::F32),
+            sample_case(4, 512, DType::F32),
+            newton_schulz_case(2, 16, 32, DType::F32, NsPrecision::Bf16),
+            moe_case(32, 32, 4, 2, 32, DType::F32),
+            moe_backward_case(32, 32, 4, 2, 32, DType::F32),
+            attention_case(1, 32, 2, 1, 32, DType::F32),
+            attention_backward_case(1, 32, 2, 1, 32, DType::F32),
+            paged_attention_case(2, 64, 2, 1, 32, DType::F32),
+            rmsnorm_case(32, 64, DType::F32),
+            softmax_case(16, 128, DType::F32),
+            transpose_case(64, 48, DType::F32),
+            adamw_case(4096),
+        ],
+        Preset::Quick => vec![
+            gemm_case(512, 512, 512, DType::F32, Mma),
+            gemm_case(256, 256, 256, DType::BF16, Mma),
+            gemm_case(256, 256, 256, DType::BF16, Wgmma),
             topk_case(4096, 256, 8, DType::F32),
             is_gate_loss_case(256, 32768, DType::F32),
             sample_case(64, 32768, DType::F32),
             newton_schulz_case(48, 128, 512, DType::F32, NsPrecision::F32),
             newton_schulz_case(48, 128, 512, DType::F32, NsPrecision::Bf16),
             moe_case(1024, 256, 16, 2, 128, DType::F32),
+            moe_backward_case(256, 128, 8, 2, 64, DType::F32),
             attention_case(2, 128, 4, 2, 64, DType::F32),
+            attention_backward_case(2, 128, 4, 2, 64, DType::F32),
             paged_attention_case(8, 512, 8, 2, 64, DType::F32),
             rmsnorm_case(1024, 1024, DType::F32),
             softmax_case(256, 4096, DType::F32),
             transpose_case(1024, 1000, DType::F32),
             adamw_case(1 << 20),
-        ]
-    } else {
-        vec![
-            gemm_case(4096, 4096, 4096, DType::BF16),
-            gemm_case(8192, 8192, 8192, DType::BF16),
-            gemm_case(4096, 4096, 4096, DType::F32),
+        ],
+        Preset::Doc => vec![
+            gemm_case(4096, 4096, 4096, DType::BF16, Mma),
+            gemm_case(4096, 4096, 4096, DType::BF16, Wgmma),
+            gemm_case(8192, 8192, 8192, DType::BF16, Mma),
+            gemm_case(8192, 8192, 8192, DType::BF16, Wgmma),
+            gemm_case(4096, 4096, 4096, DType::F32, Mma),
             topk_case(65536, 256, 8, DType::F32),
             is_gate_loss_case(8192, 152064, DType::BF16),
             sample_case(256, 152064, DType::BF16),
@@ -366,7 +564,9 @@ pub fn all_cases(quick: bool) -> Vec<BenchCase> {
             newton_schulz_case(48, 128, 4096, DType::BF16, NsPrecision::F32),
             newton_schulz_case(64, 1024, 2048, DType::BF16, NsPrecision::F32),
             moe_case(16384, 2048, 64, 8, 1024, DType::BF16),
+            moe_backward_case(16384, 2048, 64, 8, 1024, DType::BF16),
             attention_case(8, 4096, 32, 32, 128, DType::BF16),
+            attention_backward_case(8, 4096, 32, 32, 128, DType::BF16),
             paged_attention_case(256, 4096, 32, 32, 128, DType::BF16),
             topk_case(65536, 256, 8, DType::BF16),
             rmsnorm_case(16384, 2048, DType::BF16),
@@ -374,8 +574,60 @@ pub fn all_cases(quick: bool) -> Vec<BenchCase> {
             transpose_case(16384, 2048, DType::BF16),
             transpose_case(8192, 8192, DType::F32),
             adamw_case(1 << 28),
-        ]
-    }
+        ],
+    };
+    // The layer's supporting ops, forward and backward.
+    cases.extend(match preset {
+        Preset::Tiny => layer::layer_cases(
+            (32, 64),
+            (32, 64),
+            (16, 2, 32),
+            (16, 64, 32),
+            (16, 128),
+            DType::F32,
+        ),
+        Preset::Quick => layer::layer_cases(
+            (1024, 1024),
+            (2048, 512),
+            (512, 8, 64),
+            (1024, 4096, 256),
+            (256, 4096),
+            DType::F32,
+        ),
+        Preset::Doc => layer::layer_cases(
+            (16384, 2048),
+            (131072, 1024),
+            (32768, 32, 128),
+            (16384, 152064, 2048),
+            (8192, 8192),
+            DType::BF16,
+        ),
+    });
+    // The ceilings first: a run cut short still has what its rows are measured against.
+    let (copy_bytes, gemm) = match preset {
+        Preset::Doc => (1 << 30, (8192, 8192, 8192)),
+        Preset::Quick => (64 << 20, (1024, 1024, 1024)),
+        Preset::Tiny => (1 << 20, (128, 128, 64)),
+    };
+    let mut all = ceiling_cases(copy_bytes, gemm);
+    all.append(&mut cases);
+    all
+}
+
+/// The case table as JSON (`sluice bench --list-json`): what scripts/peers/ reads, so the
+/// peers time exactly the shapes the bench times.
+pub fn cases_json(cases: &[BenchCase]) -> serde_json::Value {
+    serde_json::Value::Array(
+        cases
+            .iter()
+            .map(|c| {
+                serde_json::json!({
+                    "op": c.op, "pass": c.pass.name(), "path": c.path, "shape": c.shape,
+                    "bytes": c.bytes, "flops": c.flops,
+                })
+            })
+            .collect(),
+    )
 }
 
 #[cfg(test)]
@@ -387,8 +639,9 @@ mod tests {
     #[test]
     fn transpose_and_adamw_cases_run() {
         for case in [transpose_case(33, 17, DType::BF16), adamw_case(1000)] {
-            let r = time_case(&case, &Backend::Cpu, 0.0, 3).unwrap();
-            assert!(r.median_s > 0.0 && r.bytes > 0.0, "{}", case.op);
+            let r =
+                time_case(&case, &Backend::Cpu, &crate::bench::TimingConfig::default()).unwrap();
+            assert!(r.median_s > 0.0 && case.bytes > 0.0, "{}", case.op);
         }
         assert_eq!(
             transpose_case(33, 17, DType::BF16).bytes,

@@ -97,7 +97,10 @@ impl Backend {
     /// Waits until all work queued on the device has finished (a no-op off CUDA).
     pub fn synchronize(&self) -> Result<()> {
         match self {
-            Backend::Cuda(c) => c.synchronize(),
+            Backend::Cuda(c) => {
+                crate::counters::host_sync();
+                c.synchronize()
+            }
             _ => Ok(()),
         }
     }

@@ -7,6 +7,7 @@
 
 pub mod bench;
 pub mod bench_cases;
+pub mod counters;
 pub mod cuda;
 pub mod device;
 pub mod dtype;
@@ -15,6 +16,7 @@ pub mod error;
 pub mod io;
 pub mod kernel_table;
 pub mod launch;
+pub mod nvtx;
 pub mod ops;
 pub mod par;
 #[cfg(feature = "planted-faults")]

@@ -12,6 +12,9 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
 use std::sync::{Arc, OnceLock};
 
+mod pool;
+pub use pool::RecycleScope;
+
 /// Host bytes, viewable as the tensor's element type: 8-byte aligned words (any dtype), or an
 /// f32 vector adopted without a copy by [`Tensor::from_f32_vec`] (F32 tensors only, so every
 /// typed view of it is an `f32` view, 4-byte aligned).
@@ -140,6 +143,12 @@ pub struct Tensor {
 /// so a kernel that fails to write an output is caught by any comparison.
 pub const POISON_BYTE: u8 = 0xff;
 
+/// `v`, counted as one fresh storage allocation.
+fn counted<T>(v: T) -> T {
+    crate::counters::storage_alloc();
+    v
+}
+
 fn numel(shape: &[usize]) -> usize {
     shape.iter().product()
 }
@@ -157,6 +166,29 @@ impl Tensor {
 
     fn filled(backend: &Backend, shape: &[usize], dtype: DType, byte: u8) -> Result<Tensor> {
         let bytes = numel(shape) * dtype.size_bytes();
+        let kind = match backend {
+            Backend::Cpu => pool::Kind::Host,
+            Backend::Emu(_) => pool::Kind::Emu,
+            Backend::Cuda(c) => pool::Kind::Cuda(Arc::as_ptr(c.stream()) as usize),
+        };
+        let pooled_bytes = match backend {
+            Backend::Cuda(_) => bytes.max(1),
+            _ => bytes,
+        };
+        if let Some(storage) = pool::take(kind, pooled_bytes) {
+            let mut t = Tensor {
+                shape: shape.to_vec(),
+                dtype,
+                storage,
+                packed: OnceLock::new(),
+            };
+            // A recycled buffer is not re-poisoned (pool.rs says why); zeros stay zeros.
+            if byte != POISON_BYTE {
+                t.fill_byte(byte)?;
+            }
+            return Ok(t);
+        }
+        crate::counters::storage_alloc();
         let storage = match backend {
             Backend::Cpu => Storage::Host(HostBuffer::filled(bytes, byte)),
             Backend::Emu(_) => {
@@ -173,20 +205,9 @@ impl Tensor {
                 // SAFETY: the allocation is filled on the same stream by the memset below
                 // before anything can read it. One byte at least, so the pointer is valid.
                 let slice = unsafe { stream.alloc::<u8>(bytes.max(1)) }?;
-                {
-                    let (ptr, _sync) = slice.device_ptr(&stream);
-                    // SAFETY: `ptr` addresses `bytes.max(1)` bytes owned by `slice`, ordered
-                    // on `stream`; a device memset, so poisoning costs no host upload.
-                    unsafe {
-                        cudarc::driver::result::memset_d8_async(
-                            ptr,
-                            byte,
-                            bytes.max(1),
-                            stream.cu_stream(),
-                        )
-                    }?;
-                }
-                Storage::Cuda(slice, stream)
+                let mut storage = Storage::Cuda(slice, stream);
+                memset_cuda(&mut storage, byte)?;
+                storage
             }
         };
         Ok(Tensor {
@@ -195,6 +216,18 @@ impl Tensor {
             storage,
             packed: OnceLock::new(),
         })
+    }
+
+    /// Sets every byte to `byte` (on cuda a device memset ordered on the tensor's stream).
+    /// `sluice bench` flushes the L2 cache with it; the pool re-zeroes recycled buffers.
+    pub fn fill_byte(&mut self, byte: u8) -> Result<()> {
+        self.packed = OnceLock::new();
+        match &mut self.storage {
+            Storage::Host(h) => h.as_bytes_mut().fill(byte),
+            Storage::Emu(e) => e.as_bytes_mut().fill(byte),
+            s @ Storage::Cuda(..) => memset_cuda(s, byte)?,
+        }
+        Ok(())
     }
 
     /// Uploads raw little-endian bytes as a tensor of `dtype`.
@@ -213,6 +246,7 @@ impl Tensor {
         }
         if let Backend::Cpu = backend {
             // One copy into fresh host memory (the poison fill would be overwritten at once).
+            crate::counters::storage_alloc();
             return Ok(Tensor {
                 shape: shape.to_vec(),
                 dtype,
@@ -252,10 +286,11 @@ impl Tensor {
             )));
         }
         match backend {
+            // The CPU reference allocated `data`: counted as this tensor's allocation.
             Backend::Cpu => Ok(Tensor {
                 shape: shape.to_vec(),
                 dtype: DType::F32,
-                storage: Storage::Host(HostBuffer::F32(data)),
+                storage: Storage::Host(HostBuffer::F32(counted(data))),
                 packed: OnceLock::new(),
             }),
             _ => Self::from_slice(backend, shape, &data),
@@ -309,8 +344,12 @@ impl Tensor {
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         match &self.storage {
             Storage::Host(h) => Ok(h.as_bytes().to_vec()),
-            Storage::Emu(e) => Ok(e.as_bytes().to_vec()),
+            Storage::Emu(e) => {
+                crate::counters::host_sync();
+                Ok(e.as_bytes().to_vec())
+            }
             Storage::Cuda(slice, stream) => {
+                crate::counters::host_sync();
                 let mut all = stream.clone_dtoh(slice)?;
                 all.truncate(self.len_bytes());
                 Ok(all)
@@ -367,19 +406,33 @@ impl Tensor {
     ) -> Result<Tensor> {
         self.expect_on(backend, "copy_range: the source tensor")?;
         let range = self.byte_range("copy_range", elem_offset, numel(shape))?;
+        let n = range.len();
         let storage = match &self.storage {
-            Storage::Host(h) => Storage::Host(HostBuffer::from_bytes(&h.as_bytes()[range])),
+            Storage::Host(h) => match pool::take(pool::Kind::Host, n) {
+                Some(Storage::Host(mut dst)) => {
+                    par_copy(dst.as_bytes_mut(), &h.as_bytes()[range]);
+                    Storage::Host(dst)
+                }
+                _ => Storage::Host(counted(HostBuffer::from_bytes(&h.as_bytes()[range]))),
+            },
             Storage::Emu(e) => {
-                let mut buf = EmuBuffer::alloc(range.len()).map_err(Error::Device)?;
+                let mut buf = match pool::take(pool::Kind::Emu, n) {
+                    Some(Storage::Emu(b)) => b,
+                    _ => counted(EmuBuffer::alloc(n).map_err(Error::Device)?),
+                };
                 buf.as_bytes_mut().copy_from_slice(&e.as_bytes()[range]);
                 Storage::Emu(buf)
             }
             Storage::Cuda(slice, stream) => {
-                // SAFETY: every byte of `dst` that the tensor exposes (range.len() of them) is
-                // written by the copy below, ordered on the same stream before any later use.
-                let mut dst = unsafe { stream.alloc::<u8>(range.len().max(1)) }?;
-                if !range.is_empty() {
-                    let n = range.len();
+                let kind = pool::Kind::Cuda(Arc::as_ptr(stream) as usize);
+                let mut dst = match pool::take(kind, n.max(1)) {
+                    Some(Storage::Cuda(d, _)) => d,
+                    // SAFETY: every byte of `dst` that the tensor exposes (n of them) is
+                    // written by the copy below, ordered on the same stream before any later
+                    // use.
+                    _ => counted(unsafe { stream.alloc::<u8>(n.max(1)) }?),
+                };
+                if n > 0 {
                     stream.memcpy_dtod(&slice.slice(range), &mut dst.slice_mut(0..n))?;
                 }
                 Storage::Cuda(dst, stream.clone())
@@ -608,6 +661,36 @@ impl Tensor {
 
 fn not_host() -> Error {
     Error::Invalid("tensor lives in CUDA memory; download it with to_vec".into())
+}
+
+/// A device memset of a whole CUDA allocation on its stream (a no-op for other storage).
+fn memset_cuda(storage: &mut Storage, byte: u8) -> Result<()> {
+    if let Storage::Cuda(slice, stream) = storage {
+        let n = slice.len();
+        let (ptr, _sync) = slice.device_ptr(stream);
+        // SAFETY: `ptr` addresses the `n` bytes owned by `slice`, ordered on `stream`, which
+        // every use of the tensor is ordered on too; a device memset, so no host upload.
+        unsafe { cudarc::driver::result::memset_d8_async(ptr, byte, n, stream.cu_stream()) }?;
+    }
+    Ok(())
+}
+
+impl Drop for Tensor {
+    /// Offers the storage to the bench's pool where a [`RecycleScope`] is open on this thread
+    /// (a buffer still in use by queued kernels is safe to hand out again: every use of it is
+    /// ordered on the same stream).
+    fn drop(&mut self) {
+        if pool::active() {
+            let storage = std::mem::replace(
+                &mut self.storage,
+                Storage::Host(HostBuffer::Words {
+                    words: Vec::new(),
+                    bytes: 0,
+                }),
+            );
+            drop(pool::give(storage));
+        }
+    }
 }
 
 impl std::fmt::Debug for Tensor {

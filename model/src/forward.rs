@@ -29,7 +29,7 @@ use crate::Model;
 use sluice_kernels::ops::is_gate_loss::{
     is_gate_loss, GateMode, GateOutputs, GateParams, GateReference, TokenBatch, TokenInputs,
 };
-use sluice_kernels::{Backend, Device, Error, Result, Tensor};
+use sluice_kernels::{nvtx, Backend, Device, Error, Result, Tensor};
 
 /// The backend that matches an arena's storage: `cpu` for host memory, `emu` (seed from
 /// `SLUICE_EMU_SEED`) for the emulator's memory. CUDA backends are not reopened per call.
@@ -73,6 +73,7 @@ fn forward_all(
     let mut x = embed(backend, &w.embed, &bt.tokens)?;
     let mut layers = Vec::with_capacity(w.layers.len());
     for lw in &w.layers {
+        let _stage = nvtx::range_on(backend, "layer");
         let (saved, next) = layer(backend, dims, lw, x, &bt)?;
         layers.push(saved);
         x = next;
@@ -247,8 +248,15 @@ pub fn loss_and_grad_on(
 ) -> Result<f32> {
     let dims = Dims::new(&model.config)?;
     let w = ModelWeights::from_arena(backend, model.compute_weights())?;
-    let fwd = forward_all(backend, &dims, &w, batch)?;
-    let (loss, dlogits) = lm_loss(backend, &fwd.logits, targets, mask)?;
+    let fwd = {
+        let _stage = nvtx::range_on(backend, "forward");
+        forward_all(backend, &dims, &w, batch)?
+    };
+    let (loss, dlogits) = {
+        let _stage = nvtx::range_on(backend, "loss");
+        lm_loss(backend, &fwd.logits, targets, mask)?
+    };
+    let _stage = nvtx::range_on(backend, "backward");
     backward(backend, &dims, &w, fwd, &dlogits, &mut model.grads)?;
     Ok(loss)
 }
@@ -277,9 +285,18 @@ pub fn policy_loss_and_grad_on(
 ) -> Result<GateReference> {
     let dims = Dims::new(&model.config)?;
     let w = ModelWeights::from_arena(backend, model.compute_weights())?;
-    let fwd = forward_all(backend, &dims, &w, batch)?;
-    let (out, dlogits) = gate_objective(backend, &fwd.logits, inputs, params)?;
-    backward(backend, &dims, &w, fwd, &dlogits, &mut model.grads)?;
+    let fwd = {
+        let _stage = nvtx::range_on(backend, "forward");
+        forward_all(backend, &dims, &w, batch)?
+    };
+    let (out, dlogits) = {
+        let _stage = nvtx::range_on(backend, "is_gate_loss");
+        gate_objective(backend, &fwd.logits, inputs, params)?
+    };
+    {
+        let _stage = nvtx::range_on(backend, "backward");
+        backward(backend, &dims, &w, fwd, &dlogits, &mut model.grads)?;
+    }
     let counters = out.counters.to_vec::<f32>()?;
     Ok(GateReference {
         loss: scalar(&out.loss)?,
@@ -333,6 +350,7 @@ fn backward(
     drop((x_final, hf));
     let mut layer_grads = Vec::with_capacity(layers.len());
     for (lw, saved) in w.layers.iter().zip(layers).rev() {
+        let _stage = nvtx::range_on(backend, "layer_backward");
         let (dx_in, g) = layer_backward(backend, dims, lw, saved, dx, &batch)?;
         layer_grads.push(g);
         dx = dx_in;

@@ -487,6 +487,7 @@ pub fn prefill(
     cache: &mut KvCache,
     batch: &PrefillBatch,
 ) -> Result<Tensor> {
+    let _stage = sluice_kernels::nvtx::range_on(backend, "prefill");
     let cfg = &w.config;
     check_cache(cfg, cache)?;
     check_tokens(cfg, &batch.tokens)?;
@@ -565,6 +566,7 @@ pub fn decode(
     cache: &mut KvCache,
     batch: &DecodeBatch,
 ) -> Result<Tensor> {
+    let _stage = sluice_kernels::nvtx::range_on(backend, "decode");
     let cfg = &w.config;
     check_cache(cfg, cache)?;
     check_tokens(cfg, &batch.tokens)?;

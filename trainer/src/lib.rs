@@ -1,6 +1,7 @@
 //! The `sluice` command's subcommands, as a library so tests can call them directly.
 
 pub mod bench_cmd;
+pub mod bench_steps;
 pub mod config;
 pub mod delta_cmd;
 pub mod determinism;

@@ -35,26 +35,51 @@ enum Command {
         #[arg(long, default_value = "cpu")]
         device: String,
     },
-    /// Time every op against the H200 roofline (markdown table; JSON with --json).
+    /// Time every op against the H200 roofline and the ceilings measured in the same run
+    /// (CUDA events on cuda, wall clock elsewhere); rows stream to a JSONL file.
     Bench {
         /// cpu, emu, cuda or cuda:N.
         #[arg(long, default_value = "cpu")]
         device: String,
-        /// Only ops whose name contains this.
+        /// Only ops whose name contains one of these (comma-separated).
         #[arg(long)]
         op: Option<String>,
-        /// The issue-target sizes even off a GPU (slow on a CPU; default: small sizes off a GPU).
+        /// doc (the doc shapes; the default on cuda), quick (the default elsewhere) or tiny
+        /// (the dry run's).
+        #[arg(long)]
+        preset: Option<String>,
+        /// The doc shapes even off a GPU (the same as --preset doc).
         #[arg(long)]
         full: bool,
-        /// Seconds spent timing each case.
-        #[arg(long, default_value_t = 1.0)]
-        seconds: f64,
-        /// Also write the results as JSON here.
+        /// Timed samples per case (median, min and max reported).
+        #[arg(long, default_value_t = 10)]
+        samples: usize,
+        /// Untimed runs before the samples.
+        #[arg(long, default_value_t = 2)]
+        warmup: usize,
+        /// Overwrite this many MiB of scratch before each sample, outside the timing (cold L2;
+        /// one run per sample).
+        #[arg(long, value_name = "MIB")]
+        cold_l2: Option<usize>,
+        /// Stream the rows here (one JSON object per line, written as each case finishes).
+        #[arg(long)]
+        jsonl: Option<PathBuf>,
+        /// Also write the rows as one JSON array here.
         #[arg(long)]
         json: Option<PathBuf>,
         /// Also write the markdown report here.
         #[arg(long)]
         markdown: Option<PathBuf>,
+        /// The GPU run's test results (`ok|FAILED BINARY::TEST@MODE` lines): rows whose test
+        /// did not pass in this run are marked UNVERIFIED.
+        #[arg(long)]
+        verified: Option<PathBuf>,
+        /// Do not run: print the report built from this rows file (a finished or cut run).
+        #[arg(long, value_name = "JSONL")]
+        report_from: Option<PathBuf>,
+        /// Do not run: print the preset's case table as JSON (what scripts/peers/ reads).
+        #[arg(long)]
+        list_json: bool,
         /// On emu: add the profiler's counters and the H200 bound (a model) to every row.
         #[arg(long)]
         profile: bool,
@@ -224,29 +249,86 @@ fn main() -> ExitCode {
         Command::Bench {
             device,
             op,
+            preset,
             full,
-            seconds,
+            samples,
+            warmup,
+            cold_l2,
+            jsonl,
             json,
             markdown,
+            verified,
+            report_from,
+            list_json,
             profile,
         } => {
             let device: Device = match device.parse() {
                 Ok(d) => d,
                 Err(e) => return fail(&e),
             };
+            let preset = match (preset.as_deref(), full) {
+                (Some(_), true) => {
+                    return fail(&Error::Invalid(
+                        "--full and --preset both choose the sizes; give one".into(),
+                    ))
+                }
+                (Some(p), false) => match sluice_kernels::bench_cases::Preset::parse(p) {
+                    Ok(p) => p,
+                    Err(e) => return fail(&e),
+                },
+                (None, true) => sluice_kernels::bench_cases::Preset::Doc,
+                (None, false) if matches!(device, Device::Cuda(_)) => {
+                    sluice_kernels::bench_cases::Preset::Doc
+                }
+                (None, false) => sluice_kernels::bench_cases::Preset::Quick,
+            };
+            if list_json {
+                return match sluice_trainer::bench_cmd::list_json(preset) {
+                    Ok(json) => {
+                        println!("{json}");
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => fail(&e),
+                };
+            }
+            if let Some(rows) = report_from {
+                return match sluice_trainer::bench_cmd::report_from(&rows, verified.as_deref()) {
+                    Ok(report) => {
+                        print!("{report}");
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => fail(&e),
+                };
+            }
+            let timing = sluice_kernels::bench::TimingConfig {
+                warmup,
+                samples,
+                cold_l2_bytes: cold_l2.map(|m| m << 20),
+                ..Default::default()
+            };
             let opts = sluice_trainer::bench_cmd::BenchOptions {
                 device,
                 filter: op.as_deref(),
-                quick: !full && !matches!(device, Device::Cuda(_)),
-                budget_s: seconds,
+                preset,
+                timing,
+                jsonl: jsonl.as_deref(),
                 json: json.as_deref(),
                 markdown: markdown.as_deref(),
+                verified: verified.as_deref(),
                 profile,
             };
             match sluice_trainer::bench_cmd::run_bench(&opts) {
-                Ok(report) => {
-                    print!("{report}");
-                    ExitCode::SUCCESS
+                Ok(out) => {
+                    print!("{}", out.report);
+                    if out.failed > 0 {
+                        eprintln!(
+                            "error: {} bench case(s) failed to run (their rows say why)",
+                            out.failed
+                        );
+                        ExitCode::from(1)
+                    } else {
+                        ExitCode::SUCCESS
+                    }
                 }
                 Err(e) => fail(&e),
             }

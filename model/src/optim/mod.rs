@@ -338,6 +338,7 @@ impl Optimizer {
         compute_copy: Option<&mut Arena>,
         lr_factor: f32,
     ) -> Result<StepStats> {
+        let _stage = sluice_kernels::nvtx::range_on(backend, "optimizer");
         check_nonneg("lr_factor", lr_factor)?;
         let device = backend.device();
         if device != self.device {
