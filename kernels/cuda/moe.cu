@@ -1,4 +1,4 @@
-// moe: the MoE layer's own kernels (DESIGN.md section 3.4). kernels/src/ops/moe.rs composes
+// moe: the MoE layer's own kernels (DESIGN.md section 3.4). kernels/src/ops/moe/ composes
 // them with the gemm (router GEMM, grouped expert GEMMs), topk, softmax and swiglu families.
 //
 // Forward:   moe_sigmoid (score_fn=sigmoid; softmax is the elementwise family's), moe_gates,

@@ -1,7 +1,7 @@
 // Optimizer kernels over the parameter arena (DESIGN.md sections 3.7 and 5): Muon for the
 // matrix views, AdamW for the rest, the global gradient norm, and the bf16 compute copy.
 // Every kernel reads and writes the f32 arenas (parameters, gradients, optimizer state) in
-// place; the Rust side (kernels/src/ops/optim.rs, model/src/optim/) builds the tables.
+// place; the Rust side (kernels/src/ops/optim/, model/src/optim/) builds the tables.
 //
 // Kernels
 //   optim_sq_norm_partials_f32  block b sums x[i]^2 over its chunk [b*chunk, (b+1)*chunk) of the
