@@ -132,8 +132,32 @@ __device__ __forceinline__ void rows_init(WarpRows<MT, DP>& st) {
 // zeros); key0: the sequence position of the tile's first key; last_key(row_base + i): the last
 // key position the warp's row i may see (a function, not an array: four fewer live registers).
 // Every lane of the warp calls it.
+// Q's A fragments stay in registers for the whole key loop where they fit: DP <= 64 costs
+// 4 x MT x DP / 16 registers (32 at DP = 64). At DP = 128 they would take 64 beside O's 128, so
+// there each key tile re-reads them from shared memory (a third of the forward's ldmatrix
+// wavefronts: docs/perf/attention.md). Either way the same values enter the same mma: no bits
+// change.
+template <int DP>
+struct QInRegisters {
+    static constexpr bool value = DP <= 64;
+};
+
+// The warp's Q fragments for columns kk .. kk + 15 of its MT m16 tiles.
+template <int MT, int DP>
+__device__ __forceinline__ void load_q_frags(uint32_t (&qa)[MT][DP / 16][4],
+                                             const __nv_bfloat16* q_s, int lane) {
+    using S = TileShape<DP>;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < DP; kk += 16)
+            sluice::ldmatrix_x4(qa[mt][kk / 16],
+                                q_s + (mt * 16 + lane % 16) * S::ROW + kk + (lane / 16) * 8);
+}
+
 template <int MT, int DP, class LastKey>
 __device__ __forceinline__ void tile_step(WarpRows<MT, DP>& st, const __nv_bfloat16* q_s,
+                                          const uint32_t (&qa)[MT][DP / 16][4],
                                           const __nv_bfloat16* k_s, const __nv_bfloat16* v_s,
                                           int key0, LastKey last_key, int row_base, float scale,
                                           int lane) {
@@ -153,8 +177,15 @@ __device__ __forceinline__ void tile_step(WarpRows<MT, DP>& st, const __nv_bfloa
     for (int kk = 0; kk < DP; kk += 16) {
         uint32_t a[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-            sluice::ldmatrix_x4(a[mt], q_s + (mt * 16 + lane % 16) * S::ROW + kk + (lane / 16) * 8);
+        for (int mt = 0; mt < MT; ++mt) {
+            if constexpr (QInRegisters<DP>::value) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) a[mt][e] = qa[mt][kk / 16][e];
+            } else {
+                sluice::ldmatrix_x4(a[mt],
+                                    q_s + (mt * 16 + lane % 16) * S::ROW + kk + (lane / 16) * 8);
+            }
+        }
 #pragma unroll
         for (int n2 = 0; n2 < NT / 2; ++n2) {
             uint32_t b[4];
@@ -330,6 +361,7 @@ __device__ __forceinline__ void attend_block(unsigned char* smem, QRow q_row, La
     WarpRows<MT, DP> st;
     rows_init(st);
     const __nv_bfloat16* q_warp = q_s + warp * MT * 16 * S::ROW;
+    uint32_t qa[MT][DP / 16][4];  // filled at the first tile where QInRegisters, else unused
 
     for (int it = 0; it < n_tiles; ++it) {
         if (it + 1 < n_tiles) {
@@ -342,8 +374,11 @@ __device__ __forceinline__ void attend_block(unsigned char* smem, QRow q_row, La
         __syncthreads();
         if (it * KEY_TILE <= warp_last) {  // warp-uniform
             const __nv_bfloat16* k_s = kv_s + (2 * (it % 2)) * S::KV_TILE_ELEMS;
-            tile_step<MT, DP>(st, q_warp, k_s, k_s + S::KV_TILE_ELEMS, it * KEY_TILE, last_key,
-                              warp * MT * 16, scale, lane);
+            if constexpr (QInRegisters<DP>::value) {
+                if (it == 0) load_q_frags<MT, DP>(qa, q_warp, lane);  // Q landed with tile 0
+            }
+            tile_step<MT, DP>(st, q_warp, qa, k_s, k_s + S::KV_TILE_ELEMS, it * KEY_TILE,
+                              last_key, warp * MT * 16, scale, lane);
         }
         __syncthreads();  // the next iteration's copies overwrite this stage
     }
