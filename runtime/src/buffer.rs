@@ -29,6 +29,15 @@ pub struct BufferConfig {
     pub group_size: u32,
     /// The version gate: the largest allowed learner version - oldest behavior version.
     pub tau: u64,
+    /// The environment gate: drop trajectories that ended in an environment failure (crash,
+    /// timeout, garbage). false trains them as they ended (reward 0, a failure the policy
+    /// did not cause); for experiments that show the damage ([`BufferCounters::env_trained`]).
+    #[serde(default = "gate_on")]
+    pub env_gate: bool,
+}
+
+fn gate_on() -> bool {
+    true
 }
 
 /// A group released to the learner: G trajectories (repaired ones included).
@@ -50,6 +59,10 @@ pub struct BufferCounters {
     pub groups_complete: u64,
     /// Trajectories removed by the environment gate.
     pub env_dropped: u64,
+    /// Environment-ended trajectories released to the learner because the environment gate is
+    /// off (each counted once, repeats from group repair not counted).
+    #[serde(default)]
+    pub env_trained: u64,
     /// Trajectories removed by the version gate.
     pub stale_dropped: u64,
     /// Groups dropped for having at most G/2 valid trajectories.
@@ -214,7 +227,7 @@ impl DataBuffer {
 
     /// Whether a trajectory passes the environment and version gates at `learner`.
     fn trajectory_gate(&mut self, s: &Sample, learner: WeightVersion) -> bool {
-        if s.terminal_reason == TerminalReason::Environment {
+        if s.terminal_reason == TerminalReason::Environment && self.cfg.env_gate {
             self.counters.env_dropped += 1;
             return false;
         }
@@ -283,6 +296,12 @@ impl DataBuffer {
             samples.push(copy);
         }
         let duplicated = g - valid;
+        // Counted here, once per trajectory given to the learner (a candidate may be gated
+        // several times before it is released).
+        self.counters.env_trained += samples[..valid]
+            .iter()
+            .filter(|s| s.terminal_reason == TerminalReason::Environment)
+            .count() as u64;
         self.counters.duplicated += duplicated as u64;
         self.counters.groups_released += 1;
         self.counters.trajectories_released += g as u64;

@@ -36,7 +36,11 @@ fn ok(inst: &str, gi: u32, versions: &[u64]) -> Sample {
 }
 
 fn buffer(g: u32, tau: u64) -> DataBuffer {
-    DataBuffer::new(BufferConfig { group_size: g, tau })
+    DataBuffer::new(BufferConfig {
+        group_size: g,
+        tau,
+        env_gate: true,
+    })
 }
 
 #[test]

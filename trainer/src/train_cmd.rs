@@ -500,10 +500,14 @@ pub fn run_train(o: &TrainOptions, out: &mut dyn Write) -> Result<TrainSummary, 
     if !final_tasks.is_empty() {
         ctx.pass_after = ctx.evaluate(&model, &final_tasks)?;
     }
+    let arms = ctx.arms(&p, &model, &final_tasks)?;
     let final_path = p.out.join("final.safetensors");
     model.save(&final_path).map_err(run_err)?;
     let sha = weights_sha256(&model)?;
-    let summary = ctx.summary(&sha, start.elapsed().as_secs_f64());
+    let mut summary = ctx.summary(&sha, start.elapsed().as_secs_f64());
+    if let (Some(a), Some(m)) = (&arms, summary.as_object_mut()) {
+        m.insert("arms".into(), a.clone());
+    }
     let write = |name: &str, text: &str| -> Result<(), TrainError> {
         let path = p.out.join(name);
         sluice_model::checkpoint::write_atomic(&path, text.as_bytes())
@@ -623,6 +627,9 @@ struct RlTotals {
     buffer_in: u64,
     stale: u64,
     env: u64,
+    /// Environment-ended trajectories trained (buffer.env_gate = false).
+    #[serde(default)]
+    env_trained: u64,
     dup: u64,
     released: u64,
     elapsed_s: f64,
@@ -967,6 +974,7 @@ impl RunContext<'_> {
         let mut buffer = DataBuffer::new(BufferConfig {
             group_size: cfg.buffer.group_size,
             tau: cfg.buffer.tau,
+            env_gate: cfg.buffer.env_gate,
         });
         let mut totals = LearnerTotals::new();
         let mut stage_trace = Trace::default();
@@ -1079,6 +1087,7 @@ impl RunContext<'_> {
         t.buffer_in += report.buffer.trajectories_in;
         t.stale += report.buffer.stale_dropped;
         t.env += report.buffer.env_dropped;
+        t.env_trained += report.buffer.env_trained;
         t.dup += report.buffer.duplicated;
         t.released += report.buffer.trajectories_released;
         t.elapsed_s = self.state.clock.secs();
@@ -1096,6 +1105,57 @@ impl RunContext<'_> {
         }
         let (_, model, _) = parts.learner.into_parts();
         Ok(model)
+    }
+
+    /// The baselines of `[baselines]` and every arm's held-out pass rates (crate::arms), when
+    /// the run has an RL stage; summary.json's `arms`.
+    fn arms(
+        &mut self,
+        p: &Plan,
+        rl_model: &Model,
+        names: &[String],
+    ) -> Result<Option<Value>, TrainError> {
+        let cfg = self.cfg;
+        let Some(first_rl) = cfg.stages.iter().position(|s| s.kind == StageKind::Rl) else {
+            return Ok(None);
+        };
+        if names.is_empty() || cfg.rollout.eval_problems == 0 {
+            return Ok(None);
+        }
+        let warm_file = match first_rl {
+            0 => cfg.model.init.clone(),
+            i => Some(
+                p.out
+                    .join("checkpoints")
+                    .join(format!("{:03}-end", i - 1))
+                    .join("learner.safetensors"),
+            ),
+        };
+        let start = match &warm_file {
+            Some(f) => crate::arms::Start::File(f),
+            None => crate::arms::Start::Fresh(&p.model_cfg),
+        };
+        let t = self.state.rl_totals.clone().unwrap_or_default();
+        let budget = crate::arms::RlBudget {
+            steps: self.state.learner_steps,
+            trained_tokens: t.accepted_tokens,
+            groups: t.shares.iter().map(|(k, v)| (k.clone(), v.1)).collect(),
+        };
+        let rate = |m: &BTreeMap<String, PassRate>| -> BTreeMap<String, f64> {
+            m.iter().map(|(k, v)| (k.clone(), v.rate())).collect()
+        };
+        let (warm, rl) = (rate(&self.state.pass_before), rate(&self.pass_after));
+        let mut arms = crate::arms::Arms {
+            cfg,
+            tasks: self.tasks,
+            progress: &mut *self.progress,
+            metrics: &mut *self.metrics,
+        };
+        let (v, times) = arms
+            .run_all(start, rl_model, names, &budget, &warm, &rl)
+            .map_err(run_err)?;
+        self.state.stage_times.extend(times);
+        Ok(Some(v))
     }
 
     /// The RL stages' run clock.
@@ -1177,6 +1237,8 @@ impl RunContext<'_> {
             "token_accept_rate": t.map_or(0.0, |t| ratio(t.accepted_tokens, t.finished_generated)),
             "stale_drop_rate": t.map_or(0.0, |t| ratio(t.stale, t.buffer_in)),
             "env_drop_rate": t.map_or(0.0, |t| ratio(t.env, t.buffer_in)),
+            // Environment-ended trajectories trained as failures (buffer.env_gate = false).
+            "env_trained_rate": t.map_or(0.0, |t| ratio(t.env_trained, t.buffer_in)),
             "group_dup_rate": t.map_or(0.0, |t| ratio(t.dup, t.released)),
             "zero_lag_tokens": t.map_or(0, |t| t.zero_lag),
             "zero_lag_mismatch_tokens": t.map_or(0, |t| t.zero_lag_mismatch),
@@ -1246,6 +1308,7 @@ impl RunContext<'_> {
                 _ => "tok/s: per second of the wall clock\n",
             }
         );
+        t.push_str(&crate::arms::table(&s["arms"]));
         let _ = write!(t, "\ntime per stage:");
         for (n, secs) in &self.state.stage_times {
             let _ = write!(t, "  {n} {secs:.1}s");
