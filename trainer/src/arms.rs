@@ -13,8 +13,9 @@
 //! Both arms train with RL's optimizer settings (`optim.rl_muon_lr`, `optim.rl_adamw_lr`,
 //! constant, the same clip and weight decay) from a fresh optimizer state, so that each
 //! differs from RL in its training signal only: demonstrations, or the warm-up's own passing
-//! samples, against RL's rewarded groups. (At the warm-up's final learning rates, 4x RL's, the
-//! ablation arm gained 4-5 points on the sort task where RL gained none; docs/perf/train.md.)
+//! samples, against RL's rewarded groups. (At the warm-up's final learning rates, 4x RL's
+//! 5e-4 of then, the ablation arm gained 4-5 points on the sort task where RL gained none;
+//! docs/perf/train.md.)
 //! Every arm (and the warm-up and RL) is evaluated on the same held-out problems: greedy, and
 //! sampled at the rollout temperature (one sample per problem; the warm-up G per problem, so
 //! its pass@G stands beside RL's pass@1).

@@ -150,6 +150,31 @@ fn tool_accept(r: &ArmRun) -> Option<f64> {
 fn sort_accept(r: &ArmRun) -> Option<f64> {
     task_num(r, "sort", "acceptance_rate")
 }
+/// The stale-drop rate of tool episodes with `turns` model turns (1: answered directly; 2: one
+/// call; 3+: more), over the trajectories that reached the buffer.
+fn tool_stale_by_turns(r: &ArmRun, lo: u32, hi: u32) -> Option<f64> {
+    let m = r.summary["trajectories_by_turns"]["tool"].as_object()?;
+    let (mut n, mut stale) = (0.0, 0.0);
+    for (k, v) in m {
+        let t: u32 = k.parse().ok()?;
+        if (lo..=hi).contains(&t) {
+            let i = v["trajectories_in"].as_f64()?;
+            n += i;
+            stale += i * v["stale_drop_rate"].as_f64()?;
+        }
+    }
+    (n > 0.0).then(|| stale / n)
+}
+fn tool_stale_1(r: &ArmRun) -> Option<f64> {
+    tool_stale_by_turns(r, 1, 1)
+}
+fn tool_stale_2(r: &ArmRun) -> Option<f64> {
+    tool_stale_by_turns(r, 2, 2)
+}
+fn tool_stale_3(r: &ArmRun) -> Option<f64> {
+    tool_stale_by_turns(r, 3, u32::MAX)
+}
+
 fn env_trained(r: &ArmRun) -> Option<f64> {
     num(&r.summary, "env_trained_rate")
 }
@@ -411,7 +436,8 @@ pub static EXPERIMENTS: &[Experiment] = &[
         about: "sync against async at an equal sample budget across environment latency (none; \
                 lognormal median 5, 50 and 200 ms with p99 = 40 medians) and call timeout (1 s, \
                 5 s): effective and gradient-carrying tokens/s, engine and learner busy \
-                shares, stale drops and accept rates per task",
+                shares, stale drops and accept rates per task, and the tool task's stale drops \
+                per number of model turns (the gate's bias against slow, many-call episodes)",
         base_sets: &[],
         arms: speedup_arms,
         columns: &[
@@ -423,6 +449,9 @@ pub static EXPERIMENTS: &[Experiment] = &[
             ("stale drops", stale),
             ("sort accept", sort_accept),
             ("tool accept", tool_accept),
+            ("tool stale, 1 turn (direct)", tool_stale_1),
+            ("tool stale, 2 turns (1 call)", tool_stale_2),
+            ("tool stale, 3+ turns", tool_stale_3),
         ],
         chart: ChartKind::Bars(0),
         unavailable: None,
