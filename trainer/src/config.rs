@@ -972,6 +972,23 @@ fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
             ),
         ));
     }
+    // Samples carry the version last published: K - 1 steps after a publication they lag the
+    // learner by K - 1, so with K - 1 > tau the version gate drops every one of them and the
+    // learner waits forever for the step that would publish again.
+    if sync_s.interval > buffer_s.tau + 1 && stage_s.iter().any(|s| s.kind == StageKind::Rl) {
+        return Err(err(
+            "sync.interval",
+            format!(
+                "{}: with buffer.tau = {}, samples of weights published {} steps apart reach lag \
+                 {} > tau before the next publication, so the version gate drops all of them and \
+                 the RL stage never completes; use sync.interval <= buffer.tau + 1",
+                sync_s.interval,
+                buffer_s.tau,
+                sync_s.interval,
+                sync_s.interval - 1
+            ),
+        ));
+    }
     for t in &tasks_s {
         if t.concurrency < buffer_s.group_size as u64 {
             return Err(err(
@@ -1083,6 +1100,8 @@ mod tests {
             ("buffer.tau=\"x\"", "buffer.tau"),
             ("run.mode=fast", "run.mode"),
             ("sync.path=nfs", "sync.path"),
+            // tau 4 (the default): K = 6 reaches lag 5 between publications.
+            ("sync.interval=6", "sync.interval"),
             ("rollout.fail_kind=explode", "rollout.fail_kind"),
             ("rollout.fail_at_step=-1", "rollout.fail_at_step"),
             (

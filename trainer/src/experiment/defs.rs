@@ -311,8 +311,9 @@ pub static EXPERIMENTS: &[Experiment] = &[
     Experiment {
         name: "refresh",
         about: "sync against async with the weights published every K in {1, 2, 4, 8} learner \
-                steps: throughput against staleness",
-        base_sets: &[],
+                steps: throughput against staleness (tau 8 in every arm: K may be at most tau + \
+                1, or the version gate drops every sample before the next publication)",
+        base_sets: &["buffer.tau=8"],
         arms: refresh_arms,
         columns: &[
             ("effective tok/s", eff),
