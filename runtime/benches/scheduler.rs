@@ -113,6 +113,7 @@ fn run(sessions: u64) {
     let buffer = DataBuffer::new(BufferConfig {
         group_size: G,
         tau: 100,
+        env_gate: true,
     });
     let stage = StageConfig {
         name: "bench".into(),

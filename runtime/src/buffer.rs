@@ -29,6 +29,15 @@ pub struct BufferConfig {
     pub group_size: u32,
     /// The version gate: the largest allowed learner version - oldest behavior version.
     pub tau: u64,
+    /// The environment gate: drop trajectories that ended in an environment failure (crash,
+    /// timeout, garbage). false trains them as they ended (reward 0, a failure the policy
+    /// did not cause); for experiments that show the damage ([`BufferCounters::env_trained`]).
+    #[serde(default = "gate_on")]
+    pub env_gate: bool,
+}
+
+fn gate_on() -> bool {
+    true
 }
 
 /// A group released to the learner: G trajectories (repaired ones included).
@@ -50,6 +59,10 @@ pub struct BufferCounters {
     pub groups_complete: u64,
     /// Trajectories removed by the environment gate.
     pub env_dropped: u64,
+    /// Environment-ended trajectories released to the learner because the environment gate is
+    /// off (each counted once, repeats from group repair not counted).
+    #[serde(default)]
+    pub env_trained: u64,
     /// Trajectories removed by the version gate.
     pub stale_dropped: u64,
     /// Groups dropped for having at most G/2 valid trajectories.
@@ -120,6 +133,41 @@ struct Candidate {
     valid: Vec<Sample>,
 }
 
+/// What happened to the trajectories of one task with one number of model turns (a tool
+/// episode that calls once has 2; one that answers directly has 1).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TurnCounts {
+    /// Accepted into the buffer.
+    pub trajectories_in: u64,
+    pub stale_dropped: u64,
+    pub env_dropped: u64,
+}
+
+/// The number of model turns of a trajectory: maximal runs of generated (loss-masked) tokens.
+pub fn model_turns(s: &Sample) -> u32 {
+    let mut turns = 0;
+    let mut prev = false;
+    for &m in &s.loss_mask {
+        if m && !prev {
+            turns += 1;
+        }
+        prev = m;
+    }
+    turns
+}
+
+/// The counts of `s`'s task and number of model turns.
+fn turn_counts<'a>(
+    by_turns: &'a mut BTreeMap<String, BTreeMap<u32, TurnCounts>>,
+    s: &Sample,
+) -> &'a mut TurnCounts {
+    by_turns
+        .entry(s.task.clone())
+        .or_default()
+        .entry(model_turns(s))
+        .or_default()
+}
+
 /// The data buffer. See the module docs.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct DataBuffer {
@@ -133,6 +181,10 @@ pub struct DataBuffer {
     /// Instances released or dropped.
     closed: BTreeSet<String>,
     counters: BufferCounters,
+    /// Per task and number of model turns (so the bias of the gates against slow, many-turn
+    /// episodes shows).
+    #[serde(default)]
+    by_turns: BTreeMap<String, BTreeMap<u32, TurnCounts>>,
 }
 
 impl DataBuffer {
@@ -144,6 +196,7 @@ impl DataBuffer {
             candidates: VecDeque::new(),
             closed: BTreeSet::new(),
             counters: BufferCounters::default(),
+            by_turns: BTreeMap::new(),
         }
     }
 
@@ -153,6 +206,11 @@ impl DataBuffer {
 
     pub fn counters(&self) -> BufferCounters {
         self.counters
+    }
+
+    /// [`TurnCounts`] per task and number of model turns.
+    pub fn by_turns(&self) -> &BTreeMap<String, BTreeMap<u32, TurnCounts>> {
+        &self.by_turns
     }
 
     /// Complete groups (gated or not) waiting for the learner.
@@ -201,6 +259,7 @@ impl DataBuffer {
                 group_index,
             });
         }
+        turn_counts(&mut self.by_turns, &sample).trajectories_in += 1;
         members.push(sample);
         self.counters.trajectories_in += 1;
         if members.len() == g as usize {
@@ -214,13 +273,15 @@ impl DataBuffer {
 
     /// Whether a trajectory passes the environment and version gates at `learner`.
     fn trajectory_gate(&mut self, s: &Sample, learner: WeightVersion) -> bool {
-        if s.terminal_reason == TerminalReason::Environment {
+        if s.terminal_reason == TerminalReason::Environment && self.cfg.env_gate {
             self.counters.env_dropped += 1;
+            turn_counts(&mut self.by_turns, s).env_dropped += 1;
             return false;
         }
         let oldest = s.oldest_behavior_version().unwrap_or(learner);
         if learner.0.saturating_sub(oldest.0) > self.cfg.tau {
             self.counters.stale_dropped += 1;
+            turn_counts(&mut self.by_turns, s).stale_dropped += 1;
             return false;
         }
         true
@@ -283,6 +344,12 @@ impl DataBuffer {
             samples.push(copy);
         }
         let duplicated = g - valid;
+        // Counted here, once per trajectory given to the learner (a candidate may be gated
+        // several times before it is released).
+        self.counters.env_trained += samples[..valid]
+            .iter()
+            .filter(|s| s.terminal_reason == TerminalReason::Environment)
+            .count() as u64;
         self.counters.duplicated += duplicated as u64;
         self.counters.groups_released += 1;
         self.counters.trajectories_released += g as u64;

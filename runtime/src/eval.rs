@@ -209,3 +209,153 @@ pub fn distinct_problems(task: &dyn Task, n: usize, seed: u64) -> Vec<Problem> {
     }
     out
 }
+
+/// One finished episode of [`run_episodes`]: the index of its problem and the whole
+/// trajectory (tokens, loss mask, reward and terminal reason set by the task).
+#[derive(Clone, Debug)]
+pub struct Episode {
+    pub problem: usize,
+    pub sample: crate::trajectory::Sample,
+}
+
+/// Runs `samples` episodes of each of `problems` on `engine` (which must hold no trajectory)
+/// with `sampling`, answered by `task` directly (no latency, no faults), each ending as in
+/// [`pass_rate`]: a turn cut by a length limit is scored and ends the episode, and a call past
+/// `max_turns` model turns ends it as `budget` with reward 0. `tag` keys the sessions (and so
+/// the sampling streams): the same tag, seed and problems give the same episodes. Episodes
+/// come back ordered by (problem, sample).
+pub fn run_episodes(
+    engine: &mut Engine,
+    task: &dyn Task,
+    problems: &[Problem],
+    samples: usize,
+    sampling: SamplingParams,
+    max_turns: u32,
+    tag: &str,
+) -> Result<Vec<Episode>, EngineError> {
+    if !engine.is_empty() {
+        return Err(EngineError::Invalid(
+            "episodes need an engine that holds no trajectory".into(),
+        ));
+    }
+    let name = task.name().to_string();
+    // handle -> (problem index, sample index, turn)
+    let mut live = BTreeMap::new();
+    for (i, p) in problems.iter().enumerate() {
+        let req = Request {
+            session_id: format!("{tag}/{name}/{i}"),
+            instance_id: format!("{tag}/{}#{i}", p.id),
+            task: name.clone(),
+            group_size: samples as u32,
+            prompt: p.prompt.clone(),
+            sampling,
+            stop: task.stop(),
+            multi_turn: task.multi_turn(),
+        };
+        for (j, h) in engine.submit(req)?.into_iter().enumerate() {
+            live.insert(h, (i, j, 0u32));
+        }
+    }
+    let mut done: BTreeMap<(usize, usize), crate::trajectory::Sample> = BTreeMap::new();
+    let mut steps = 0u64;
+    while !live.is_empty() {
+        if !engine.has_work() {
+            return Err(EngineError::Invalid(format!(
+                "episodes of {name}: {} wait but the engine has no work",
+                live.len()
+            )));
+        }
+        steps += 1;
+        if steps > 10_000_000 {
+            return Err(EngineError::Invalid(format!(
+                "episodes of {name} made no progress"
+            )));
+        }
+        for ev in engine.step()? {
+            let ev = ev.into_ended_turn();
+            let handle = ev.handle;
+            let Some((i, j, turn)) = live.remove(&handle) else {
+                continue;
+            };
+            let reply = task
+                .respond(&problems[i], turn, &ev.generated)
+                .unwrap_or(Reply::End {
+                    reward: 0.0,
+                    reason: TerminalReason::Environment,
+                });
+            let (reward, reason) = match reply {
+                Reply::End { reward, reason } => (reward, reason),
+                Reply::Observe(_) if ev.cut || ev.sample.is_some() || turn + 1 >= max_turns => {
+                    (0.0, TerminalReason::Budget)
+                }
+                Reply::Observe(obs) => {
+                    if engine
+                        .observe(handle, &obs, sampling.max_new_tokens)
+                        .is_ok()
+                    {
+                        live.insert(handle, (i, j, turn + 1));
+                        continue;
+                    }
+                    (0.0, TerminalReason::Budget)
+                }
+            };
+            let sample = match ev.sample {
+                // A single-turn sequence the engine already ended.
+                Some(mut s) => {
+                    s.reward = reward;
+                    s.terminal_reason = reason;
+                    s
+                }
+                None => engine.finish(handle, reward, reason)?,
+            };
+            done.insert((i, j), sample);
+        }
+    }
+    Ok(done
+        .into_iter()
+        .map(|((problem, _), sample)| Episode { problem, sample })
+        .collect())
+}
+
+/// Sampled pass rates of `problems` distinct held-out problems: `k` episodes each (see
+/// [`run_episodes`]). `pass_at_1` is the share of all episodes that passed (the sampled pass
+/// rate), `pass_at_k` the share of problems with at least one passing episode.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PassAtK {
+    pub task: String,
+    pub problems: usize,
+    pub k: usize,
+    pub pass_at_1: f64,
+    pub pass_at_k: f64,
+}
+
+/// [`PassAtK`] of `task` on `problems` distinct held-out problems (drawn as [`pass_rate`]
+/// draws them, so greedy and sampled rates are over the same problems).
+pub fn pass_at_k(
+    engine: &mut Engine,
+    task: &dyn Task,
+    problems: usize,
+    k: usize,
+    seed: u64,
+    sampling: SamplingParams,
+    max_turns: u32,
+) -> Result<PassAtK, EngineError> {
+    let probs = distinct_problems(task, problems, seed);
+    let eps = run_episodes(engine, task, &probs, k.max(1), sampling, max_turns, "eval")?;
+    let mut solved = vec![false; probs.len()];
+    let mut passed = 0usize;
+    for e in &eps {
+        if e.sample.reward > 0.0 {
+            passed += 1;
+            solved[e.problem] = true;
+        }
+    }
+    let frac = |a: usize, b: usize| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+    Ok(PassAtK {
+        task: task.name().to_string(),
+        problems: probs.len(),
+        k: k.max(1),
+        pass_at_1: frac(passed, eps.len()),
+        pass_at_k: frac(solved.iter().filter(|&&s| s).count(), probs.len()),
+    })
+}

@@ -36,7 +36,11 @@ fn ok(inst: &str, gi: u32, versions: &[u64]) -> Sample {
 }
 
 fn buffer(g: u32, tau: u64) -> DataBuffer {
-    DataBuffer::new(BufferConfig { group_size: g, tau })
+    DataBuffer::new(BufferConfig {
+        group_size: g,
+        tau,
+        env_gate: true,
+    })
 }
 
 #[test]
@@ -208,4 +212,57 @@ fn admission_is_the_areal_rule() {
     // Dropped groups give their room back.
     assert_eq!(a.room(48, 8, 0), 8);
     assert_eq!(a.room(100, 0, 0), 0);
+}
+
+#[test]
+fn without_the_environment_gate_env_ended_trajectories_are_released_and_counted_once() {
+    // G = 2: one member ended by the environment, one passed.
+    let run = |env_gate: bool| {
+        let mut b = DataBuffer::new(BufferConfig {
+            group_size: 2,
+            tau: 4,
+            env_gate,
+        });
+        b.insert(traj("i", 0, &[0, 0], TerminalReason::Environment, 0.0))
+            .unwrap();
+        b.insert(ok("i", 1, &[0])).unwrap();
+        // Gated at version 1 while waiting for two groups (none released), then again.
+        assert!(b.take(WeightVersion(1), 2).is_none());
+        (b.take(WeightVersion(2), 1), b.counters())
+    };
+    let (got, c) = run(false);
+    let got = got.expect("both members pass without the gate");
+    assert_eq!(got[0].duplicated, 0);
+    assert_eq!(
+        got[0].samples[0].terminal_reason,
+        TerminalReason::Environment
+    );
+    assert_eq!((c.env_trained, c.env_dropped), (1, 0));
+    // With the gate, the environment-ended member is dropped and the group (1 of 2 valid,
+    // not more than half) with it.
+    let (got, c) = run(true);
+    assert!(got.is_none());
+    assert_eq!((c.env_trained, c.env_dropped, c.groups_dropped), (0, 1, 1));
+}
+
+#[test]
+fn drops_are_counted_per_task_and_number_of_model_turns() {
+    let mut b = buffer(2, 1);
+    // A two-turn trajectory: generated, an observation, generated.
+    let mut two = ok("old", 0, &[0, 0, 0]);
+    two.loss_mask = vec![false, false, true, false, true];
+    two.behavior_logp[3] = 0.0;
+    b.insert(two).unwrap();
+    b.insert(ok("old", 1, &[0])).unwrap();
+    b.insert(ok("new", 0, &[5])).unwrap();
+    b.insert(ok("new", 1, &[5])).unwrap();
+    // At learner 5 the "old" group is stale (lag 5 > tau 1).
+    let got = b.take(WeightVersion(5), 1).expect("the fresh group");
+    assert_eq!(got[0].instance_id, "new");
+    let t = &b.by_turns()["t"];
+    assert_eq!(t[&1].trajectories_in, 3);
+    assert_eq!(t[&1].stale_dropped, 1);
+    assert_eq!(t[&2].trajectories_in, 1);
+    assert_eq!(t[&2].stale_dropped, 1);
+    assert_eq!(sluice_runtime::buffer::model_turns(&ok("x", 0, &[1, 1])), 1);
 }

@@ -116,6 +116,8 @@ pub struct BufferSection {
     pub tau: u64,
     pub eta: u64,
     pub groups_per_step: usize,
+    /// Drop environment-ended trajectories (false: train them as failures).
+    pub env_gate: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -148,6 +150,13 @@ pub struct SyncSection {
     pub reset_optimizer: bool,
 }
 
+/// The baselines `sluice train` runs beside RL (crate::arms).
+#[derive(Clone, Debug, PartialEq)]
+pub struct BaselinesSection {
+    pub ablation: bool,
+    pub rft: bool,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct TaskSection {
     pub name: String,
@@ -158,7 +167,7 @@ pub struct TaskSection {
     pub target_share: f64,
     pub latency: LatencyModel,
     pub faults: FaultRates,
-    /// The kind's parameters (`digits`, `tool_fraction`, `wrong_call_fraction`, `items`).
+    /// The kind's parameters (`digits`, `min_digits`, `tool_fraction`, `wrong_call_fraction`, `items`).
     pub options: crate::tasks::TaskOptions,
 }
 
@@ -173,6 +182,7 @@ pub struct TrainConfig {
     pub loss: LossSection,
     pub optim: OptimSection,
     pub sync: SyncSection,
+    pub baselines: BaselinesSection,
     pub cost: CostModel,
     /// Every task the stages use, in the order of first use.
     pub tasks: Vec<TaskSection>,
@@ -324,7 +334,13 @@ fn task_template(defaults: &Table) -> Table {
             Some(Value::Table(t)) => {
                 let mut t = t.clone();
                 // A kind's parameters are not inherited by a new task of another kind.
-                for k in ["digits", "tool_fraction", "wrong_call_fraction", "items"] {
+                for k in [
+                    "digits",
+                    "min_digits",
+                    "tool_fraction",
+                    "wrong_call_fraction",
+                    "items",
+                ] {
                     t.remove(k);
                 }
                 t
@@ -341,6 +357,7 @@ fn task_schema(template: &Table) -> Table {
     let mut schema = template.clone();
     for (k, v) in [
         ("digits", Value::Integer(0)),
+        ("min_digits", Value::Integer(0)),
         ("tool_fraction", Value::Float(0.0)),
         ("wrong_call_fraction", Value::Float(0.0)),
         ("items", Value::Integer(0)),
@@ -591,6 +608,7 @@ fn task_options(g: &Get<'_>) -> Result<crate::tasks::TaskOptions, ConfigError> {
     };
     Ok(crate::tasks::TaskOptions {
         digits: int("digits")?,
+        min_digits: int("min_digits")?,
         tool_fraction: frac("tool_fraction")?,
         wrong_call_fraction: frac("wrong_call_fraction")?,
         items: int("items")?,
@@ -745,6 +763,7 @@ fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         tau: buffer.int("tau", 0, MAX)? as u64,
         eta: buffer.int("eta", 0, MAX)? as u64,
         groups_per_step: buffer.int("groups_per_step", 1, 1 << 20)? as usize,
+        env_gate: buffer.bool("env_gate")?,
     };
 
     let loss = Get::section(&table, "loss")?;
@@ -783,6 +802,12 @@ fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         interval: sync.int("interval", 1, MAX)? as u64,
         path,
         reset_optimizer: sync.bool("reset_optimizer")?,
+    };
+
+    let baselines = Get::section(&table, "baselines")?;
+    let baselines_s = BaselinesSection {
+        ablation: baselines.bool("ablation")?,
+        rft: baselines.bool("rft")?,
     };
 
     let cost = Get::section(&table, "cost")?;
@@ -947,6 +972,23 @@ fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
             ),
         ));
     }
+    // Samples carry the version last published: K - 1 steps after a publication they lag the
+    // learner by K - 1, so with K - 1 > tau the version gate drops every one of them and the
+    // learner waits forever for the step that would publish again.
+    if sync_s.interval > buffer_s.tau + 1 && stage_s.iter().any(|s| s.kind == StageKind::Rl) {
+        return Err(err(
+            "sync.interval",
+            format!(
+                "{}: with buffer.tau = {}, samples of weights published {} steps apart reach lag \
+                 {} > tau before the next publication, so the version gate drops all of them and \
+                 the RL stage never completes; use sync.interval <= buffer.tau + 1",
+                sync_s.interval,
+                buffer_s.tau,
+                sync_s.interval,
+                sync_s.interval - 1
+            ),
+        ));
+    }
     for t in &tasks_s {
         if t.concurrency < buffer_s.group_size as u64 {
             return Err(err(
@@ -976,6 +1018,7 @@ fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         loss: loss_s,
         optim: optim_s,
         sync: sync_s,
+        baselines: baselines_s,
         cost: cost_s,
         tasks: tasks_s,
         table,
@@ -1057,6 +1100,8 @@ mod tests {
             ("buffer.tau=\"x\"", "buffer.tau"),
             ("run.mode=fast", "run.mode"),
             ("sync.path=nfs", "sync.path"),
+            // tau 4 (the default): K = 6 reaches lag 5 between publications.
+            ("sync.interval=6", "sync.interval"),
             ("rollout.fail_kind=explode", "rollout.fail_kind"),
             ("rollout.fail_at_step=-1", "rollout.fail_at_step"),
             (

@@ -1,5 +1,6 @@
 //! The `sluice` command's subcommands, as a library so tests can call them directly.
 
+pub mod arms;
 pub mod bench_cmd;
 pub mod bench_steps;
 pub mod config;
@@ -8,6 +9,7 @@ pub mod determinism;
 pub mod emu_cmd;
 pub mod emu_profile_cmd;
 pub mod eval_cmd;
+pub mod experiment;
 pub mod kernel_cmd;
 pub mod progress;
 pub mod report;

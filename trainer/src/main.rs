@@ -112,6 +112,37 @@ enum Command {
         #[arg(long = "set", value_name = "KEY=VALUE")]
         sets: Vec<String>,
     },
+    /// The design's reproduction checklist: run one experiment's arms (config overrides of
+    /// one RL stage, from a shared warm-up) and write its report (report.md, report.json, an
+    /// SVG) with the machine, commit, seeds and clock. `--list` names them.
+    Experiment {
+        /// refresh, tau, clip, crashes, share, is-modes, tito, async-speedup.
+        name: Option<String>,
+        /// List the experiments and their arms.
+        #[arg(long)]
+        list: bool,
+        /// One seed and 12 RL steps per arm: minutes on 2 cores.
+        #[arg(long)]
+        quick: bool,
+        /// The base config (default configs/tiny.toml).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Override one config key for every arm (repeatable).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
+        /// Only these arms (comma-separated names).
+        #[arg(long, value_delimiter = ',')]
+        arms: Vec<String>,
+        /// The seeds (comma-separated; default 0 with --quick, else 0,1,2).
+        #[arg(long, value_delimiter = ',')]
+        seeds: Vec<u64>,
+        /// RL steps per arm (default: the config's, or 12 with --quick).
+        #[arg(long)]
+        steps: Option<u64>,
+        /// The experiment's folder (default runs/experiments/NAME).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// A checkpoint's pass rate on a task's held-out problems, greedy and sampled.
     Eval {
         /// The checkpoint (final.safetensors or a checkpoint of a run folder).
@@ -401,6 +432,52 @@ fn main() -> ExitCode {
                 resume,
             };
             match sluice_trainer::train_cmd::run_train(&opts, &mut std::io::stdout()) {
+                Ok(_) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(if e.is_bad_input() { 2 } else { 1 })
+                }
+            }
+        }
+        Command::Experiment {
+            name,
+            list,
+            quick,
+            config,
+            sets,
+            arms,
+            seeds,
+            steps,
+            out,
+        } => {
+            use sluice_trainer::experiment::{run_experiment, ExperimentOptions, EXPERIMENTS};
+            if list || name.is_none() {
+                for e in EXPERIMENTS {
+                    let arms: Vec<String> = (e.arms)().into_iter().map(|a| a.name).collect();
+                    println!("{}: {}", e.name, e.about);
+                    match e.unavailable {
+                        Some(why) => println!("    unavailable: {why}"),
+                        None => println!("    arms: {}", arms.join(", ")),
+                    }
+                }
+                return if list {
+                    ExitCode::SUCCESS
+                } else {
+                    eprintln!("error: name an experiment (sluice experiment NAME [--quick])");
+                    ExitCode::from(2)
+                };
+            }
+            let opts = ExperimentOptions {
+                name: name.unwrap_or_default(),
+                quick,
+                config,
+                sets,
+                arms,
+                seeds,
+                steps,
+                out,
+            };
+            match run_experiment(&opts, &mut std::io::stdout()) {
                 Ok(_) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("error: {e}");

@@ -241,6 +241,62 @@ fn tool_rewards_a_correct_answer_after_a_call() {
     }
 }
 
+#[test]
+fn tool_operands_span_min_digits_to_digits_and_direct_answers_restate_the_problem() {
+    let o = TaskOptions {
+        digits: Some(2),
+        min_digits: Some(1),
+        tool_fraction: Some(0.0),
+        ..TaskOptions::default()
+    };
+    let t = make("tool", "calc", 64, &o).unwrap();
+    let mut rng = Rng::new(4);
+    let mut sizes = BTreeSet::new();
+    for _ in 0..200 {
+        let p = t.problem(&mut rng, Split::Train);
+        let (a, b) = operands(&p, '*');
+        assert!((1..100).contains(&a) && (1..100).contains(&b), "{}", p.spec);
+        sizes.insert((a.to_string().len(), b.to_string().len()));
+        let prod = a * b;
+        let r = |s: &str| t.respond(&p, 0, &enc(s)).unwrap();
+        // The product alone, or the problem restated with it; never another restatement.
+        assert_eq!(r(&format!("{a}*{b}={prod}<eot>")), success());
+        assert_eq!(r(&format!("{prod}<eot>")), success());
+        assert_eq!(r(&format!("{b}*{a}={}<eot>", prod + 1)), failure());
+        if a != b {
+            assert_eq!(r(&format!("{}*{b}={prod}<eot>", a + 1)), failure());
+        }
+        // Every demonstration answers directly (tool_fraction 0), restating the problem.
+        let d = t.demonstration(&p, &mut rng).unwrap();
+        let text = tokenizer::decode(&d.tokens).unwrap();
+        assert!(
+            text.ends_with(&format!("<assistant>{a}*{b}={prod}<eot>")),
+            "{text}"
+        );
+    }
+    assert_eq!(
+        sizes.len(),
+        4,
+        "every pair of operand lengths occurs: {sizes:?}"
+    );
+    // min_digits outside 1..=digits is refused, naming the option.
+    for bad in [0, 3] {
+        let e = make(
+            "tool",
+            "calc",
+            64,
+            &TaskOptions {
+                digits: Some(2),
+                min_digits: Some(bad),
+                ..TaskOptions::default()
+            },
+        )
+        .err()
+        .unwrap();
+        assert!(e.contains("min_digits"), "{e}");
+    }
+}
+
 fn observed_text(r: Reply) -> String {
     match r {
         Reply::Observe(ids) => {

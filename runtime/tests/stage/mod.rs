@@ -165,6 +165,7 @@ impl Setup {
         let buffer = DataBuffer::new(BufferConfig {
             group_size: self.group_size,
             tau: self.tau,
+            env_gate: true,
         });
         let stage = StageConfig {
             name: "rl".into(),

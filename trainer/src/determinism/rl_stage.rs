@@ -152,6 +152,7 @@ pub fn run(backend: &Backend, preset: Preset) -> Result<Vec<Output>, DetError> {
     let buffer = DataBuffer::new(BufferConfig {
         group_size: 4,
         tau: 4,
+        env_gate: true,
     });
     let stage = StageConfig {
         name: "rl".into(),

@@ -4,7 +4,7 @@
 //! |----------|-------|---------------------------------------------------|--------------------------|
 //! | `arith`  | 1     | the sum of two integers ([`arith`])               | `digits`                 |
 //! | `sort`   | 1     | the digits of the prompt, sorted ([`sort`])       | `digits`                 |
-//! | `tool`   | 2-4   | a product, with a calculator tool ([`tool`])      | `digits`, `tool_fraction`, `wrong_call_fraction` |
+//! | `tool`   | 1-4   | a product, with a calculator tool ([`tool`])      | `digits`, `min_digits`, `tool_fraction`, `wrong_call_fraction` |
 //! | `recall` | 1     | raw-id recall (the runtime's synthetic task)      | `items`                  |
 //! | `lookup` | 2     | raw-id lookup through an observation (runtime)    | none                     |
 //!
@@ -48,6 +48,11 @@ pub struct TaskOptions {
     /// (1..=9, default [`DEFAULT_DIGITS`]); `sort`: problems of 2..=digits digits (2..=9,
     /// default [`DEFAULT_SORT_DIGITS`]).
     pub digits: Option<u32>,
+    /// `tool`: the fewest digits of an operand (1..=digits, default `digits`: every operand
+    /// has exactly `digits` digits). Each operand's length is drawn uniformly from
+    /// min_digits..=digits, so problems range from ones a model can answer in its head to ones
+    /// it needs the calculator for.
+    pub min_digits: Option<u32>,
     /// `tool`: the fraction of demonstrations that use the tool (the rest answer directly);
     /// in [0, 1], default [`DEFAULT_TOOL_FRACTION`]. See [`tool`] for how it sets the warm-up.
     pub tool_fraction: Option<f64>,
@@ -64,6 +69,9 @@ impl TaskOptions {
         let mut v = Vec::new();
         if self.digits.is_some() {
             v.push("digits");
+        }
+        if self.min_digits.is_some() {
+            v.push("min_digits");
         }
         if self.tool_fraction.is_some() {
             v.push("tool_fraction");
@@ -88,7 +96,12 @@ pub fn make(
 ) -> Result<Arc<dyn Task>, String> {
     let takes: &[&str] = match kind {
         "arith" | "sort" => &["digits"],
-        "tool" => &["digits", "tool_fraction", "wrong_call_fraction"],
+        "tool" => &[
+            "digits",
+            "min_digits",
+            "tool_fraction",
+            "wrong_call_fraction",
+        ],
         "recall" => &["items"],
         "lookup" => &[],
         _ => {
@@ -124,8 +137,9 @@ pub fn make(
                 .map_err(|e| e.0)?,
         ),
         "tool" => Arc::new(
-            tool::ToolTask::new(
+            tool::ToolTask::with_sizes(
                 name,
+                options.min_digits.unwrap_or(digits),
                 digits,
                 tool::DemoMix {
                     tool_fraction: options.tool_fraction.unwrap_or(DEFAULT_TOOL_FRACTION),

@@ -175,6 +175,7 @@ const fn ascii_id(c: u8) -> TokenId {
 pub const PLUS: TokenId = ascii_id(b'+');
 pub const MINUS: TokenId = ascii_id(b'-');
 pub const TIMES: TokenId = ascii_id(b'*');
+pub const EQUALS: TokenId = ascii_id(b'=');
 pub const SPACE: TokenId = ascii_id(b' ');
 
 /// The ids of an integer written in decimal (a leading `-` when negative). Infallible: digits

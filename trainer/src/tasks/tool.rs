@@ -22,36 +22,41 @@
 //! - any other turn is the final answer: reward 1 and `success` when it is exactly the product's
 //!   decimal digits then `<eot>`, else reward 0 and `failure`.
 //!
-//! Why the tool decides success. Both operands have exactly `digits` digits (default 3), so
-//! the product has 2·digits-1 or 2·digits digits (5 or 6 by default). A model of a few million
-//! parameters cannot multiply 3-digit numbers in its head (it can roughly guess the leading
-//! digit and the last one), so answering directly almost always fails; writing the call is
-//! copying the prompt, and answering after the observation is copying the observation, both of
-//! which such a model learns in a few hundred supervised steps (one to two minutes on 2
-//! cores). So the pass rate measures whether the policy uses the tool correctly.
+//! Why the tool decides success. Operands have `min_digits..=digits` digits (default: exactly
+//! `digits`, 3), so products have up to 2·digits digits. A model of a few million parameters
+//! cannot multiply multi-digit numbers in its head (it can roughly guess the leading digit and
+//! the last one), so answering directly almost always fails unless both operands are single
+//! digits; writing the call is copying the prompt, and answering after the observation is
+//! copying the observation, both of which such a model learns in a few hundred supervised
+//! steps. So the pass rate measures whether the policy uses the tool when it needs it.
 //!
-//! Demonstrations and the warm-up. The train issue wants a supervised warm-up after which
-//! the greedy held-out pass rate is below 50% but sampling sometimes succeeds, so that RL has
-//! something to reinforce. [`Task::demonstration`] draws from a [`DemoMix`]:
-//! - `wrong_call_fraction` (recommended for the warm-up): every demonstration calls the tool
-//!   and copies its result, but this fraction of them call it with the wrong program, the sum
-//!   `A+B`, and so end with reward 0. The model learns all of the mechanics from every
-//!   demonstration (copy the operands into the call, copy the observation into the answer) and
-//!   learns to write `+` after the first operand with probability about
-//!   `wrong_call_fraction`. With a fraction above one half, greedy decoding writes `+` and
-//!   fails on every problem, while sampling at temperature 1 writes `*` about
-//!   `1 - wrong_call_fraction` of the time and succeeds: GRPO groups then hold both outcomes,
-//!   and RL only has to move one decision.
-//! - `tool_fraction`: the fraction of demonstrations that call the tool; the others write the
-//!   correct product straight after the prompt (which the model cannot compute). Measured,
-//!   this is a poor warm-up: the direct answers are noise the model cannot fit, they dilute the
-//!   copying it must learn, and greedy decoding still opens with `<call>` as soon as its
-//!   probability beats the most likely leading digit (about 0.3 is enough).
+//! Demonstrations and the warm-up. [`Task::demonstration`] draws from a [`DemoMix`]:
+//! - `tool_fraction`: the fraction of demonstrations that call the tool (correctly) and copy
+//!   its result; the others answer directly, restating the problem with its exact product
+//!   (`37*52=1924<eot>`), as someone who knows the answer would. Every demonstration is
+//!   correct and replays to reward 1. **The default run's warm-up** (configs/default.toml:
+//!   `digits = 2`, `min_digits = 1`, `tool_fraction = 0.4`): the data show two strategies,
+//!   chosen independently of the problem, and nothing in them says that the model itself can
+//!   only answer the 1-digit products directly. After the warm-up, greedy decoding answers
+//!   directly (its first token is the first operand's first digit with probability about
+//!   0.6, `<call>` about 0.4) and so fails most multi-digit problems, while sampling calls
+//!   about 40% of the time. RL must learn from reward *when* to call: GRPO groups of a
+//!   multi-digit problem hold calls that pass and direct answers that fail, groups of a
+//!   1-digit problem mostly pass either way. Continuing the warm-up (the ablation arm,
+//!   crate::arms) keeps the 60/40 mix. The restated form makes the direct strategy's first
+//!   token a copy of the prompt, so the first decision is a clean two-way choice (direct
+//!   answers that start with the product's leading digit spread that strategy's mass over
+//!   nine tokens, and greedy decoding then calls whenever `<call>` beats the likeliest digit;
+//!   measured below at `tool_fraction = 0.3`).
+//! - `wrong_call_fraction`: the fraction of tool-calling demonstrations whose program is the
+//!   sum `A+B` (their answer repeats what the tool returned, so they end with reward 0). The
+//!   previous default warm-up used 0.75 with every demonstration calling: greedy decoding then
+//!   writes `+` and fails every problem, and RL only has to flip that one token, which the
+//!   prompt already shows (`*`): a gain the warm-up data hand over. With 0 the warm-up alone
+//!   passes about 94% greedy (issue 26). Kept for experiments.
 //!
-//! Measured (2026-12-01; configs/model/small.toml on cpu, Muon+AdamW at `sluice sft`'s default
-//! learning rates, 16 demonstrations per step, a 2-core machine shared with other builds):
-//! greedy and temperature-1 pass rates on 128 held-out problems after the warm-up, episodes
-//! run through [`Task::respond`].
+//! Measured for the earlier warm-ups (2026-12-01; configs/model/small.toml on cpu, 16
+//! demonstrations per step, 128 held-out problems, direct answers then the bare product):
 //!
 //! | digits | demonstrations               | steps | greedy        | sampled (T=1) |
 //! |--------|------------------------------|-------|---------------|---------------|
@@ -61,18 +66,17 @@
 //! | 2      | `tool_fraction = 0.3`        | 200   | 0.02          | 0.01          |
 //! | 3      | all correct                  | 150   | 0.73          |               |
 //!
-//! Near one half the learned share of `+` drifts with the optimizer's noise (the 3-digit row
-//! flips between evaluations), so a warm-up that must stay below 50% greedy wants a clear
-//! margin: `wrong_call_fraction` about 0.75.
+//! The default run's figures (warm-up, RL and both baselines, several seeds) are in
+//! docs/perf/train.md.
 //!
-//! With the defaults (`tool_fraction = 1`, `wrong_call_fraction = 0`) every demonstration is
-//! a correct tool-using episode and replays to reward 1.
+//! With `tool_fraction = 1` and `wrong_call_fraction = 0` (the option defaults) every
+//! demonstration is a correct tool-using episode.
 //!
 //! Held-out problems are those whose spec (`"372*845"`) hashes odd, training problems those
 //! that hash even.
 
 use super::calc;
-use super::tokenizer::{self, CALL, END_CALL, EOT, PLUS, TIMES};
+use super::tokenizer::{self, CALL, END_CALL, EOT, EQUALS, PLUS, TIMES};
 use super::{end, in_split, template, MAX_DIGITS};
 use sluice_kernels::testing::Rng;
 use sluice_runtime::engine::StopConfig;
@@ -116,6 +120,8 @@ impl DemoMix {
 #[derive(Clone, Debug)]
 pub struct ToolTask {
     name: String,
+    /// Operands have min_digits..=digits digits.
+    min_digits: u32,
     digits: u32,
     mix: DemoMix,
 }
@@ -124,9 +130,25 @@ impl ToolTask {
     /// Operands of exactly `digits` digits (1..=9); demonstrations drawn as `mix` says (both
     /// fractions in [0, 1]).
     pub fn new(name: &str, digits: u32, mix: DemoMix) -> Result<ToolTask, TaskError> {
+        ToolTask::with_sizes(name, digits, digits, mix)
+    }
+
+    /// Operands of `min_digits..=digits` digits (the length drawn uniformly per operand, then
+    /// the value uniformly among numbers of that length).
+    pub fn with_sizes(
+        name: &str,
+        min_digits: u32,
+        digits: u32,
+        mix: DemoMix,
+    ) -> Result<ToolTask, TaskError> {
         if !(1..=MAX_DIGITS).contains(&digits) {
             return Err(TaskError(format!(
                 "task {name}: digits must be in 1..={MAX_DIGITS}, got {digits}"
+            )));
+        }
+        if !(1..=digits).contains(&min_digits) {
+            return Err(TaskError(format!(
+                "task {name}: min_digits must be in 1..=digits ({digits}), got {min_digits}"
             )));
         }
         for (key, f) in [
@@ -141,6 +163,7 @@ impl ToolTask {
         }
         Ok(ToolTask {
             name: name.into(),
+            min_digits,
             digits,
             mix,
         })
@@ -150,30 +173,44 @@ impl ToolTask {
         self.digits
     }
 
+    pub fn min_digits(&self) -> u32 {
+        self.min_digits
+    }
+
     pub fn mix(&self) -> DemoMix {
         self.mix
     }
 
     fn operand(&self, rng: &mut Rng) -> i64 {
-        let lo = if self.digits == 1 {
+        // One length draws no length (the problem stream of a fixed-size task is unchanged).
+        let digits = if self.min_digits == self.digits {
+            self.digits
+        } else {
+            self.min_digits + rng.below((self.digits - self.min_digits + 1) as usize) as u32
+        };
+        let lo = if digits == 1 {
             1
         } else {
-            10i64.pow(self.digits - 1)
+            10i64.pow(digits - 1)
         };
-        lo + rng.below((10i64.pow(self.digits) - lo) as usize) as i64
+        lo + rng.below((10i64.pow(digits) - lo) as usize) as i64
     }
 
     /// The operands of a spec this task made (`"A*B"`, each of exactly `digits` digits).
     fn parse(&self, spec: &str) -> Result<(i64, i64), TaskError> {
         let bad = || {
             TaskError(format!(
-                "task {}: problem spec {spec:?} is not A*B with operands of {} digits",
-                self.name, self.digits
+                "task {}: problem spec {spec:?} is not A*B with operands of {}..={} digits",
+                self.name, self.min_digits, self.digits
             ))
         };
         let (a, b) = spec.split_once('*').ok_or_else(bad)?;
         let num = |s: &str| -> Result<i64, TaskError> {
-            if s.len() != self.digits as usize || !s.bytes().all(|c| c.is_ascii_digit()) {
+            let sizes = self.min_digits as usize..=self.digits as usize;
+            if !sizes.contains(&s.len())
+                || s.starts_with('0')
+                || !s.bytes().all(|c| c.is_ascii_digit())
+            {
                 return Err(bad());
             }
             s.parse().map_err(|_| bad())
@@ -242,10 +279,12 @@ impl Task for ToolTask {
             }
             return Ok(Reply::Observe(self.run_call(generated)?));
         }
+        // The product alone, or the problem restated with it (`A*B=P`, how a direct answer
+        // is written).
         let want = (a * b).to_string();
-        Ok(end(
-            template::answer_text(generated).is_some_and(|t| t == want)
-        ))
+        Ok(end(template::answer_text(generated).is_some_and(|t| {
+            t == want || t.strip_prefix(p.spec.as_str()) == Some(&format!("={want}"))
+        })))
     }
 
     fn stop(&self) -> StopConfig {
@@ -281,7 +320,12 @@ impl Task for ToolTask {
             d.given(&template::observation(&result));
             result
         } else {
-            tokenizer::number(a * b)
+            // A direct answer restates the problem, then the product: `A*B=P`.
+            let mut direct = operation_ids(a, TIMES, b);
+            direct.push(EQUALS);
+            direct.extend(tokenizer::number(a * b));
+            d.model(&template::answer(&direct));
+            return Some(d.finish());
         };
         d.model(&template::answer(&result));
         Some(d.finish())

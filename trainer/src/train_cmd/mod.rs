@@ -1,0 +1,585 @@
+//! `sluice train` (DESIGN 7.1): the pipeline of stages (supervised warm-up, then RL with GRPO
+//! groups and the IS-gate loss, async by default) on the built-in tasks, and the run folder:
+//!
+//! ```text
+//! runs/NAME/config.toml      the resolved config (loading it reproduces the run)
+//!           metrics.jsonl    one JSON object per learner step (DESIGN 9 keys; SFT steps too)
+//!           summary.json     DESIGN 7.1's keys
+//!           trace.json       Chrome trace events (Perfetto): rollout, environment, learner, sync
+//!           *.svg            plots
+//!           checkpoints/     SSS-NNNNNNNNN/ (stage SSS, at a barrier after learner step N) and
+//!                            SSS-end/: learner.safetensors (weights + optimizer state),
+//!                            rollout.safetensors (the engines' weights; barrier
+//!                            checkpoints only), state.json
+//!           final.safetensors
+//! ```
+//!
+//! Every setting is validated before the run folder is touched: a bad config is an error that
+//! names the key (exit code 2) and leaves no folder behind.
+
+use crate::config::{self, ConfigError, StageKind, TaskSection, TrainConfig};
+use crate::progress::Progress;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use sluice_kernels::testing::Rng;
+use sluice_kernels::Backend;
+use sluice_model::forward::loss_and_grad_on;
+use sluice_model::optim::{LrSchedule, OptimConfig, Optimizer};
+use sluice_model::{Model, ModelConfig, PackedBatch};
+use sluice_runtime::buffer::{BufferConfig, DataBuffer};
+use sluice_runtime::clock::{ClockMode, Micros};
+use sluice_runtime::engine::{Engine, EngineConfig};
+use sluice_runtime::env::{Split, Task};
+use sluice_runtime::eval::{pass_rate, PassRate};
+use sluice_runtime::hash::{hash_str, mix64};
+use sluice_runtime::learner::{Learner, LearnerConfig, Mismatch, Publication, StepReport};
+use sluice_runtime::metrics::{insert_mismatch, LearnerTotals, Trace};
+use sluice_runtime::orchestrator::{Orchestrator, OrchestratorState, RolloutPolicy, TaskSpec};
+use sluice_runtime::system::{
+    run_stage, BarrierView, Parts, RunError, StageConfig, StageObserver, StageStart,
+};
+use sluice_runtime::trajectory::{SamplingParams, WeightVersion};
+use std::collections::BTreeMap;
+use std::fmt;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+mod checkpoint;
+mod stages;
+mod summary;
+use checkpoint::*;
+
+/// What `sluice train` was asked.
+#[derive(Clone, Debug, Default)]
+pub struct TrainOptions {
+    pub config: Option<PathBuf>,
+    pub sets: Vec<String>,
+    pub device: Option<String>,
+    pub mode: Option<String>,
+    pub seed: Option<u64>,
+    pub out: Option<PathBuf>,
+    pub resume: Option<PathBuf>,
+}
+
+/// Why a run stopped: bad input (exit 2, nothing written) or a failure during the run.
+#[derive(Debug)]
+pub enum TrainError {
+    /// A bad setting (exit 2). Found before the run folder is touched, except a heartbeat
+    /// timeout shorter than an engine step, which only the run itself can show.
+    Config(ConfigError),
+    /// Bad input found outside the config file (an option, a model file).
+    Input(String),
+    /// The run failed.
+    Run(String),
+}
+
+impl TrainError {
+    pub fn is_bad_input(&self) -> bool {
+        matches!(self, TrainError::Config(_) | TrainError::Input(_))
+    }
+}
+
+impl fmt::Display for TrainError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TrainError::Config(e) => write!(f, "{e}"),
+            TrainError::Input(m) => f.write_str(m),
+            TrainError::Run(m) => f.write_str(m),
+        }
+    }
+}
+
+impl std::error::Error for TrainError {}
+
+impl From<ConfigError> for TrainError {
+    fn from(e: ConfigError) -> Self {
+        TrainError::Config(e)
+    }
+}
+
+fn run_err(e: impl fmt::Display) -> TrainError {
+    TrainError::Run(e.to_string())
+}
+
+/// The run's outcome (also written to summary.json).
+#[derive(Clone, Debug)]
+pub struct TrainSummary {
+    pub out_dir: PathBuf,
+    pub summary: Value,
+}
+
+/// Builds the task of a config section (the model's vocabulary bounds the token ids).
+pub fn make_task(t: &TaskSection, vocab: usize) -> Result<Arc<dyn Task>, String> {
+    crate::tasks::make(&t.kind, &t.name, vocab, &t.options)
+}
+
+/// Everything resolved before anything is written.
+struct Plan {
+    cfg: TrainConfig,
+    model_cfg: ModelConfig,
+    tasks: BTreeMap<String, Arc<dyn Task>>,
+    out: PathBuf,
+}
+
+fn plan(o: &TrainOptions) -> Result<Plan, TrainError> {
+    let mut sets = o.sets.clone();
+    if let Some(d) = &o.device {
+        sets.push(format!("run.device=\"{d}\""));
+    }
+    if let Some(m) = &o.mode {
+        sets.push(format!("run.mode=\"{m}\""));
+    }
+    if let Some(s) = o.seed {
+        sets.push(format!("run.seed={s}"));
+    }
+    let cfg = match &o.resume {
+        Some(dir) => {
+            if o.config.is_some() || !sets.is_empty() || o.out.is_some() {
+                return Err(TrainError::Input(
+                    "--resume continues a run with its own config.toml: --config, --set, \
+                     --device, --mode, --seed and --out cannot be combined with it"
+                        .into(),
+                ));
+            }
+            let file = dir.join("config.toml");
+            if !file.is_file() {
+                return Err(TrainError::Input(format!(
+                    "--resume {}: no config.toml there (not a run folder)",
+                    dir.display()
+                )));
+            }
+            config::load(Some(&file), &[])?
+        }
+        None => config::load(o.config.as_deref(), &sets)?,
+    };
+    let model_cfg = ModelConfig::from_file(&cfg.model.config).map_err(|e| {
+        TrainError::Config(ConfigError {
+            key: "model.config".into(),
+            message: format!("{}: {e}", cfg.model.config.display()),
+        })
+    })?;
+    // The KV pool must hold at least one block of this model in this precision; found here,
+    // before the run folder exists, not when the first engine is built.
+    sluice_model::infer::KvCache::blocks_for_bytes(
+        &model_cfg,
+        cfg.model.precision.dtype(),
+        cfg.rollout.block_size,
+        cfg.rollout.kv_bytes,
+    )
+    .map_err(|e| {
+        TrainError::Config(ConfigError {
+            key: "rollout.kv_bytes".into(),
+            message: match e {
+                sluice_kernels::Error::Param { message, .. } => message,
+                e => e.to_string(),
+            },
+        })
+    })?;
+    if let Some(init) = &cfg.model.init {
+        if !init.is_file() {
+            return Err(TrainError::Config(ConfigError {
+                key: "model.init".into(),
+                message: format!("{} is not a file", init.display()),
+            }));
+        }
+    }
+    let mut tasks = BTreeMap::new();
+    for t in &cfg.tasks {
+        let task = make_task(t, model_cfg.vocab).map_err(|m| {
+            TrainError::Config(ConfigError {
+                key: format!("tasks.{}.kind", t.name),
+                message: m,
+            })
+        })?;
+        tasks.insert(t.name.clone(), task);
+    }
+    let out = match (&o.resume, &o.out) {
+        (Some(dir), _) => dir.clone(),
+        (None, Some(out)) => out.clone(),
+        (None, None) => PathBuf::from("runs").join(&cfg.run.name),
+    };
+    Ok(Plan {
+        cfg,
+        model_cfg,
+        tasks,
+        out,
+    })
+}
+
+/// The files a run writes (cleared when a run starts in an existing folder).
+const RUN_FILES: [&str; 5] = [
+    "config.toml",
+    "metrics.jsonl",
+    "summary.json",
+    "trace.json",
+    "final.safetensors",
+];
+
+fn prepare_folder(out: &Path) -> Result<(), TrainError> {
+    std::fs::create_dir_all(out)
+        .map_err(|e| TrainError::Input(format!("--out {}: {e}", out.display())))?;
+    for f in RUN_FILES {
+        let p = out.join(f);
+        if p.exists() {
+            std::fs::remove_file(&p).map_err(|e| run_err(format!("{}: {e}", p.display())))?;
+        }
+    }
+    let ck = out.join("checkpoints");
+    if ck.exists() {
+        std::fs::remove_dir_all(&ck).map_err(|e| run_err(format!("{}: {e}", ck.display())))?;
+    }
+    if let Ok(entries) = std::fs::read_dir(out) {
+        for e in entries.flatten() {
+            if e.path().extension().is_some_and(|x| x == "svg") {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// SHA-256 of the parameters' f32 little-endian bytes.
+pub fn weights_sha256(model: &Model) -> Result<String, TrainError> {
+    let v = model.params.to_vec().map_err(run_err)?;
+    let mut h = Sha256::new();
+    for x in v {
+        h.update(x.to_le_bytes());
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// What a checkpoint holds besides the weights (checkpoints/NAME/state.json): enough to
+/// continue the run exactly where it stopped (see [`run_train`] on resume).
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+struct RunState {
+    /// Bumped when this layout changes.
+    format: u32,
+    /// The stage to run next, or to continue when `rl` is set.
+    next_stage: usize,
+    /// An RL stage stopped at a barrier.
+    rl: Option<RlProgress>,
+    /// The RL learner's version (its optimizer steps over all RL stages).
+    rl_version: u64,
+    /// The run clock at the start of the stage in progress (or the next one).
+    clock: Micros,
+    /// RL learner steps of finished stages.
+    learner_steps: u64,
+    stage_times: Vec<(String, f64)>,
+    pass_before: BTreeMap<String, PassRate>,
+    rl_totals: Option<RlTotals>,
+    /// Spans of finished stages.
+    trace: Trace,
+    /// Lines of metrics.jsonl written so far (a resumed run cuts the file back to these).
+    metrics_lines: u64,
+}
+
+/// An RL stage stopped at a barrier.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct RlProgress {
+    /// The run clock at the barrier.
+    now: Micros,
+    /// When the stage began on the run clock.
+    stage_began: Micros,
+    buffer: DataBuffer,
+    orchestrator: OrchestratorState,
+    totals: LearnerTotals,
+    /// The version of the weights the engines hold (rollout.safetensors).
+    engine_version: u64,
+    /// The stage's spans so far.
+    trace: Trace,
+    /// Seconds the stage ran before the barrier.
+    stage_seconds: f64,
+}
+
+/// Runs `sluice train`; progress goes to `out` (stdout in the CLI).
+///
+/// With `--resume runs/NAME` the run continues from its newest checkpoint: the config is the
+/// folder's config.toml; weights, optimizer state, the engines' weights, the data buffer, the
+/// orchestrator's counters, the learner's totals and the run clock are restored, and
+/// metrics.jsonl is cut back to the checkpoint. Checkpoints are taken at barriers (no
+/// trajectory in flight) and every random choice is keyed, so on the virtual clock (replay) a
+/// resumed run ends with exactly the weights an uninterrupted one does.
+pub fn run_train(o: &TrainOptions, out: &mut dyn Write) -> Result<TrainSummary, TrainError> {
+    let p = plan(o)?;
+    let cfg = &p.cfg;
+    let backend = Backend::open(cfg.run.device).map_err(|e| {
+        TrainError::Config(ConfigError {
+            key: "run.device".into(),
+            message: e.to_string(),
+        })
+    })?;
+    let metrics_path = p.out.join("metrics.jsonl");
+    let (state, resume_from, mut metrics) = match &o.resume {
+        Some(_) => {
+            let Some(ck) = latest_checkpoint(&p.out)? else {
+                return Err(TrainError::Input(format!(
+                    "--resume {}: the run has no checkpoint yet (run.checkpoint_every)",
+                    p.out.display()
+                )));
+            };
+            let st = read_state(&ck)?;
+            let file = truncate_lines(&metrics_path, st.metrics_lines)?;
+            (st, Some(ck), file)
+        }
+        None => {
+            prepare_folder(&p.out)?;
+            std::fs::write(p.out.join("config.toml"), cfg.to_toml())
+                .map_err(|e| run_err(format!("config.toml: {e}")))?;
+            let file = std::fs::File::create(&metrics_path)
+                .map_err(|e| run_err(format!("{}: {e}", metrics_path.display())))?;
+            (
+                RunState {
+                    format: STATE_FORMAT,
+                    ..RunState::default()
+                },
+                None,
+                file,
+            )
+        }
+    };
+    let start = Instant::now();
+    let mut model = match (&resume_from, &cfg.model.init) {
+        (Some(ck), _) => Model::from_checkpoint(&ck.join("learner.safetensors"), &backend)
+            .map_err(|e| TrainError::Input(format!("resume: {e}")))?,
+        (None, Some(init)) => Model::from_checkpoint(init, &backend).map_err(run_err)?,
+        (None, None) => Model::new(p.model_cfg.clone(), &backend).map_err(run_err)?,
+    };
+    model
+        .set_precision(&backend, cfg.model.precision)
+        .map_err(run_err)?;
+    let _ = writeln!(
+        out,
+        "sluice train: {} ({} parameters) on {} in {}, {} mode{}, {} stage(s); run folder {}{}",
+        cfg.model.config.display(),
+        model.layout().param_count(),
+        cfg.run.device,
+        cfg.model.precision,
+        cfg.run.mode.as_str(),
+        if cfg.run.replay {
+            ", replay (virtual clock)"
+        } else {
+            ""
+        },
+        cfg.stages.len(),
+        p.out.display(),
+        match &resume_from {
+            Some(ck) => format!(", resumed from {}", ck.display()),
+            None => String::new(),
+        }
+    );
+    let mut ctx = RunContext {
+        cfg,
+        tasks: &p.tasks,
+        out_dir: &p.out,
+        metrics: &mut metrics,
+        progress: out,
+        state,
+        resume_from,
+        pass_after: BTreeMap::new(),
+    };
+    for i in ctx.state.next_stage..cfg.stages.len() {
+        let stage = &cfg.stages[i];
+        let t0 = Instant::now();
+        let before = ctx.state.rl.as_ref().map_or(0.0, |r| r.stage_seconds);
+        model = match stage.kind {
+            StageKind::Sft => ctx.sft_stage(i, model, &backend)?,
+            StageKind::Rl => ctx.rl_stage(i, model)?,
+        };
+        ctx.state.stage_times.push((
+            format!("{}#{i}", stage.kind.as_str()),
+            before + t0.elapsed().as_secs_f64(),
+        ));
+        ctx.state.next_stage = i + 1;
+        ctx.state.rl = None;
+        ctx.resume_from = None;
+        // A checkpoint at every stage end (the next stage starts from it on resume).
+        let st = ctx.state.clone();
+        let m = &model;
+        write_checkpoint(
+            &p.out.join("checkpoints"),
+            &format!("{i:03}-end"),
+            |dir| {
+                m.save(&dir.join("learner.safetensors"))
+                    .map_err(|e| format!("checkpoint: {e}"))
+            },
+            &st,
+        )
+        .map_err(run_err)?;
+    }
+    // Held-out pass rates at the end of the run.
+    let final_tasks: Vec<String> = cfg
+        .stages
+        .iter()
+        .filter(|s| s.kind == StageKind::Rl)
+        .flat_map(|s| s.tasks.iter().cloned())
+        .collect();
+    if !final_tasks.is_empty() {
+        ctx.pass_after = ctx.evaluate(&model, &final_tasks)?;
+    }
+    let arms = ctx.arms(&p, &model, &final_tasks)?;
+    let final_path = p.out.join("final.safetensors");
+    model.save(&final_path).map_err(run_err)?;
+    let sha = weights_sha256(&model)?;
+    let mut summary = ctx.summary(&sha, start.elapsed().as_secs_f64());
+    if let (Some(a), Some(m)) = (&arms, summary.as_object_mut()) {
+        m.insert("arms".into(), a.clone());
+    }
+    let write = |name: &str, text: &str| -> Result<(), TrainError> {
+        let path = p.out.join(name);
+        sluice_model::checkpoint::write_atomic(&path, text.as_bytes())
+            .map_err(|e| run_err(format!("{}: {e}", path.display())))
+    };
+    write(
+        "summary.json",
+        &serde_json::to_string_pretty(&summary).map_err(run_err)?,
+    )?;
+    write(
+        "trace.json",
+        &serde_json::to_string(&ctx.state.trace.to_chrome_json()).map_err(run_err)?,
+    )?;
+    // Plots from the metrics, with the held-out pass rates at the first RL stage's start and
+    // at the end of the last one.
+    // The charts are of the RL stages (supervised lines carry only a loss).
+    let lines: Vec<Value> = crate::report::plots::read_metrics(&metrics_path)
+        .map_err(run_err)?
+        .into_iter()
+        .filter(|l| l["stage"].as_str().is_some_and(|s| s.starts_with("rl#")))
+        .collect();
+    let rl_stages: Vec<usize> = cfg
+        .stages
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.kind == StageKind::Rl)
+        .map(|(i, _)| i)
+        .collect();
+    let mut pass = Vec::new();
+    if let (Some(&first), Some(&last)) = (rl_stages.first(), rl_stages.last()) {
+        for (name, r) in &ctx.state.pass_before {
+            pass.push(crate::report::plots::PassPoint {
+                task: name.clone(),
+                stage: format!("rl#{first}"),
+                step: 0,
+                pass_rate: r.rate(),
+            });
+        }
+        for (name, r) in &ctx.pass_after {
+            pass.push(crate::report::plots::PassPoint {
+                task: name.clone(),
+                stage: format!("rl#{last}"),
+                step: cfg.stages[last].steps,
+                pass_rate: r.rate(),
+            });
+        }
+    }
+    let targets: BTreeMap<String, f64> = cfg
+        .tasks
+        .iter()
+        .map(|t| (t.name.clone(), t.target_share))
+        .collect();
+    let total_target: f64 = targets.values().sum::<f64>().max(1e-12);
+    let targets = targets
+        .into_iter()
+        .map(|(k, v)| (k, v / total_target))
+        .collect();
+    let plots =
+        crate::report::plots::write_all(&p.out, &lines, &targets, &pass).map_err(run_err)?;
+    let table = ctx.summary_table(&summary);
+    let _ = writeln!(ctx.progress, "{table}");
+    let names: Vec<String> = plots
+        .iter()
+        .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().to_string()))
+        .collect();
+    if !names.is_empty() {
+        let _ = writeln!(ctx.progress, "plots: {}", names.join(", "));
+    }
+    let _ = writeln!(
+        ctx.progress,
+        "trace: open {} in https://ui.perfetto.dev (or chrome://tracing)",
+        p.out.join("trace.json").display()
+    );
+    Ok(TrainSummary {
+        out_dir: p.out.clone(),
+        summary,
+    })
+}
+
+struct RunContext<'a> {
+    cfg: &'a TrainConfig,
+    tasks: &'a BTreeMap<String, Arc<dyn Task>>,
+    out_dir: &'a Path,
+    metrics: &'a mut std::fs::File,
+    progress: &'a mut dyn Write,
+    state: RunState,
+    /// The checkpoint this process resumed from, until its stage is done.
+    resume_from: Option<PathBuf>,
+    pass_after: BTreeMap<String, PassRate>,
+}
+
+/// What the RL stages added up to (for summary.json).
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+struct RlTotals {
+    samples: u64,
+    accepted_tokens: u64,
+    /// Accepted tokens with a non-zero advantage.
+    #[serde(default)]
+    gradient_tokens: u64,
+    sampled_tokens: u64,
+    finished_generated: u64,
+    zero_lag: u64,
+    zero_lag_mismatch: u64,
+    /// Learner-vs-behavior log-prob mismatch at lag 0 and above (see
+    /// [`sluice_runtime::learner::StepReport::mismatch_lag0`]).
+    #[serde(default)]
+    mismatch_lag0: Mismatch,
+    #[serde(default)]
+    mismatch_lagpos: Mismatch,
+    /// Trained tokens (repeats included) and those the IS gate rejected below / above.
+    #[serde(default)]
+    masked_tokens: u64,
+    #[serde(default)]
+    gated_low: u64,
+    #[serde(default)]
+    gated_high: u64,
+    buffer_in: u64,
+    stale: u64,
+    env: u64,
+    /// Environment-ended trajectories trained (buffer.env_gate = false).
+    #[serde(default)]
+    env_trained: u64,
+    /// Per task and number of model turns: trajectories in, stale drops, environment drops.
+    #[serde(default)]
+    by_turns: BTreeMap<String, BTreeMap<u32, (u64, u64, u64)>>,
+    dup: u64,
+    released: u64,
+    elapsed_s: f64,
+    engine_busy_s: f64,
+    learner_busy_s: f64,
+    shares: BTreeMap<String, (f64, u64)>,
+    /// Per task: trajectories finished, trajectories the learner consumed (G per consumed
+    /// group), and the sum of their completion times (seconds).
+    #[serde(default)]
+    flow: BTreeMap<String, (u64, u64, f64)>,
+}
+
+impl RunContext<'_> {
+    fn line(&mut self, v: &Value) -> Result<(), TrainError> {
+        self.state.metrics_lines += 1;
+        writeln!(self.metrics, "{v}").map_err(|e| run_err(format!("metrics.jsonl: {e}")))
+    }
+
+    /// The optimizer of a stage: the supervised or the RL learning rates.
+    fn optim_config(&self, kind: StageKind, schedule: LrSchedule) -> OptimConfig {
+        let o = &self.cfg.optim;
+        let (muon, adamw) = match kind {
+            StageKind::Sft => (o.muon_lr, o.adamw_lr),
+            StageKind::Rl => (o.rl_muon_lr, o.rl_adamw_lr),
+        };
+        let mut c = OptimConfig::with_lrs(muon, adamw, schedule);
+        c.clip_norm = (o.clip_norm > 0.0).then_some(o.clip_norm);
+        c.muon.weight_decay = o.weight_decay;
+        c.adamw.weight_decay = o.weight_decay;
+        c
+    }
+}

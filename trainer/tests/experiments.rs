@@ -1,0 +1,211 @@
+//! `sluice experiment NAME`: each experiment on a tiny preset (the mini model, one seed, two
+//! arms of 3 RL steps on the virtual clock, from one shared 100-step warm-up), asserting the
+//! direction its arms must show and that the report has the machine, commit and seeds.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use support::*;
+
+/// The shared warm-up: configs/tiny.toml's supervised stage shortened to 100 steps, run once
+/// per test process; its final.safetensors is every experiment's model.init.
+fn warm_up() -> &'static PathBuf {
+    static WARM: OnceLock<PathBuf> = OnceLock::new();
+    WARM.get_or_init(|| {
+        let dir = scratch("exp-warm");
+        let cfg = dir.join("warm.toml");
+        std::fs::write(
+            &cfg,
+            "[run]\nlog_every = 1000\ncheckpoint_every = 0\n\
+             [model]\nconfig = \"configs/model/mini.toml\"\n\
+             [[stage]]\nkind = \"sft\"\nsteps = 100\ntasks = [\"sort\", \"tool\"]\n\
+             [tasks.sort]\ndigits = 4\n",
+        )
+        .unwrap();
+        run_ok(&[
+            "train",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--out",
+            dir.join("run").to_str().unwrap(),
+        ]);
+        dir.join("run/final.safetensors")
+    })
+}
+
+/// The RL-only preset: 3 steps from the shared warm-up, 8 held-out problems.
+fn preset(dir: &Path) -> PathBuf {
+    let p = dir.join("preset.toml");
+    std::fs::write(
+        &p,
+        format!(
+            "[run]\nlog_every = 1000\ncheckpoint_every = 0\n\
+             [model]\nconfig = \"configs/model/mini.toml\"\ninit = {:?}\n\
+             [[stage]]\nkind = \"rl\"\nsteps = 3\ntasks = [\"sort\", \"tool\"]\n\
+             [rollout]\neval_problems = 8\n\
+             [tasks.sort]\ndigits = 4\n",
+            warm_up().to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    p
+}
+
+/// Runs experiment `name` with `arms` on the preset; returns report.json.
+fn experiment(name: &str, arms: &str, extra: &[&str]) -> serde_json::Value {
+    let dir = scratch(&format!("exp-{name}"));
+    let cfg = preset(&dir);
+    let out = dir.join("out");
+    let mut args = vec![
+        "experiment",
+        name,
+        "--config",
+        cfg.to_str().unwrap(),
+        "--seeds",
+        "0",
+        "--arms",
+        arms,
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    run_ok(&args);
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    // The report says where and what it ran.
+    assert_eq!(report["experiment"], name);
+    assert_eq!(report["seeds"], serde_json::json!([0]));
+    assert_eq!(report["clock"], "virtual");
+    assert!(report["machine"]["cores"].as_u64().unwrap() >= 1);
+    assert!(!report["commit"].as_str().unwrap().is_empty());
+    assert!(md.contains("Machine:") && md.contains("Commit:") && md.contains("Seeds: [0]"));
+    let svg = std::fs::read_to_string(out.join(format!("{name}.svg"))).unwrap();
+    assert!(roxmltree::Document::parse(&svg).is_ok());
+    let _ = std::fs::remove_dir_all(&dir);
+    report
+}
+
+/// The mean of `column` for `arm` in a report.
+fn value(report: &serde_json::Value, arm: &str, column: &str) -> f64 {
+    let a = report["arms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == arm)
+        .unwrap_or_else(|| panic!("no arm {arm}"));
+    a["columns"][column]["mean"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{arm}: no {column}"))
+}
+
+#[test]
+fn tau_0_drops_more_than_tau_8() {
+    let r = experiment("tau", "tau-0,tau-8", &[]);
+    let (t0, t8) = (
+        value(&r, "tau-0", "stale drops"),
+        value(&r, "tau-8", "stale drops"),
+    );
+    assert!(t0 > t8, "stale drops: tau 0 {t0}, tau 8 {t8}");
+    assert_eq!(t8, 0.0, "3 steps never lag by more than 8");
+}
+
+#[test]
+fn a_longer_refresh_interval_trains_fewer_zero_lag_tokens() {
+    let r = experiment("refresh", "async-k1,async-k8", &[]);
+    let (k1, k8) = (
+        value(&r, "async-k1", "zero-lag share"),
+        value(&r, "async-k8", "zero-lag share"),
+    );
+    assert!(k1 > k8, "zero-lag share: K = 1 {k1}, K = 8 {k8}");
+    assert!(value(&r, "async-k8", "mean lag") > value(&r, "async-k1", "mean lag"));
+}
+
+#[test]
+fn a_tighter_clip_bound_gates_more_tokens() {
+    let r = experiment("clip", "eps-0.02-0.02,eps-0.5-0.5", &[]);
+    let (tight, loose) = (
+        value(&r, "eps-0.02-0.02", "IS gated"),
+        value(&r, "eps-0.5-0.5", "IS gated"),
+    );
+    assert!(tight > loose, "gated: eps 0.02 {tight}, eps 0.5 {loose}");
+}
+
+#[test]
+fn without_the_environment_gate_crashed_episodes_are_trained() {
+    let r = experiment("crashes", "crash-30-gate,crash-30-no-gate", &[]);
+    assert_eq!(value(&r, "crash-30-gate", "env-ended trained"), 0.0);
+    assert!(value(&r, "crash-30-gate", "env drops") > 0.1);
+    let trained = value(&r, "crash-30-no-gate", "env-ended trained");
+    assert!(
+        trained > 0.1 && trained <= 1.0,
+        "environment-ended share trained without the gate: {trained}"
+    );
+    assert_eq!(value(&r, "crash-30-no-gate", "env drops"), 0.0);
+}
+
+#[test]
+fn share_correction_keeps_the_long_task_near_its_target() {
+    let r = experiment("share", "correction,no-correction", &[]);
+    let col = "mean |share - target| per step";
+    let (on, off) = (
+        value(&r, "correction", col),
+        value(&r, "no-correction", col),
+    );
+    assert!(on < off, "{col}: with correction {on}, without {off}");
+}
+
+#[test]
+fn rollout_ahead_of_the_learner_trains_lagged_tokens() {
+    let r = experiment("is-modes", "dis-eta0,dis-eta8", &[]);
+    assert_eq!(value(&r, "dis-eta0", "lagged tokens"), 0.0);
+    assert!(value(&r, "dis-eta8", "lagged tokens") > 0.0);
+}
+
+#[test]
+fn async_outpaces_sync_when_the_environment_is_slow() {
+    let r = experiment("async-speedup", "sync-lat200-to1,async-lat200-to1", &[]);
+    let (s, a) = (
+        value(&r, "sync-lat200-to1", "effective tok/s"),
+        value(&r, "async-lat200-to1", "effective tok/s"),
+    );
+    assert!(a > 1.5 * s, "effective tok/s: sync {s}, async {a}");
+    let speedup = r["speedup"][0]["effective"].as_f64().unwrap();
+    assert!((speedup - a / s).abs() < 1e-9);
+}
+
+#[test]
+fn tito_says_it_is_unavailable_and_bad_names_exit_2() {
+    let dir = scratch("exp-tito");
+    let out = dir.join("out");
+    let text = run_ok(&[
+        "experiment",
+        "tito",
+        "--quick",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(text.contains("unavailable"), "{text}");
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("Unavailable") && md.contains("BPE"), "{md}");
+    // Nothing ran: no arm folders.
+    assert_eq!(std::fs::read_dir(&out).unwrap().count(), 2);
+    // An unknown experiment or arm names what is wrong, exit 2, no folder.
+    let bad = dir.join("bad");
+    let o = sluice(&["experiment", "nope", "--out", bad.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("async-speedup"));
+    let o = sluice(&[
+        "experiment",
+        "tau",
+        "--arms",
+        "tau-3",
+        "--out",
+        bad.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--arms"));
+    assert!(!bad.exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
