@@ -6,7 +6,7 @@
 //! misshapen input), 1 when the op itself fails.
 
 use clap::Args;
-use sluice_kernels::emu::profile::{LazyAlloc, Strata};
+use sluice_kernels::emu::profile::LazyAlloc;
 use sluice_kernels::io::read_safetensors;
 use sluice_kernels::profiler::{self, cases, report, OpProfile, Preset, ProfileCase};
 use sluice_kernels::{runner, Backend, Device, Error};
@@ -116,14 +116,17 @@ fn profile_file(
         .map(|(n, t)| format!("{n}{:?}", t.shape()))
         .collect::<Vec<_>>()
         .join(" ");
+    let name = runner::find(op).map_err(classify)?.name;
     let case = ProfileCase {
-        op: runner::find(op).map_err(classify)?.name,
+        op: name,
         shape: format!("{} ({shape})", path.display()),
         op_flops: f64::NAN,
         compulsory_bytes: bytes,
         tensors: file.tensors,
         params,
-        strata: |_| Strata::Uniform,
+        // The op's own strata: sampling every launch uniformly would, for example, take the
+        // same query tile of every head of an attention grid whose x extent divides the stride.
+        strata: cases::strata_of(name),
     };
     let mut p = profiler::profile_case(backend, case, blocks).map_err(classify)?;
     p.preset = "file".into();

@@ -291,3 +291,48 @@ fn emu_check_profiles_any_kernel() {
         .collect();
     assert!(sites.iter().any(|s| s.ends_with("copy.cu:2")), "{sites:?}");
 }
+
+/// A profile of inputs from a file samples each launch as the op's own case does (attention:
+/// by query tile along grid x). Two 128-token sequences, 2 heads: grid (2 tiles + 2 spare
+/// blocks, 2 heads); a uniform sample of 2 would take x = 2 twice, two spare blocks that exit at
+/// once, and count no FLOPs. By query tile, one stratum's block is sequence 1's whole tile: the
+/// scaled count is the exact one, 2 heads x 2 sequences x 10 warp-tiles (4 warps of 32 rows see
+/// 1..4 key tiles of 32) x 32 x 32 pairs x 16 dims x 4 FLOPs.
+#[test]
+fn a_file_profile_samples_as_the_op_s_case() {
+    use sluice_kernels::{io::write_safetensors, Backend, DType, Tensor};
+    let dir = scratch("file-strata");
+    let (t, h, d) = (256usize, 2usize, 16usize);
+    let cpu = Backend::Cpu;
+    let vals: Vec<f32> = (0..t * h * d)
+        .map(|i| ((i * 7919) % 97) as f32 / 97.0 - 0.5)
+        .collect();
+    let x = Tensor::from_f32_as(&cpu, &[t, h, d], DType::BF16, &vals).unwrap();
+    let cu = Tensor::from_slice(&cpu, &[3], &[0i32, 128, 256]).unwrap();
+    let input = dir.join("attention.safetensors");
+    let named = [("q", &x), ("k", &x), ("v", &x), ("cu_seqlens", &cu)];
+    write_safetensors(&input, &named, &Default::default()).unwrap();
+    let json = dir.join("attention.json");
+    let out = sluice(&[
+        "emu",
+        "profile",
+        "attention_forward",
+        "--in",
+        input.to_str().unwrap(),
+        "--blocks",
+        "2",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["kernels"][0]["name"], "attention_tc_forward_d16");
+    assert_eq!(v["kernels"][0]["blocks_profiled"], 2);
+    let exact = (2 * 2 * 10 * 32 * 32 * 16 * 4) as f64;
+    let got = v["tensor_flops"].as_f64().unwrap();
+    assert!((got - exact).abs() <= 0.01 * exact, "{got} vs {exact}");
+}

@@ -67,6 +67,12 @@ pub fn case(op: &str, preset: Preset, backend: &Backend) -> Result<ProfileCase> 
     })
 }
 
+/// How `op`'s launches are sampled (by kernel name), for inputs of any shape: the strata of its
+/// small case (a file's inputs have no plan of their own). Uniform for an op without a case.
+pub fn strata_of(op: &str) -> fn(&str) -> Strata {
+    plan(op, Preset::Small).map_or(uniform, |p| p.strata)
+}
+
 /// The shape in words of `op`'s case at `preset`, without building anything (None: no case).
 pub fn shape(op: &str, preset: Preset) -> Option<String> {
     plan(op, preset).map(|p| p.shape)
