@@ -13,7 +13,7 @@ use std::path::Path;
 pub const MAX_EXPERTS: usize = 512;
 /// The largest top-k the router supports (DESIGN.md section 3.2: k <= 16).
 pub const MAX_TOP_K: usize = 16;
-/// The largest head dimension the attention kernels take (kernels/src/ops/attention.rs).
+/// The largest head dimension the attention kernels take (kernels/src/ops/attention/mod.rs).
 pub const MAX_HEAD_DIM: usize = 256;
 
 /// How the router turns logits into gate scores (DESIGN.md section 3.4).

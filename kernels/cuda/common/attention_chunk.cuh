@@ -16,7 +16,7 @@
 // exact in f32); all arithmetic is f32. Every product that is not inside an fmaf is an explicit
 // round-to-nearest multiply (__fmul_rn on the GPU), so no compiler contraction can make the two
 // kernels that inline this function round differently: a query's output is bit-identical whichever
-// kernel computed it. The Rust reference (kernels/src/ops/attention.rs, `RowState`) performs the
+// kernel computed it. The Rust reference (kernels/src/ops/attention/row.rs, `RowState`) performs the
 // same operations in the same order.
 #pragma once
 
