@@ -1,0 +1,518 @@
+//! The merged table to a typed [`TrainConfig`], every value range-checked and every cross-key
+//! rule checked (an error names the key or keys).
+
+use super::merge::join;
+use super::*;
+
+/// Typed access to the merged table with range checks.
+struct Get<'a> {
+    t: &'a Table,
+    prefix: String,
+}
+
+impl<'a> Get<'a> {
+    fn section(root: &'a Table, name: &str) -> Result<Get<'a>, ConfigError> {
+        match root.get(name) {
+            Some(Value::Table(t)) => Ok(Get {
+                t,
+                prefix: name.to_string(),
+            }),
+            _ => Err(err(name, "missing section")),
+        }
+    }
+
+    fn key(&self, k: &str) -> String {
+        join(&self.prefix, k)
+    }
+
+    fn value(&self, k: &str) -> Result<&'a Value, ConfigError> {
+        self.t.get(k).ok_or_else(|| err(&self.key(k), "missing"))
+    }
+
+    fn str(&self, k: &str) -> Result<&'a str, ConfigError> {
+        self.value(k)?
+            .as_str()
+            .ok_or_else(|| err(&self.key(k), "expected a string"))
+    }
+
+    fn bool(&self, k: &str) -> Result<bool, ConfigError> {
+        self.value(k)?
+            .as_bool()
+            .ok_or_else(|| err(&self.key(k), "expected true or false"))
+    }
+
+    fn int(&self, k: &str, min: i64, max: i64) -> Result<i64, ConfigError> {
+        let v = self
+            .value(k)?
+            .as_integer()
+            .ok_or_else(|| err(&self.key(k), "expected an integer"))?;
+        if v < min || v > max {
+            return Err(err(&self.key(k), format!("{v} is outside {min}..={max}")));
+        }
+        Ok(v)
+    }
+
+    fn float(&self, k: &str, ok: impl Fn(f64) -> bool, what: &str) -> Result<f64, ConfigError> {
+        let v = match self.value(k)? {
+            Value::Float(f) => *f,
+            Value::Integer(i) => *i as f64,
+            _ => return Err(err(&self.key(k), "expected a number")),
+        };
+        if !v.is_finite() || !ok(v) {
+            return Err(err(&self.key(k), format!("{v}: must be {what}")));
+        }
+        Ok(v)
+    }
+
+    fn sub(&self, k: &str) -> Result<Get<'a>, ConfigError> {
+        match self.value(k)? {
+            Value::Table(t) => Ok(Get {
+                t,
+                prefix: self.key(k),
+            }),
+            _ => Err(err(&self.key(k), "expected a table")),
+        }
+    }
+}
+
+const MAX: i64 = i64::MAX;
+
+/// The shortest heartbeat timeout accepted (seconds; 0 turns heartbeats off).
+pub const HEARTBEAT_FLOOR_S: f64 = 1.0;
+
+/// The optional task parameters that are set (ranges are the task's to check).
+fn task_options(g: &Get<'_>) -> Result<crate::tasks::TaskOptions, ConfigError> {
+    let int = |k: &str| -> Result<Option<u32>, ConfigError> {
+        match g.t.get(k) {
+            None => Ok(None),
+            Some(_) => Ok(Some(g.int(k, 0, u32::MAX as i64)? as u32)),
+        }
+    };
+    let frac = |k: &str| -> Result<Option<f64>, ConfigError> {
+        match g.t.get(k) {
+            None => Ok(None),
+            Some(_) => Ok(Some(g.float(
+                k,
+                |x| (0.0..=1.0).contains(&x),
+                "in [0, 1]",
+            )?)),
+        }
+    };
+    Ok(crate::tasks::TaskOptions {
+        digits: int("digits")?,
+        min_digits: int("min_digits")?,
+        tool_fraction: frac("tool_fraction")?,
+        wrong_call_fraction: frac("wrong_call_fraction")?,
+        items: int("items")?,
+    })
+}
+
+pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
+    let run = Get::section(&table, "run")?;
+    let name = run.str("name")?.to_string();
+    if name.is_empty() || name.contains(['/', '\\']) || name == "." || name == ".." {
+        return Err(err(
+            "run.name",
+            format!("{name:?} must be a non-empty folder name without slashes"),
+        ));
+    }
+    let device: Device = run
+        .str("device")?
+        .parse()
+        .map_err(|e| err("run.device", format!("{e}")))?;
+    let mode = match run.str("mode")? {
+        "async" => sluice_runtime::system::Mode::Async,
+        "sync" => sluice_runtime::system::Mode::Sync,
+        other => return Err(err("run.mode", format!("{other:?} is not async or sync"))),
+    };
+    let run_s = RunSection {
+        name,
+        seed: run.int("seed", 0, MAX)? as u64,
+        device,
+        mode,
+        replay: run.bool("replay")?,
+        checkpoint_every: run.int("checkpoint_every", 0, MAX)? as u64,
+        log_every: run.int("log_every", 1, MAX)? as u64,
+    };
+
+    let model = Get::section(&table, "model")?;
+    let precision = match model.str("precision")? {
+        "auto" => sluice_model::Precision::default_for(device),
+        "f32" => sluice_model::Precision::F32,
+        "bf16" => sluice_model::Precision::Bf16,
+        other => {
+            return Err(err(
+                "model.precision",
+                format!("{other:?} is not auto, f32 or bf16"),
+            ))
+        }
+    };
+    let init = model.str("init")?;
+    let model_s = ModelSection {
+        config: PathBuf::from(model.str("config")?),
+        precision,
+        init: (!init.is_empty()).then(|| PathBuf::from(init)),
+    };
+
+    let rollout = Get::section(&table, "rollout")?;
+    let swap = match rollout.str("swap")? {
+        "continue" => sluice_runtime::engine::SwapMode::Continue,
+        "recompute" => sluice_runtime::engine::SwapMode::Recompute,
+        o => {
+            return Err(err(
+                "rollout.swap",
+                format!("{o:?} is not continue or recompute"),
+            ))
+        }
+    };
+    let preempt = match rollout.str("preempt")? {
+        "recompute" => sluice_runtime::engine::PreemptMode::Recompute,
+        "swap" => sluice_runtime::engine::PreemptMode::SwapToHost,
+        o => {
+            return Err(err(
+                "rollout.preempt",
+                format!("{o:?} is not recompute or swap"),
+            ))
+        }
+    };
+    let replicas = rollout.int("replicas", 1, 64)? as usize;
+    // A timeout shorter than an engine step loses every replica at every step; the floor
+    // keeps the obvious mistakes out (the scheduler stops a run that loses its replicas over
+    // and over without a learner step, whatever the timeout).
+    let heartbeat = rollout.float(
+        "heartbeat_timeout_s",
+        |x| x == 0.0 || x >= HEARTBEAT_FLOOR_S,
+        &format!(
+            "0 (no heartbeats) or at least {HEARTBEAT_FLOOR_S} s: it must exceed the longest \
+             engine step, or every replica is lost at every step"
+        ),
+    )?;
+    let fail_replica = rollout.int("fail_replica", 0, 63)? as usize;
+    let fail_at_step = rollout.int("fail_at_step", 0, MAX)? as u64;
+    let fail = match rollout.str("fail_kind")? {
+        "none" => None,
+        kind @ ("hang" | "die") => {
+            let (replica, at_step) = (fail_replica, fail_at_step);
+            if replica >= replicas {
+                return Err(err(
+                    "rollout.fail_replica",
+                    format!("{replica}: there are {replicas} replica(s), numbered from 0"),
+                ));
+            }
+            if at_step == 0 {
+                return Err(err(
+                    "rollout.fail_at_step",
+                    "must be >= 1 (the engine step at which the replica fails)",
+                ));
+            }
+            if heartbeat == 0.0 {
+                return Err(err(
+                    "rollout.heartbeat_timeout_s",
+                    format!(
+                        "is 0 (no heartbeats), so fail_kind = {kind:?} would never be detected"
+                    ),
+                ));
+            }
+            Some(sluice_runtime::health::ReplicaFault {
+                replica,
+                at_step,
+                kind: if kind == "hang" {
+                    sluice_runtime::health::FailKind::Hang
+                } else {
+                    sluice_runtime::health::FailKind::Die
+                },
+            })
+        }
+        o => {
+            return Err(err(
+                "rollout.fail_kind",
+                format!("{o:?} is not none, hang or die"),
+            ))
+        }
+    };
+    let rollout_s = RolloutSection {
+        replicas,
+        max_seqs: rollout.int("max_seqs", 1, 1 << 20)? as usize,
+        max_batch_tokens: rollout.int("max_batch_tokens", 1, 1 << 24)? as usize,
+        kv_bytes: rollout.int("kv_bytes", 1, 1 << 40)? as usize,
+        block_size: rollout.int("block_size", 1, 1024)? as usize,
+        temperature: rollout.float("temperature", |x| x >= 0.0, ">= 0 (0 = greedy)")? as f32,
+        top_k: rollout.int("top_k", 0, u32::MAX as i64)? as u32,
+        top_p: rollout.float("top_p", |x| x > 0.0 && x <= 1.0, "in (0, 1]")? as f32,
+        max_new_tokens: rollout.int("max_new_tokens", 1, 1 << 20)? as u32,
+        max_turns: rollout.int("max_turns", 1, 1 << 16)? as u32,
+        swap,
+        preempt,
+        share_correction: rollout.bool("share_correction")?,
+        eval_problems: rollout.int("eval_problems", 0, 1 << 20)? as usize,
+        heartbeat_timeout_s: (heartbeat > 0.0).then_some(heartbeat),
+        fail,
+    };
+
+    let buffer = Get::section(&table, "buffer")?;
+    let buffer_s = BufferSection {
+        group_size: buffer.int("group_size", 1, 4096)? as u32,
+        tau: buffer.int("tau", 0, MAX)? as u64,
+        eta: buffer.int("eta", 0, MAX)? as u64,
+        groups_per_step: buffer.int("groups_per_step", 1, 1 << 20)? as usize,
+        env_gate: buffer.bool("env_gate")?,
+    };
+
+    let loss = Get::section(&table, "loss")?;
+    let mode = sluice_kernels::ops::is_gate_loss::GateMode::parse(loss.str("mode")?)
+        .map_err(|e| err("loss.mode", format!("{e}")))?;
+    let loss_s = LossSection {
+        mode,
+        eps_low: loss.float("eps_low", |x| (0.0..1.0).contains(&x), "in [0, 1)")? as f32,
+        eps_high: loss.float("eps_high", |x| x >= 0.0, ">= 0")? as f32,
+        beta: loss.float("beta", |x| x >= 1.0, ">= 1")? as f32,
+        std_free: loss.bool("std_free")?,
+        micro_batch_tokens: loss.int("micro_batch_tokens", 1, 1 << 24)? as usize,
+    };
+
+    let optim = Get::section(&table, "optim")?;
+    let optim_s = OptimSection {
+        muon_lr: optim.float("muon_lr", |x| x > 0.0, "> 0")? as f32,
+        adamw_lr: optim.float("adamw_lr", |x| x > 0.0, "> 0")? as f32,
+        rl_muon_lr: optim.float("rl_muon_lr", |x| x > 0.0, "> 0")? as f32,
+        rl_adamw_lr: optim.float("rl_adamw_lr", |x| x > 0.0, "> 0")? as f32,
+        clip_norm: optim.float("clip_norm", |x| x >= 0.0, ">= 0 (0: no clipping)")? as f32,
+        weight_decay: optim.float("weight_decay", |x| x >= 0.0, ">= 0")? as f32,
+        sft_batch: optim.int("sft_batch", 1, 1 << 20)? as usize,
+        sft_warmup: optim.int("sft_warmup", 0, MAX)? as u64,
+    };
+
+    let sync = Get::section(&table, "sync")?;
+    let path = sync.str("path")?.to_string();
+    if !matches!(path.as_str(), "inprocess" | "delta" | "disk") {
+        return Err(err(
+            "sync.path",
+            format!("{path:?} is not inprocess, delta or disk"),
+        ));
+    }
+    let sync_s = SyncSection {
+        interval: sync.int("interval", 1, MAX)? as u64,
+        path,
+        reset_optimizer: sync.bool("reset_optimizer")?,
+    };
+
+    let baselines = Get::section(&table, "baselines")?;
+    let baselines_s = BaselinesSection {
+        ablation: baselines.bool("ablation")?,
+        rft: baselines.bool("rft")?,
+    };
+
+    let cost = Get::section(&table, "cost")?;
+    let nonneg = |k: &str| cost.float(k, |x| x >= 0.0, ">= 0");
+    let cost_s = CostModel {
+        engine_step_us: nonneg("engine_step_us")?,
+        prefill_token_us: nonneg("prefill_token_us")?,
+        decode_seq_us: nonneg("decode_seq_us")?,
+        train_token_us: nonneg("train_token_us")?,
+        optim_step_us: nonneg("optim_step_us")?,
+        publish_us: nonneg("publish_us")?,
+        sync_encode_byte_us: nonneg("sync_encode_byte_us")?,
+        sync_transfer_byte_us: nonneg("sync_transfer_byte_us")?,
+        sync_apply_byte_us: nonneg("sync_apply_byte_us")?,
+        sync_write_byte_us: nonneg("sync_write_byte_us")?,
+        replica_restart_us: nonneg("replica_restart_us")?,
+    };
+
+    // Stages, and the tasks they name.
+    let stages = match table.get("stage") {
+        Some(Value::Array(a)) if !a.is_empty() => a,
+        _ => return Err(err("stage", "at least one [[stage]] is needed")),
+    };
+    let tasks_table = match table.get("tasks") {
+        Some(Value::Table(t)) => t,
+        _ => return Err(err("tasks", "missing [tasks.NAME] tables")),
+    };
+    let mut stage_s = Vec::with_capacity(stages.len());
+    let mut task_names: Vec<String> = Vec::new();
+    for (i, s) in stages.iter().enumerate() {
+        let Value::Table(t) = s else {
+            return Err(err(&format!("stage[{i}]"), "expected a table"));
+        };
+        let g = Get {
+            t,
+            prefix: format!("stage[{i}]"),
+        };
+        let kind = match g.str("kind")? {
+            "sft" => StageKind::Sft,
+            "rl" => StageKind::Rl,
+            o => return Err(err(&g.key("kind"), format!("{o:?} is not sft or rl"))),
+        };
+        let steps = g.int("steps", 1, MAX)? as u64;
+        let names: Vec<String> = match g.value("tasks")? {
+            Value::Array(a) => a
+                .iter()
+                .map(|v| v.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| err(&g.key("tasks"), "expected an array of task names"))?,
+            _ => return Err(err(&g.key("tasks"), "expected an array of task names")),
+        };
+        if names.is_empty() {
+            return Err(err(&g.key("tasks"), "a stage needs at least one task"));
+        }
+        for n in &names {
+            if !tasks_table.contains_key(n) {
+                let known: Vec<&str> = tasks_table.keys().map(String::as_str).collect();
+                return Err(err(
+                    &g.key("tasks"),
+                    format!(
+                        "task {n:?} has no [tasks.{n}] section (defined: {})",
+                        known.join(", ")
+                    ),
+                ));
+            }
+            if !task_names.contains(n) {
+                task_names.push(n.clone());
+            }
+        }
+        stage_s.push(StageSection {
+            kind,
+            steps,
+            tasks: names,
+        });
+    }
+    let mut tasks_s = Vec::with_capacity(task_names.len());
+    for name in task_names {
+        let Some(Value::Table(t)) = tasks_table.get(&name) else {
+            return Err(err(&format!("tasks.{name}"), "expected a table"));
+        };
+        let g = Get {
+            t,
+            prefix: format!("tasks.{name}"),
+        };
+        let lat = g.sub("latency")?;
+        let median = lat.float("median_ms", |x| x >= 0.0, ">= 0")?;
+        let p99 = lat.float("p99_ms", |x| x >= 0.0, ">= 0")?;
+        let latency = match lat.str("dist")? {
+            "none" => LatencyModel::None,
+            "fixed" => LatencyModel::Fixed { ms: median },
+            "lognormal" => LatencyModel::LogNormal {
+                median_ms: median,
+                p99_ms: p99,
+            },
+            "pareto" => LatencyModel::Pareto {
+                median_ms: median,
+                p99_ms: p99,
+            },
+            o => {
+                return Err(err(
+                    &lat.key("dist"),
+                    format!("{o:?} is not none, fixed, lognormal or pareto"),
+                ))
+            }
+        };
+        latency
+            .validate()
+            .map_err(|e| err(&lat.key("dist"), e.to_string()))?;
+        let f = g.sub("faults")?;
+        let unit = |k: &str| f.float(k, |x| (0.0..=1.0).contains(&x), "in [0, 1]");
+        let faults = FaultRates {
+            crash: unit("crash")?,
+            timeout: unit("timeout")?,
+            garbage: unit("garbage")?,
+        };
+        faults.validate().map_err(|e| err(&g.key("faults"), e))?;
+        tasks_s.push(TaskSection {
+            kind: g.str("kind")?.to_string(),
+            concurrency: g.int("concurrency", 1, MAX)? as u64,
+            timeout_s: g.float("timeout_s", |x| x > 0.0, "> 0")?,
+            retries: g.int("retries", 0, 1 << 16)? as u32,
+            target_share: g.float("target_share", |x| x >= 0.0, ">= 0")?,
+            latency,
+            faults,
+            options: task_options(&g)?,
+            name,
+        });
+    }
+    // Every RL stage's tasks need target shares that say something.
+    for (i, s) in stage_s.iter().enumerate() {
+        let total: f64 = s
+            .tasks
+            .iter()
+            .filter_map(|n| tasks_s.iter().find(|t| &t.name == n))
+            .map(|t| t.target_share)
+            .sum();
+        if s.kind == StageKind::Rl && total <= 0.0 {
+            return Err(err(
+                &format!("stage[{i}].tasks"),
+                "the tasks' target_share values sum to 0",
+            ));
+        }
+    }
+    if buffer_s.groups_per_step as u64 * buffer_s.group_size as u64
+        > tasks_s.iter().map(|t| t.concurrency).sum::<u64>().max(1) * 64
+    {
+        return Err(err(
+            "buffer.groups_per_step",
+            "a learner step needs far more trajectories than the tasks' concurrency allows",
+        ));
+    }
+    // GRPO advantages are normalised within a group: a group of one has advantage 0, so an RL
+    // stage would train nothing while its throughput looks fine. Supervised stages use no
+    // groups.
+    if buffer_s.group_size < 2 && stage_s.iter().any(|s| s.kind == StageKind::Rl) {
+        return Err(err(
+            "buffer.group_size",
+            format!(
+                "{}: an RL stage's advantages are normalised within each group, so a group of \
+                 one has advantage 0 and trains nothing; use 2 or more",
+                buffer_s.group_size
+            ),
+        ));
+    }
+    // Samples carry the version last published: K - 1 steps after a publication they lag the
+    // learner by K - 1, so with K - 1 > tau the version gate drops every one of them and the
+    // learner waits forever for the step that would publish again.
+    if sync_s.interval > buffer_s.tau + 1 && stage_s.iter().any(|s| s.kind == StageKind::Rl) {
+        return Err(err(
+            "sync.interval",
+            format!(
+                "{}: with buffer.tau = {}, samples of weights published {} steps apart reach lag \
+                 {} > tau before the next publication, so the version gate drops all of them and \
+                 the RL stage never completes; use sync.interval <= buffer.tau + 1",
+                sync_s.interval,
+                buffer_s.tau,
+                sync_s.interval,
+                sync_s.interval - 1
+            ),
+        ));
+    }
+    for t in &tasks_s {
+        if t.concurrency < buffer_s.group_size as u64 {
+            return Err(err(
+                &format!("tasks.{}.concurrency", t.name),
+                format!(
+                    "{} cannot hold one group of buffer.group_size = {}",
+                    t.concurrency, buffer_s.group_size
+                ),
+            ));
+        }
+    }
+    // The run folder's config.toml records the precision the run computes in (`auto` resolved
+    // for run.device), so loading it elsewhere reproduces the run.
+    let mut table = table;
+    if let Some(Value::Table(m)) = table.get_mut("model") {
+        m.insert(
+            "precision".into(),
+            Value::String(model_s.precision.as_str().into()),
+        );
+    }
+    Ok(TrainConfig {
+        run: run_s,
+        model: model_s,
+        stages: stage_s,
+        rollout: rollout_s,
+        buffer: buffer_s,
+        loss: loss_s,
+        optim: optim_s,
+        sync: sync_s,
+        baselines: baselines_s,
+        cost: cost_s,
+        tasks: tasks_s,
+        table,
+    })
+}
