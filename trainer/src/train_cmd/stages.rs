@@ -33,7 +33,6 @@ impl RunContext<'_> {
             .iter()
             .filter_map(|n| Some((self.cfg.task(n)?, self.tasks.get(n)?)))
             .collect();
-        let shares: f64 = tasks.iter().map(|(t, _)| t.target_share.max(0.0)).sum();
         let mut progress = Progress::new(&format!("sft #{index}"), steps, self.cfg.run.log_every);
         let start = Instant::now();
         let mut tokens = 0u64;
@@ -43,29 +42,10 @@ impl RunContext<'_> {
             let mut seqs: Vec<Vec<i32>> = Vec::with_capacity(self.cfg.optim.sft_batch);
             let mut masks: Vec<Vec<bool>> = Vec::with_capacity(self.cfg.optim.sft_batch);
             for i in 0..self.cfg.optim.sft_batch {
-                let mut rng = Rng::new(mix64(
-                    hash_str(seed, &format!("sft{index}")) ^ mix64(step << 20 | i as u64),
-                ));
-                // The task by target share (uniform when every share is 0).
-                let u = rng.uniform()
-                    * if shares > 0.0 {
-                        shares
-                    } else {
-                        tasks.len() as f64
-                    };
-                let mut acc = 0.0;
-                let mut pick = tasks.len() - 1;
-                for (k, (t, _)) in tasks.iter().enumerate() {
-                    acc += if shares > 0.0 {
-                        t.target_share.max(0.0)
-                    } else {
-                        1.0
-                    };
-                    if u < acc {
-                        pick = k;
-                        break;
-                    }
-                }
+                // The task by target share (uniform when every share is 0), as the ablation
+                // arm's continued warm-up draws it.
+                let (pick, mut rng) =
+                    crate::arms::draw_demo_task(&tasks, seed, &format!("sft{index}"), step, i);
                 let task = tasks[pick].1;
                 let problem = task.problem(&mut rng, Split::Train);
                 let demo = task.demonstration(&problem, &mut rng).ok_or_else(|| {
