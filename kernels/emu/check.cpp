@@ -12,11 +12,24 @@
 //
 // Races: four records per 8-byte granule (emu_internal.h, Slot). An access conflicts with a
 // record of another thread when their bytes overlap, at least one writes, not both are atomics,
-// and they are not ordered: accesses of one block are ordered by a __syncthreads between them, or
-// (same warp) by a __syncwarp whose mask names both lanes; accesses of different blocks of one
-// launch are never ordered. Records live for one block (shared memory) or one launch (global
-// memory). A granule with four live records evicts one (reads first), which can hide a race but
-// never invents one.
+// and they are not ordered. Accesses of different blocks of one launch are never ordered. Within
+// a block, a __syncthreads (or a named barrier of the whole block) orders everything before it
+// before everything after it: it starts a new barrier interval. Inside an interval, ordering is
+// happens-before through vector clocks (the FastTrack scheme): each thread has a clock, and a
+// record keeps the accessing thread's clock. Synchronisation releases and acquires clocks:
+//   - __syncwarp(mask) and a named barrier of part of the block: every participant acquires what
+//     every other one had (its clock and what it had acquired);
+//   - mbarrier_arrive releases the thread's clocks into the phase; a wait that observes the phase
+//     complete acquires them (with the async agent's clock of the copies that landed on it);
+// and a releasing thread's clock then advances. An access by u is ordered after a record
+// (t, c) of the same interval when u has acquired t's clock c or later. Transitive: a producer
+// -> consumer -> producer ring of full/empty mbarriers orders the consumer's reads of a stage
+// before the producer's next copy into it, with no block-wide barrier.
+// Bulk copies land (their data written, at phase completion) as writes of an async agent, one per
+// mbarrier (thread index kAgentBase + i): a thread that reads the data without having waited on
+// that mbarrier (or acquired from one that did) races with the agent.
+// Records live for one block (shared memory) or one launch (global memory). A granule with four
+// live records evicts one (reads first), which can hide a race but never invents one.
 #include "emu_internal.h"
 
 namespace sluice_emu::rt {
@@ -128,29 +141,66 @@ bool in_bounds(Worker& w, Region& r, uintptr_t a, size_t n) {
 
 // ---- races ----------------------------------------------------------------------------------
 
-bool ordered_in_block(const Worker& w, const Slot& s, unsigned me) {
-  if (s.bar != w.bar) return true;  // a __syncthreads completed after the record
-  if ((s.thread >> 5) != (me >> 5)) return false;
-  return w.lane_ws[me] > s.ws && ((w.lane_sync_mask[me] >> (s.thread & 31)) & 1u);
+// Column of thread or agent t in the vector clocks.
+inline unsigned vc_col(const Worker& w, unsigned t) {
+  return t < kAgentBase ? t : w.L->nthreads + (t - kAgentBase);
+}
+// t's own clock in the current interval (1 at its start).
+inline uint16_t clock_of(const Worker& w, unsigned t) {
+  const unsigned c = vc_col(w, t);
+  return w.clk_stamp[c] == w.bar ? w.clk[c] : 1;
+}
+// Entry `col` of the clocks thread u acquired in the current interval.
+inline uint16_t acquired_of(const Worker& w, unsigned u, unsigned col) {
+  const VectorClock& v = w.acquired[u];
+  return v.stamp == w.bar ? v.c[col] : 0;
+}
+// The vector clock made current for this interval (zeroed when it belongs to an earlier one).
+void fresh(const Worker& w, VectorClock& v) {
+  if (v.stamp == w.bar && v.c.size() == w.vc_cols) return;
+  v.c.assign(w.vc_cols, 0);
+  v.stamp = w.bar;
+}
+// t's clock advances after a release; at UINT16_MAX releases in one interval the records could
+// no longer tell them apart, so race detection ends for the block (as for barriers).
+void advance(Worker& w, unsigned t) {
+  const unsigned c = vc_col(w, t);
+  const uint16_t now = clock_of(w, t);
+  if (now == UINT16_MAX) {
+    w.race = false;
+    return;
+  }
+  w.clk[c] = static_cast<uint16_t>(now + 1);
+  w.clk_stamp[c] = w.bar;
 }
 
-void report_race(Worker& w, const Region& r, uintptr_t a, const Slot& s, unsigned flags, uintptr_t pc,
+bool ordered_in_block(const Worker& w, const Slot& s, unsigned me) {
+  if (s.bar != w.bar) return true;  // a __syncthreads completed after the record
+  if (me >= kAgentBase) return true;  // a landing: its destination was checked when the copy was issued
+  return acquired_of(w, me, vc_col(w, s.thread)) >= s.clk;
+}
+
+void report_race(Worker& w, const Region& r, uintptr_t a, const Slot& s, unsigned me, unsigned flags, uintptr_t pc,
                  const char* file, unsigned line) {
   const Launch& L = *w.L;
-  const unsigned me = t_cur->linear;
   const bool same_block = s.block == static_cast<uint32_t>(w.block_linear + 1);
   const bool atomic = s.flags & kSlotAtomic;
   const char* prior = (s.flags & kSlotWrite) ? (atomic ? "atomic (or volatile) write" : "write")
                                              : (atomic ? "atomic (or volatile) read" : "read");
-  std::string other = thread_str_linear(L, s.thread);
+  std::string other = s.thread >= kAgentBase
+                          ? format("the bulk copies completing on mbarrier #%u of the block (landed data)",
+                                   s.thread - kAgentBase)
+                          : thread_str_linear(L, s.thread);
   std::string why;
   if (!same_block) {
     other += " of " + block_str(L, s.block - 1);
     why = "in the same launch (blocks are not ordered: only atomics may share an address)";
+  } else if (s.thread >= kAgentBase) {
+    why = "with no wait on that mbarrier (or barrier after one) ordering them";
   } else if ((s.thread >> 5) == (me >> 5)) {
-    why = "of the same warp with no __syncthreads or __syncwarp between them";
+    why = "of the same warp with no __syncthreads, __syncwarp or mbarrier between them";
   } else {
-    why = "of the same block with no __syncthreads between them";
+    why = "of the same block with no __syncthreads, named barrier or mbarrier between them";
   }
   long long off = 0;
   std::string name = region_name(w, r, a, &off);
@@ -161,12 +211,11 @@ void report_race(Worker& w, const Region& r, uintptr_t a, const Slot& s, unsigne
          pc, abs_pc(s.pc), file, line);
 }
 
-void check_granule(Worker& w, Region& r, Slot* g, uintptr_t granule_addr, uint8_t mask, unsigned flags,
+void check_granule(Worker& w, Region& r, Slot* g, uintptr_t granule_addr, uint8_t mask, unsigned me, unsigned flags,
                    uintptr_t pc, const char* file, unsigned line) {
-  const unsigned me = t_cur->linear;
   const uint32_t blk = static_cast<uint32_t>(w.block_linear + 1);
   const uint8_t sflags = static_cast<uint8_t>(((flags & kAccWrite) ? kSlotWrite : 0) | ((flags & kAccAtomic) ? kSlotAtomic : 0));
-  const uint16_t ws = w.ws[me >> 5];
+  const uint16_t ws = clock_of(w, me);
   int same = -1, empty = -1, mine = -1, read = -1;
   for (int i = 0; i < static_cast<int>(kSlotsPerGranule); ++i) {
     Slot& s = g[i];
@@ -176,7 +225,7 @@ void check_granule(Worker& w, Region& r, Slot* g, uintptr_t granule_addr, uint8_
     }
     const bool own = s.block == blk && s.thread == me;
     if (own) {
-      if (s.bar == w.bar && s.ws == ws && s.flags == sflags) same = i;
+      if (s.bar == w.bar && s.clk == ws && s.flags == sflags) same = i;
       else if (mine < 0) mine = i;
       continue;
     }
@@ -186,7 +235,7 @@ void check_granule(Worker& w, Region& r, Slot* g, uintptr_t granule_addr, uint8_
     if ((s.flags & kSlotAtomic) && (sflags & kSlotAtomic)) continue;
     if (s.block == blk && ordered_in_block(w, s, me)) continue;
     uint8_t both = s.mask & mask;
-    report_race(w, r, granule_addr + static_cast<unsigned>(__builtin_ctz(both)), s, flags, pc, file, line);
+    report_race(w, r, granule_addr + static_cast<unsigned>(__builtin_ctz(both)), s, me, flags, pc, file, line);
   }
   const int32_t rp = rel_pc(pc);
   if (same >= 0) {
@@ -199,8 +248,8 @@ void check_granule(Worker& w, Region& r, Slot* g, uintptr_t granule_addr, uint8_
   g[victim] = Slot{blk, rp, w.bar, ws, static_cast<uint16_t>(me), mask, sflags};
 }
 
-void race_check(Worker& w, Region& r, uintptr_t a, size_t n, unsigned flags, uintptr_t pc, const char* file,
-                unsigned line) {
+void race_check(Worker& w, Region& r, uintptr_t a, size_t n, unsigned me, unsigned flags, uintptr_t pc,
+                const char* file, unsigned line) {
   Slot* shadow = race_shadow(r);
   if (!shadow) return;
   if (r.kind == RegionKind::Global &&
@@ -215,7 +264,7 @@ void race_check(Worker& w, Region& r, uintptr_t a, size_t n, unsigned flags, uin
   for (size_t gi = g0; gi <= g1; ++gi) {
     const size_t lo = std::max(off, gi * kGranule), hi = std::min(off + n, gi * kGranule + kGranule);
     const uint8_t mask = static_cast<uint8_t>(((1u << (hi - lo)) - 1u) << (lo - gi * kGranule));
-    check_granule(w, r, shadow + gi * kSlotsPerGranule, r.start + gi * kGranule, mask, flags, pc, file, line);
+    check_granule(w, r, shadow + gi * kSlotsPerGranule, r.start + gi * kGranule, mask, me, flags, pc, file, line);
   }
 }
 
@@ -245,8 +294,8 @@ void check_access(uintptr_t a, size_t n, unsigned flags, uintptr_t pc, const cha
     if (const AsyncOp* op = async_pending_at(*w, *r, a, n)) {
       long long off = 0;
       std::string name = region_name(*w, *r, a, &off);
-      const char* what = op->kind == AsyncKind::Bulk ? "bulk copy" : "cp.async";
-      const char* until = op->kind == AsyncKind::Bulk ? "its mbarrier phase completes" : "its cp.async wait";
+      const char* what = op->kind == AsyncKind::Bulk ? "bulk copy" : op->kind == AsyncKind::Tensor ? "tensor copy" : "cp.async";
+      const char* until = op->kind == AsyncKind::CpAsync ? "its cp.async wait" : "its mbarrier phase completes";
       report(*w, (flags & kAccWrite) ? "race" : "async-read-before-wait",
              where(*w) + " " + thread_str(*t_cur) +
                  format(": %s at byte offset %lld of %s, the destination of a %s issued by %s at %s:%u, before %s",
@@ -255,14 +304,17 @@ void check_access(uintptr_t a, size_t n, unsigned flags, uintptr_t pc, const cha
              pc, 0, file, line);
     }
   }
-  if (w->race) race_check(*w, *r, a, n, flags, pc, file, line);
+  if (r->kind != RegionKind::Global && (flags & kAccWrite) && w->L->checks == kChecksFull) proxy_note_write(*w, *r, a, n);
+  if (w->race) race_check(*w, *r, a, n, t_cur->linear, flags, pc, file, line);
 }
 
 void race_block_start(Worker& w) {
   w.bar = 0;
-  std::fill(w.ws.begin(), w.ws.end(), 0);
-  std::fill(w.lane_ws.begin(), w.lane_ws.end(), 0);
-  std::fill(w.lane_sync_mask.begin(), w.lane_sync_mask.end(), 0u);
+  w.vc_cols = w.L->nthreads + kMaxAgents;
+  w.clk.assign(w.vc_cols, 1);
+  w.clk_stamp.assign(w.vc_cols, UINT16_MAX);  // no interval: every clock reads as 1
+  w.acquired.resize(w.L->nthreads);
+  for (VectorClock& v : w.acquired) v.stamp = UINT16_MAX;
   if (w.shared_ok) {
     clear_race_shadow(w.shared.dyn);
     clear_race_shadow(w.shared.stat);
@@ -270,27 +322,53 @@ void race_block_start(Worker& w) {
 }
 
 void race_barrier(Worker& w) {
-  if (w.bar == UINT16_MAX) {
-    w.race = false;  // 65535 barriers in one block: the records cannot tell intervals apart
+  if (w.bar == UINT16_MAX - 1) {
+    w.race = false;  // 65534 barriers in one block: the records cannot tell intervals apart
     return;
   }
-  ++w.bar;
-  std::fill(w.ws.begin(), w.ws.end(), 0);
-  std::fill(w.lane_ws.begin(), w.lane_ws.end(), 0);
-  std::fill(w.lane_sync_mask.begin(), w.lane_sync_mask.end(), 0u);
+  ++w.bar;  // every clock of the last interval is stale from here
 }
 
-void race_syncwarp(Worker& w, unsigned warp, unsigned mask) {
-  if (w.ws[warp] == UINT16_MAX) {
-    w.race = false;
-    return;
+void race_sync_group(Worker& w, const unsigned* threads, unsigned n) {
+  if (!w.race || n < 2) return;
+  // The join of every participant's acquired clocks and own clock, then given to each.
+  VectorClock join;
+  join.c.assign(w.vc_cols, 0);
+  join.stamp = w.bar;
+  for (unsigned i = 0; i < n; ++i) {
+    const unsigned t = threads[i];
+    const VectorClock& v = w.acquired[t];
+    if (v.stamp == w.bar) {
+      for (unsigned c = 0; c < w.vc_cols; ++c) join.c[c] = std::max(join.c[c], v.c[c]);
+    }
+    join.c[t] = std::max(join.c[t], clock_of(w, t));
   }
-  const uint16_t v = ++w.ws[warp];
-  for (unsigned m = mask; m; m &= m - 1) {
-    unsigned t = warp * 32 + static_cast<unsigned>(__builtin_ctz(m));
-    w.lane_ws[t] = v;
-    w.lane_sync_mask[t] = mask;
+  for (unsigned i = 0; i < n; ++i) {
+    w.acquired[threads[i]].c = join.c;
+    w.acquired[threads[i]].stamp = w.bar;
+    advance(w, threads[i]);
   }
+}
+
+void race_release(Worker& w, unsigned t, VectorClock& into) {
+  if (!w.race) return;
+  fresh(w, into);
+  if (t < kAgentBase) {
+    const VectorClock& v = w.acquired[t];
+    if (v.stamp == w.bar) {
+      for (unsigned c = 0; c < w.vc_cols; ++c) into.c[c] = std::max(into.c[c], v.c[c]);
+    }
+  }
+  const unsigned col = vc_col(w, t);
+  into.c[col] = std::max(into.c[col], clock_of(w, t));
+  advance(w, t);
+}
+
+void race_acquire(Worker& w, unsigned t, const VectorClock& from) {
+  if (!w.race || from.stamp != w.bar) return;
+  VectorClock& v = w.acquired[t];
+  fresh(w, v);
+  for (unsigned c = 0; c < w.vc_cols; ++c) v.c[c] = std::max(v.c[c], from.c[c]);
 }
 
 void race_forget(uintptr_t a, size_t n) {
@@ -304,13 +382,14 @@ void race_forget(uintptr_t a, size_t n) {
 }
 
 void race_record_write(Worker& w, const Fiber& f, uintptr_t a, size_t n, const char* file, unsigned line) {
+  race_record_write_by(w, f.linear, a, n, file, line);
+}
+
+void race_record_write_by(Worker& w, unsigned t, uintptr_t a, size_t n, const char* file, unsigned line) {
   if (!w.race) return;
   Region* r = region_of(a);
   if (!r || !in_bounds(w, *r, a, n)) return;
-  Fiber* saved = t_cur;
-  t_cur = const_cast<Fiber*>(&f);
-  race_check(w, *r, a, n, kAccWrite, 0, file, line);
-  t_cur = saved;
+  race_check(w, *r, a, n, t, kAccWrite, 0, file, line);
 }
 
 // Static __shared__ variables: placed in the host thread's static window with redzones between

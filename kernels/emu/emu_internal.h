@@ -49,8 +49,8 @@ struct Slot {
   uint32_t block;   // linear block index + 1 (0 = empty)
   int32_t pc;       // code address of the access, relative to code_base() (0 = unknown)
   uint16_t bar;     // block barrier interval of the access
-  uint16_t ws;      // __syncwarp count of the accessing warp within that interval
-  uint16_t thread;  // linear thread index
+  uint16_t clk;     // the accessing thread's clock within that interval (check.cpp, "Races")
+  uint16_t thread;  // linear thread index, or kAgentBase + i for the async agent of mbarrier i
   uint8_t mask;     // bytes of the granule accessed
   uint8_t flags;    // kSlotWrite | kSlotAtomic
 };
@@ -84,6 +84,11 @@ struct Region {
   // Async-copy tags (shared windows only): per granule, index + 1 of the pending copy writing it.
   uint16_t* async_tag = nullptr;
   size_t tagged_lo = SIZE_MAX, tagged_hi = 0;
+  // Proxy tags (shared windows only), per granule: who last wrote it through the generic proxy
+  // and whether that write is fenced for the async proxy, or the swizzle of the tensor copy that
+  // landed it (async.cpp, kProxy*). Cleared per block over [proxy_lo, proxy_hi).
+  uint32_t* proxy_tag = nullptr;
+  size_t proxy_lo = SIZE_MAX, proxy_hi = 0;
   Worker* owner = nullptr;  // shared windows: the worker whose blocks use it
 };
 
@@ -177,6 +182,8 @@ struct Fiber {
   int cp_groups = 0;        // cp.async commit groups issued
   // Inside an emulated instruction (ldmatrix, wgmma): its internal accesses are not profiled.
   int prof_quiet = 0;
+  // fence.proxy.async executed by this thread in the block (async.cpp, proxy tags).
+  uint16_t proxy_fences = 0;
   // Convergence points this thread has passed in the block (warp operations of every live lane
   // of its warp, barriers): the lanes of a warp with equal epochs are between the same two, so
   // the profiler groups their accesses into requests within an epoch (profile.cpp).
@@ -253,7 +260,7 @@ struct Launch {
 };
 
 // Pending asynchronous copy (bulk copy or cp.async) into shared memory.
-enum class AsyncKind : uint8_t { Bulk, CpAsync };
+enum class AsyncKind : uint8_t { Bulk, CpAsync, Tensor };
 struct AsyncOp {
   AsyncKind kind;
   bool live;
@@ -265,6 +272,16 @@ struct AsyncOp {
   int group;           // CpAsync: commit group, -1 while open
   const char* file;
   unsigned line;
+  // Tensor copies: the box as it lands (gathered, zero-filled and swizzled at issue; src points
+  // into it) and the map's swizzle mode + 1 (0 for other copies).
+  std::vector<char> staged;
+  uint8_t swizzle_tag = 0;
+};
+// A vector clock of the current barrier interval (check.cpp, "Races"): entry t is the clock of
+// thread (or agent) t that it covers; a clock stamped with another interval reads as all zeros.
+struct VectorClock {
+  std::vector<uint16_t> c;
+  uint16_t stamp = UINT16_MAX;
 };
 struct MBarrier {
   uintptr_t addr;
@@ -273,6 +290,8 @@ struct MBarrier {
   long long tx;
   unsigned long long completed;  // phases completed
   std::vector<unsigned> ops;     // bulk copies completing on the current phase
+  VectorClock arrivals;          // the releases of the current phase's arrivals
+  VectorClock done;              // what a wait that sees the last completed phase acquires
 };
 
 struct Worker {
@@ -302,9 +321,12 @@ struct Worker {
   // Race detection state of the running block.
   bool race = false;             // race detection on for this block
   uint16_t bar = 0;              // barrier intervals completed
-  std::vector<uint16_t> ws;      // per warp: __syncwarp completions in this interval
-  std::vector<uint16_t> lane_ws; // per thread: ws of its warp after its last __syncwarp
-  std::vector<uint32_t> lane_sync_mask;  // per thread: mask of that __syncwarp
+  // Vector clocks of the current interval (check.cpp, "Races"): per thread, then per async
+  // agent (the bulk copies completing on one mbarrier), its own clock and what it acquired.
+  unsigned vc_cols = 0;          // nthreads + kMaxAgents
+  std::vector<uint16_t> clk;
+  std::vector<uint16_t> clk_stamp;
+  std::vector<VectorClock> acquired;
   // Asynchronous copies and mbarriers of the running block.
   std::vector<AsyncOp> async_ops;
   std::vector<unsigned> async_free;
@@ -365,7 +387,17 @@ std::string describe_address(const Worker& w, uintptr_t a, size_t n);
 // Race state of the block (called by the scheduler).
 void race_block_start(Worker& w);
 void race_barrier(Worker& w);
-void race_syncwarp(Worker& w, unsigned warp, unsigned mask);
+// A synchronisation of `n` threads (a __syncwarp's lanes, a named barrier of part of the block):
+// each one's accesses before it are ordered before every other one's accesses after it.
+void race_sync_group(Worker& w, const unsigned* threads, unsigned n);
+// mbarrier ordering: thread t's arrival releases into `into`; a thread whose wait observes the
+// phase complete acquires `from`. Agent a (kAgentBase + mbarrier index) is the async proxy's
+// writer of the bulk copies completing on that mbarrier.
+constexpr unsigned kAgentBase = 1024, kMaxAgents = 64;
+void race_release(Worker& w, unsigned t, VectorClock& into);
+void race_acquire(Worker& w, unsigned t, const VectorClock& from);
+// Records a write of [a, a + n) by thread or agent t (a copy landing).
+void race_record_write_by(Worker& w, unsigned t, uintptr_t a, size_t n, const char* file, unsigned line);
 // Forgets race records of [a, a + n) (an asynchronous write superseded them).
 void race_forget(uintptr_t a, size_t n);
 // Records a write of [a, a + n) by fiber f (a cp.async landing at its wait).
@@ -414,6 +446,8 @@ void prof_launch_end(Launch& L, void (*fn)(void*, const sluice_emu_profile*), vo
 void async_block_start(Worker& w);
 // The pending asynchronous copy writing granule `g` of shared region r, or nullptr.
 const AsyncOp* async_pending_at(const Worker& w, const Region& r, uintptr_t a, size_t n);
+// A generic-proxy write of [a, a + n) of shared region r by the running thread (proxy tags).
+void proxy_note_write(Worker& w, Region& r, uintptr_t a, size_t n);
 
 }  // namespace sluice_emu::rt
 

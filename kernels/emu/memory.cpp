@@ -227,6 +227,10 @@ bool init_window(Region& r, RegionKind kind, size_t span, Worker* owner) {
   void* t = mmap(nullptr, tag_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (t == MAP_FAILED) return false;
   r.async_tag = static_cast<uint16_t*>(t);
+  void* pt = mmap(nullptr, span / kGranule * sizeof(uint32_t), PROT_READ | PROT_WRITE,
+                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (pt == MAP_FAILED) return false;
+  r.proxy_tag = static_cast<uint32_t*>(pt);
   std::lock_guard<std::mutex> g(g_mu);
   register_span(&r);
   return true;

@@ -423,7 +423,11 @@ void complete_warp_op(Worker& w, unsigned warp, const PendingWarpOp& p) {
       break;
     }
     case WarpOp::SyncWarp:
-      if (w.race) race_syncwarp(w, warp, mask);
+      if (w.race) {
+        unsigned lanes[32], nl = 0;
+        for (unsigned m = mask; m; m &= m - 1) lanes[nl++] = base + static_cast<unsigned>(__builtin_ctz(m));
+        race_sync_group(w, lanes, nl);
+      }
       break;
     case WarpOp::Gather: {
       // Assemble the 32 values once, then one contiguous copy per lane.
@@ -700,9 +704,6 @@ void run_job(Worker& w, Launch* L, unsigned widx, unsigned nworkers) {
   }
   w.warps.resize((n + 31) / 32);
   w.wg_arrived.assign(n % 128 == 0 ? n / 128 : 0, 0u);
-  w.ws.assign(w.warps.size(), 0);
-  w.lane_ws.assign(n, 0);
-  w.lane_sync_mask.assign(n, 0u);
   w.last_oob_addr = 0;
   prof_job_begin(w);
   if (sigsetjmp(w.jb, 1) == 0) {
@@ -1143,14 +1144,19 @@ void named_barrier(unsigned id, unsigned count, const std::source_location& loc)
     nb = NamedBarrier{};
     prof_add(w, kBarriers, count / 32.0, loc.file_name(), loc.line());  // one per warp
     // A named barrier of the whole block orders memory like __syncthreads; one of part of the
-    // block is not modelled for race detection (see docs/emulator.md).
-    if (w.race && count == w.L->nthreads) race_barrier(w);
+    // block orders its participants' accesses (check.cpp, "Races").
+    std::vector<unsigned> participants;
     for (unsigned i = 0; i < w.fibers.size(); ++i) {
       if (w.fibers[i].state == kNamed && w.fibers[i].arg == static_cast<int>(id)) {
         w.fibers[i].state = kReady;
         ++w.fibers[i].sync_epoch;
         w.ready.push_back(i);
+        participants.push_back(i);
       }
+    }
+    if (w.race) {
+      if (count == w.L->nthreads) race_barrier(w);
+      else race_sync_group(w, participants.data(), static_cast<unsigned>(participants.size()));
     }
   }
   suspend(w, f);

@@ -66,6 +66,12 @@
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 #define __grid_constant__
+// The driver's opaque tensor map (128 bytes, 128-byte aligned as in CUDA 13). Under the emulator the host encodes
+// it in sluice's own layout (kernels/src/tensor_map.rs; decoded in kernels/emu/async.cpp).
+struct alignas(128) CUtensorMap_st {
+  unsigned long long opaque[16];
+};
+typedef CUtensorMap_st CUtensorMap;
 // Block-scope `__shared__ T x[N];` never reaches the compiler: the build rewrites it into a
 // reference to the static shared window (see static_shared). What is left (namespace-scope
 // `__shared__`) becomes a thread_local: one instance per host thread, not bounds-checked.
@@ -186,6 +192,20 @@ void wgmma_accumulator(const float* d, float* out, unsigned bytes);
 void wgmma_issue(float* d, const float* value, unsigned bytes, const std::source_location& loc);
 void wgmma_commit(const std::source_location& loc);
 void wgmma_wait(int pending_groups, const std::source_location& loc);
+// Tensor-map copy (cp.async.bulk.tensor, tile mode) of the box at `coords` (rank entries, in
+// elements, may lie partly outside the tensor: those elements read as zero) into `dst` in the
+// map's shared-memory layout (swizzled as the map says); completes (complete_tx of the whole
+// box's bytes) on mbarrier `bar`. `map` is the 128-byte CUtensorMap the host encoded.
+void tensor_copy_g2s(void* dst, const void* map, const int* coords, unsigned rank, void* bar,
+                     const std::source_location& loc);
+// fence.proxy.async.shared::cta by the running thread: its earlier generic-proxy writes to shared
+// memory become visible to later async-proxy reads (wgmma operands, tensor stores).
+void fence_proxy_async(const std::source_location& loc);
+// An async-proxy read (a wgmma operand) of [p, p + bytes) of shared memory that the instruction
+// reads with swizzle mode `swizzle` (0 none, 1 32B, 2 64B, 3 128B): reported if a thread wrote
+// the bytes without a fence.proxy.async after it, or a tensor copy landed them with another
+// swizzle. Called by one thread per warpgroup.
+void async_proxy_read(const void* p, unsigned bytes, unsigned swizzle, const std::source_location& loc);
 
 // Profiler (kernels/emu/profile.cpp; docs/emulator.md, "Profiling"). Each is a no-op unless the
 // running launch is profiled. The emulated instructions of kernels/cuda/common report their own

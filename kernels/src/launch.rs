@@ -5,6 +5,7 @@
 use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
+use crate::tensor_map::TensorMap;
 use std::ffi::c_void;
 
 /// One kernel argument, by value, exactly as the kernel's C signature takes it.
@@ -17,6 +18,8 @@ pub enum KernelArg {
     F32(f32),
     I64(i64),
     U64(u64),
+    /// A `const __grid_constant__ CUtensorMap` parameter: index into the launch's maps.
+    TensorMap(usize),
 }
 
 impl KernelArg {
@@ -29,6 +32,8 @@ impl KernelArg {
             KernelArg::I32(v) => v as u32 as u64,
             KernelArg::U32(v) => v as u64,
             KernelArg::F32(v) => v.to_bits() as u64,
+            // Passed by address (Backend::launch), not through a slot.
+            KernelArg::TensorMap(_) => 0,
         }
     }
 }
@@ -42,6 +47,7 @@ pub struct Launch<'t> {
     pub shared_bytes: u32,
     args: Vec<KernelArg>,
     tensors: Vec<&'t Tensor>,
+    maps: Vec<&'t TensorMap<'t>>,
 }
 
 impl<'t> Launch<'t> {
@@ -53,6 +59,7 @@ impl<'t> Launch<'t> {
             shared_bytes: 0,
             args: Vec::new(),
             tensors: Vec::new(),
+            maps: Vec::new(),
         }
     }
 
@@ -88,6 +95,13 @@ impl<'t> Launch<'t> {
     }
     pub fn arg_u64(mut self, v: u64) -> Self {
         self.args.push(KernelArg::U64(v));
+        self
+    }
+    /// A tensor-map argument (a `const __grid_constant__ CUtensorMap` parameter): the kernel
+    /// receives the map's 128 bytes; the map borrows its tensor for the launch.
+    pub fn arg_tensor_map(mut self, map: &'t TensorMap<'t>) -> Self {
+        self.maps.push(map);
+        self.args.push(KernelArg::TensorMap(self.maps.len() - 1));
         self
     }
 
@@ -154,9 +168,14 @@ impl Backend {
         crate::counters::launch();
         let mut slots = launch.resolve(self)?;
         // The cuLaunchKernel convention: params[i] points at the i-th argument's value.
+        // A tensor map is passed as the address of its 128 bytes.
         let mut params: Vec<*mut c_void> = slots
             .iter_mut()
-            .map(|s| s as *mut u64 as *mut c_void)
+            .zip(&launch.args)
+            .map(|(s, a)| match a {
+                KernelArg::TensorMap(i) => launch.maps[*i].as_param().cast_mut(),
+                _ => s as *mut u64 as *mut c_void,
+            })
             .collect();
         match self {
             Backend::Cpu => Err(Error::Launch {
@@ -196,8 +215,9 @@ impl Backend {
                 let g = launch.grid;
                 let b = launch.block;
                 // SAFETY: params holds one pointer per kernel parameter, each to an 8-byte slot
-                // holding the value with the size the kernel's signature declares (the op
-                // module that builds the Launch is written against that signature); the slots
+                // holding the value with the size the kernel's signature declares, or to a
+                // tensor map's 128 bytes (the op module that builds the Launch is written
+                // against that signature); the slots, the maps
                 // and the tensors outlive the call, and the launch is ordered on the stream that
                 // every tensor of this backend was allocated and copied on.
                 unsafe {

@@ -24,6 +24,7 @@ pub mod planted;
 pub mod profiler;
 pub mod runner;
 pub mod tensor;
+pub mod tensor_map;
 pub mod testing;
 
 pub use device::{Backend, Device};

@@ -668,9 +668,9 @@ fn planted_missing_syncthreads_between_a_shared_write_and_another_threads_read()
                 f.message.contains("static shared array `s`")
                     && (f
                         .message
-                        .contains("of the same block with no __syncthreads between them")
+                        .contains("of the same block with no __syncthreads, named barrier or mbarrier between them")
                         || f.message.contains(
-                            "of the same warp with no __syncthreads or __syncwarp between them"
+                            "of the same warp with no __syncthreads, __syncwarp or mbarrier between them"
                         )),
                 "{f}"
             );
@@ -746,8 +746,9 @@ fn warp_exchange_through_shared_memory_needs_syncwarp() {
     assert!(!found.is_empty());
     assert!(
         found.iter().all(|f| f.kind == "race"
-            && f.message
-                .contains("of the same warp with no __syncthreads or __syncwarp between them")),
+            && f.message.contains(
+                "of the same warp with no __syncthreads, __syncwarp or mbarrier between them"
+            )),
         "{found:#?}"
     );
     let clean = checked(

@@ -1,18 +1,20 @@
-// Hopper (sm_90a) helpers: mbarrier, bulk asynchronous copy (the TMA engine's non-tensor form),
-// async-proxy fences and wgmma m64n128k16 (bf16 x bf16 -> f32) reading both operands from shared
-// memory through matrix descriptors. Each has a portable version for the emulator.
+// Hopper (sm_90a) helpers: mbarrier, bulk asynchronous copies (plain and through a tensor map,
+// the TMA engine), async-proxy fences and wgmma m64nNk16 (bf16 x bf16 -> f32, N = 64/128/256)
+// reading both operands from shared memory through matrix descriptors. Each has a portable
+// version for the emulator.
 //
 // Guard: these compile when SLUICE_EMU is defined or for __CUDA_ARCH__ >= 900 (compute_90a).
 // In the compute_80 build they are absent; kernels that use them must put their body behind the
 // same test (SLUICE_HOPPER_OK below) with __trap() in the #else.
 //
-// Shared-memory operand layout (the only one these helpers implement): K-major, NO swizzle
-// ("interleave" mode 0). A core matrix is 8 rows x 16 bytes (8 bf16), stored as 128 contiguous
-// bytes (row r of the core matrix at +16r). In a matrix descriptor:
+// Shared-memory operand layouts: K-major, either interleaved (no swizzle, below) or swizzled by
+// 32/64/128 bytes (see "wgmma operand layouts" further down). Interleaved: a core matrix is
+// 8 rows x 16 bytes (8 bf16), stored as 128 contiguous bytes (row r of the core matrix at +16r).
+// In a matrix descriptor:
 //   start address  = shared address of element (0, 0), >> 4, bits 0-13
 //   LBO (bits 16-29, >> 4) = bytes between core matrices adjacent in K
 //   SBO (bits 32-45, >> 4) = bytes between core matrices adjacent in M (or N)
-//   base offset (bits 49-51) = 0, swizzle (bits 62-63) = 0.
+//   base offset (bits 49-51) = 0, swizzle (bits 62-63) = 0 (1: 128B, 2: 64B, 3: 32B).
 // So element (row, k) lives at start + (row/8)*SBO + (row%8)*16 + (k/8)*LBO + (k%8)*2.
 //
 // Emulation notes:
@@ -26,6 +28,11 @@
 //   NaN in between). Reading either earlier is an `async-read-before-wait` finding. The mbarrier
 //   state lives in the emulator (keyed by the barrier's address); a wait spins with emu_yield()
 //   until the other threads' arrivals complete the phase.
+// - Proxies: a thread's ordinary stores to shared memory reach wgmma (the async proxy) only
+//   after its fence.proxy.async; the emulator reports a wgmma operand byte written without one
+//   (`missing-proxy-fence`), and one a tensor copy landed with another swizzle than the wgmma's
+//   descriptor says (`swizzle-mismatch`). The emulator and these helpers encode the same reading
+//   of the PTX ISA: a misreading shared by both passes here, and only a GPU run settles it.
 // - wgmma is computed when issued (each thread its own accumulator fragment, reading the operands
 //   from shared memory through the checker). Products are exact; the 16 products of one k16 step
 //   are added one at a time in ascending k, which may differ from the tensor cores' internal
@@ -33,6 +40,9 @@
 #pragma once
 
 #include <stdint.h>
+#ifndef SLUICE_EMU
+#include <cuda.h>  // CUtensorMap
+#endif
 #ifdef SLUICE_EMU
 #include <string.h>
 #include <source_location>
@@ -145,11 +155,15 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32
 }
 
 // Orders this thread's ordinary shared-memory writes before later async-proxy reads (wgmma).
-__device__ __forceinline__ void fence_proxy_async_shared() {
-#ifndef SLUICE_EMU
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
+#ifdef SLUICE_EMU
+__device__ __forceinline__ void fence_proxy_async_shared(SLUICE_HOPPER_LOC) {
+    ::sluice_emu::fence_proxy_async(loc);
 }
+#else
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+#endif
 
 // ---- wgmma ----------------------------------------------------------------------------------
 
@@ -183,45 +197,106 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 #endif
 
+
+// ---- wgmma operand layouts -------------------------------------------------------------------
+//
+// Both operands K-major in shared memory, read through a matrix descriptor. Two layouts:
+// - interleave (no swizzle; descriptor mode 0): the core-matrix layout at the top of this file.
+// - swizzled, 32/64/128 bytes (descriptor modes 3/2/1): rows of W = 32/64/128 bytes (16/32/64 bf16
+//   of K), 8 rows an atom of 8W bytes, atoms SBO apart along M (or N); element (row, k) at the
+//   canonical address start + (row/8)*SBO + (row%8)*W + 2k, then swizzled on the address: its
+//   16-byte chunk index (bits 4..) XOR the 128-byte line index (bits 7..), 1/2/3 bits for
+//   32/64/128 bytes. The K step of an instruction (16 bf16, 32 bytes) advances the start address
+//   by 32 bytes inside the row, so a tile's K extent is one row (W bytes), and atoms must sit at
+//   addresses aligned to 8W (the descriptor's base offset is 0). This is the layout a tensor copy
+//   with the same swizzle writes (tma_load_2d below), which is what makes the pair work.
+enum WgmmaSwizzle : uint32_t {
+    kWgmmaInterleave = 0,
+    kWgmmaSwizzle128B = 1,
+    kWgmmaSwizzle64B = 2,
+    kWgmmaSwizzle32B = 3
+};
+
+// A swizzled K-major descriptor (LBO is unused by these layouts and set to 1, as CUTLASS does).
+__device__ __forceinline__ uint64_t wgmma_desc_swizzled(uint32_t start, uint32_t sbo,
+                                                        WgmmaSwizzle mode) {
+    return static_cast<uint64_t>((start >> 4) & 0x3fffu) | (static_cast<uint64_t>(1) << 16) |
+           (static_cast<uint64_t>((sbo >> 4) & 0x3fffu) << 32) |
+           (static_cast<uint64_t>(mode) << 62);
+}
+
 #ifdef SLUICE_EMU
 namespace emu_hopper {
-inline float smem_bf16(const void* smem_base, uint64_t desc, int row, int k) {
+// Byte offset (from smem_base) of element (row, k), k < 16, of the operand `desc` describes.
+inline uint32_t operand_offset(uint64_t desc, int row, int k) {
     const uint32_t start = static_cast<uint32_t>(desc & 0x3fffu) << 4;
     const uint32_t lbo = static_cast<uint32_t>((desc >> 16) & 0x3fffu) << 4;
     const uint32_t sbo = static_cast<uint32_t>((desc >> 32) & 0x3fffu) << 4;
-    const uint32_t off = start + (row / 8) * sbo + (row % 8) * 16 + (k / 8) * lbo + (k % 8) * 2;
+    const uint32_t mode = static_cast<uint32_t>(desc >> 62);
+    if (mode == kWgmmaInterleave) {
+        return start + (row / 8) * sbo + (row % 8) * 16 + (k / 8) * lbo + (k % 8) * 2;
+    }
+    const uint32_t width = mode == kWgmmaSwizzle128B ? 128 : mode == kWgmmaSwizzle64B ? 64 : 32;
+    const uint32_t canon = start + (row / 8) * sbo + (row % 8) * width + k * 2;
+    return canon ^ (((canon >> 7) & (width / 16 - 1)) << 4);
+}
+// The descriptor's swizzle in the emulator's numbering (0 none, 1 32B, 2 64B, 3 128B).
+inline unsigned swizzle_of(uint64_t desc) {
+    const unsigned mode = static_cast<unsigned>(desc >> 62);
+    return mode == 0 ? 0 : 4 - mode;
+}
+inline float smem_bf16(const void* smem_base, uint64_t desc, int row, int k) {
     uint16_t h;
-    memcpy(&h, reinterpret_cast<const char*>(smem_base) + off, 2);
+    memcpy(&h, reinterpret_cast<const char*>(smem_base) + operand_offset(desc, row, k), 2);
     const uint32_t bits = static_cast<uint32_t>(h) << 16;
     float f;
     memcpy(&f, &bits, 4);
     return f;
 }
+// The async proxy's reads of one operand (rows x 16 of K): each row's two 16-byte chunks.
+inline void operand_reads(const void* smem_base, uint64_t desc, int rows,
+                          const std::source_location& loc) {
+    for (int row = 0; row < rows; ++row) {
+        for (int k = 0; k < 16; k += 8) {
+            ::sluice_emu::async_proxy_read(
+                reinterpret_cast<const char*>(smem_base) + operand_offset(desc, row, k), 16,
+                swizzle_of(desc), loc);
+        }
+    }
+}
 }  // namespace emu_hopper
 #endif
 
-// D(64x128) = A(64x16) * B(128x16)^T + (scale_d ? D : 0), bf16 from shared memory (K-major, no
-// swizzle), f32 accumulators in registers. All 128 threads of the warpgroup must call it.
-// Fragment of D: warp w = (threadIdx.x % 128) / 32 holds rows 16w..16w+15; with g = lane/4,
-// t = lane%4, d[4j + 0, 1] = D[16w + g][8j + 2t, +1], d[4j + 2, 3] = D[16w + g + 8][8j + 2t, +1].
+// D(64xN) = A(64x16) * B(Nx16)^T + (scale_d ? D : 0), bf16 from shared memory (K-major, any of
+// the layouts above), f32 accumulators in registers; N = 64, 128 or 256. All 128 threads of the
+// warpgroup must call it. Fragment of D: warp w = (threadIdx.x % 128) / 32 holds rows
+// 16w..16w+15; with g = lane/4, t = lane%4, d[4j + 0, 1] = D[16w + g][8j + 2t, +1],
+// d[4j + 2, 3] = D[16w + g + 8][8j + 2t, +1], j < N/8.
 #ifdef SLUICE_EMU
-__device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a,
-                                                      uint64_t desc_b, int scale_d,
-                                                      const void* smem_base, SLUICE_HOPPER_LOC) {
+template <int N>
+__device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
+                                           int scale_d, const void* smem_base, SLUICE_HOPPER_LOC) {
+    static_assert(N == 64 || N == 128 || N == 256, "wgmma_bf16: N is 64, 128 or 256");
     const int wt = threadIdx.x & 127;
     const int warp = wt / 32, lane = wt % 32, g = lane / 4, t = lane % 4;
     // The accumulator this wgmma starts from: the newest pending result on d, else d (read by
     // the emulator, so that chaining wgmmas before their wait is not a premature read).
-    float in[64], out[64];
+    float in[N / 2], out[N / 2];
     ::sluice_emu::wgmma_accumulator(d, in, sizeof in);
-    // Profile: one instruction per warpgroup; its operands, A (64x16) and B (128x16) bf16, read
-    // from shared memory once (a model); the emulation's own reads are not counted.
+    // Profile: one instruction per warpgroup; its operands, A (64x16) and B (Nx16) bf16, read
+    // from shared memory once (a model); the emulation's own reads are not counted. The same
+    // thread reports the operands' async-proxy reads (a missing proxy fence, a layout mismatch).
     if (wt == 0) {
-        ::sluice_emu::prof_tensor_op("wgmma.m64n128k16.bf16", 2.0 * 64 * 128 * 16, loc);
-        ::sluice_emu::prof_wgmma_operands((64 + 128) * 16 * 2, loc);
+        ::sluice_emu::prof_tensor_op(N == 64    ? "wgmma.m64n64k16.bf16"
+                                     : N == 128 ? "wgmma.m64n128k16.bf16"
+                                                : "wgmma.m64n256k16.bf16",
+                                     2.0 * 64 * N * 16, loc);
+        ::sluice_emu::prof_wgmma_operands((64 + N) * 16 * 2, loc);
+        emu_hopper::operand_reads(smem_base, desc_a, 64, loc);
+        emu_hopper::operand_reads(smem_base, desc_b, N, loc);
     }
     ::sluice_emu::prof_quiet(1);
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < N / 8; ++j) {
         for (int e = 0; e < 4; ++e) {
             const int row = 16 * warp + g + (e >= 2 ? 8 : 0);
             const int col = 8 * j + 2 * t + (e & 1);
@@ -235,36 +310,118 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t d
     }
     ::sluice_emu::prof_quiet(-1);
     ::sluice_emu::wgmma_issue(d, out, sizeof out, loc);
+}
+__device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a,
+                                                      uint64_t desc_b, int scale_d,
+                                                      const void* smem_base, SLUICE_HOPPER_LOC) {
+    wgmma_bf16<128>(d, desc_a, desc_b, scale_d, smem_base, loc);
+}
 #else
+template <int N>
+struct WgmmaBf16;
+template <>
+struct WgmmaBf16<64> {
+    static __device__ __forceinline__ void run(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
+                                               int scale_d) {
+        asm volatile(
+            "{\n"
+            ".reg .pred p;\n"
+            "setp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+            "%32, %33, p, 1, 1, 0, 0;\n"
+            "}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    }
+};
+template <>
+struct WgmmaBf16<128> {
+    static __device__ __forceinline__ void run(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                               int scale_d) {
+        asm volatile(
+            "{\n"
+            ".reg .pred p;\n"
+            "setp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+            "%64, %65, p, 1, 1, 0, 0;\n"
+            "}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    }
+};
+template <>
+struct WgmmaBf16<256> {
+    static __device__ __forceinline__ void run(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
+                                               int scale_d) {
+        asm volatile(
+            "{\n"
+            ".reg .pred p;\n"
+            "setp.ne.b32 p, %130, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+            "%128, %129, p, 1, 1, 0, 0;\n"
+            "}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    }
+};
+
+template <int N>
+__device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
+                                           int scale_d, const void* smem_base) {
+    (void)smem_base;
+    WgmmaBf16<N>::run(d, desc_a, desc_b, scale_d);
+}
 __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a,
                                                       uint64_t desc_b, int scale_d,
                                                       const void* smem_base) {
-    (void)smem_base;
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, 0, 0;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
-          "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),
-          "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),
-          "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
-          "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),
-          "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]),
-          "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]),
-          "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-#endif
+    wgmma_bf16<128>(d, desc_a, desc_b, scale_d, smem_base);
 }
+#endif
+
+// ---- tensor-map copies (TMA) -------------------------------------------------------------------
+//
+// `map` is a `const __grid_constant__ CUtensorMap` kernel parameter the host encoded
+// (kernels/src/tensor_map.rs: cuTensorMapEncodeTiled on cuda, sluice's own layout on emu). One
+// thread issues the copy of the box at (c0, c1[, c2]) (elements; parts outside the tensor read as
+// zero) into `dst` (128-byte aligned; 8W-aligned for a swizzle of W bytes, so the wgmma layout
+// above matches), completing complete_tx(box bytes) on `bar`: that thread must have raised the
+// phase's transaction count by the box's bytes (mbarrier_expect_tx) first.
+#ifdef SLUICE_EMU
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int c0, int c1,
+                                            uint64_t* bar, SLUICE_HOPPER_LOC) {
+    const int coords[2] = {c0, c1};
+    ::sluice_emu::tensor_copy_g2s(dst, map, coords, 2, bar, loc);
+}
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, int c0, int c1,
+                                            int c2, uint64_t* bar, SLUICE_HOPPER_LOC) {
+    const int coords[3] = {c0, c1, c2};
+    ::sluice_emu::tensor_copy_g2s(dst, map, coords, 3, bar, loc);
+}
+#else
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int c0, int c1,
+                                            uint64_t* bar) {
+    const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+    const uint32_t b = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(d),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(b)
+        : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, int c0, int c1,
+                                            int c2, uint64_t* bar) {
+    const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+    const uint32_t b = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(d),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(b)
+        : "memory");
+}
+#endif
 
 }  // namespace sluice
 #endif  // SLUICE_HOPPER_OK

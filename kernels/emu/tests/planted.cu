@@ -342,3 +342,155 @@ extern "C" __global__ void emutest_cp_async(const float4* __restrict__ src, floa
   const float4 v = tile[(threadIdx.x + 1) % blockDim.x];
   out[threadIdx.x] = v.x + v.y + v.z + v.w + first;
 }
+
+// ---- Hopper pipeline pieces: tensor copies, swizzled wgmma, mbarrier rings, proxy fences ----
+
+// One tensor copy of the box at (c0, c1) into shared memory, then the raw bytes of the landed
+// box copied out (`words` 16-bit words): the test reads where each element landed (the swizzle)
+// and what the parts outside the tensor read as (zeros). One warp.
+extern "C" __global__ void emutest_tma_box(const __grid_constant__ CUtensorMap map, uint16_t* __restrict__ out,
+                                           int c0, int c1, int words) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem);
+  unsigned char* box = smem + 1024;
+  if (threadIdx.x == 0) {
+    sluice::mbarrier_init(bar, 1);
+    sluice::fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    sluice::mbarrier_expect_tx(bar, (uint32_t)words * 2);
+    sluice::tma_load_2d(box, &map, c0, c1, bar);
+    sluice::mbarrier_arrive(bar);
+  }
+  sluice::mbarrier_wait(bar, 0);
+  for (int i = threadIdx.x; i < words; i += blockDim.x) out[i] = reinterpret_cast<const uint16_t*>(box)[i];
+}
+
+// C (64 x N, f32) = A (64 x K) B (N x K)^T with both operands brought in by tensor copies in the
+// map's swizzle and read by wgmma m64nNk16 through descriptors of mode `desc_mode` (1 128B, 2 64B,
+// 3 32B). K = span / 2 (one swizzle row). One warpgroup. With a desc_mode that differs from the
+// maps' swizzle the product is wrong: PLANTED BUG (the test passes the wrong mode).
+template <int N>
+__device__ void wgmma_tma(const CUtensorMap& map_a, const CUtensorMap& map_b, float* out, int span, int desc_mode) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem);
+  unsigned char* a = smem + 1024;
+  unsigned char* b = a + 64 * span;  // 64 rows of span bytes: a multiple of 8 * span, so aligned
+  const int k = span / 2;
+  if (threadIdx.x == 0) {
+    sluice::mbarrier_init(bar, 1);
+    sluice::fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    sluice::mbarrier_expect_tx(bar, (uint32_t)(64 + N) * span);
+    sluice::tma_load_2d(a, &map_a, 0, 0, bar);
+    sluice::tma_load_2d(b, &map_b, 0, 0, bar);
+    sluice::mbarrier_arrive(bar);
+  }
+  sluice::mbarrier_wait(bar, 0);
+  float acc[N / 2];
+  for (int i = 0; i < N / 2; ++i) acc[i] = 0.0f;
+  const sluice::WgmmaSwizzle mode = static_cast<sluice::WgmmaSwizzle>(desc_mode);
+  sluice::wgmma_fence();
+  for (int kk = 0; kk < k; kk += 16) {
+    const uint64_t da = sluice::wgmma_desc_swizzled(sluice::smem_addr(smem, a) + 2 * kk, 8 * span, mode);
+    const uint64_t db = sluice::wgmma_desc_swizzled(sluice::smem_addr(smem, b) + 2 * kk, 8 * span, mode);
+    sluice::wgmma_bf16<N>(acc, da, db, 1, smem);  // PLANTED BUG site when desc_mode mismatches
+  }
+  sluice::wgmma_commit();
+  sluice::wgmma_wait<0>();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  for (int j = 0; j < N / 8; ++j) {
+    for (int e = 0; e < 4; ++e) {
+      const int row = 16 * warp + g + (e >= 2 ? 8 : 0), col = 8 * j + 2 * t + (e & 1);
+      out[row * N + col] = acc[4 * j + e];
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(128) emutest_wgmma_tma(const __grid_constant__ CUtensorMap map_a,
+                                                                    const __grid_constant__ CUtensorMap map_b,
+                                                                    float* __restrict__ out, int n, int span,
+                                                                    int desc_mode) {
+  if (n == 64) wgmma_tma<64>(map_a, map_b, out, span, desc_mode);
+  else if (n == 128) wgmma_tma<128>(map_a, map_b, out, span, desc_mode);
+  else wgmma_tma<256>(map_a, map_b, out, span, desc_mode);
+}
+
+// A ring of STAGES stage buffers between one producer thread (warp 4, lane 0) and a consumer
+// warpgroup (warps 0-3), ordered by mbarriers alone (no block-wide barrier after the set-up): per
+// step i a `full[i]` barrier, per stage an `empty[s]` barrier reused with its phase parity. The
+// producer waits until stage s is empty, writes the step number with a plain store, issues a bulk
+// copy of the step's 128 floats into the stage and arrives on full[i]; the consumers wait on
+// full[i], read the stage (plain loads) and arrive on empty[s]. out[i * 128 + t] = 2 x[i][t] + i.
+// With skip_empty != 0 the producer never waits on `empty` (PLANTED BUG): it overwrites stages
+// the consumers may not have read yet. steps <= 8.
+extern "C" __global__ void __launch_bounds__(160) emutest_mbarrier_ring(const float* __restrict__ x,
+                                                                        float* __restrict__ out, int steps,
+                                                                        int skip_empty) {
+  constexpr int STAGES = 2, W = 128;
+  extern __shared__ __align__(128) unsigned char smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);  // 8
+  uint64_t* empty = full + 8;                          // STAGES
+  int* step_of = reinterpret_cast<int*>(smem + 96);
+  float* stage = reinterpret_cast<float*>(smem + 128);
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < steps; ++i) sluice::mbarrier_init(&full[i], 1);
+    for (int s = 0; s < STAGES; ++s) sluice::mbarrier_init(&empty[s], 128);
+    sluice::fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (warp == 4) {
+    if (threadIdx.x % 32 == 0) {
+      for (int i = 0; i < steps; ++i) {
+        const int s = i % STAGES;
+        if (i >= STAGES && !skip_empty) sluice::mbarrier_wait(&empty[s], ((i / STAGES) - 1) & 1);
+        step_of[s] = i;  // PLANTED BUG site: without the empty wait, this write races the consumers' reads
+        sluice::mbarrier_expect_tx(&full[i], W * 4);
+        sluice::bulk_copy_g2s(stage + s * W, x + (size_t)i * W, W * 4, &full[i]);
+        sluice::mbarrier_arrive(&full[i]);
+      }
+    }
+    return;
+  }
+  for (int i = 0; i < steps; ++i) {
+    const int s = i % STAGES;
+    sluice::mbarrier_wait(&full[i], 0);
+    out[(size_t)i * W + threadIdx.x] = 2.0f * stage[s * W + threadIdx.x] + (float)step_of[s];
+    sluice::mbarrier_arrive(&empty[s]);
+  }
+}
+
+// Threads write wgmma operands with ordinary stores, then a block barrier, then wgmma (the async
+// proxy reads them). With fence != 0 each thread runs fence.proxy.async after its stores;
+// without (PLANTED BUG) the emulator reports the missing fence. A = 1, B[n][k] = n: D = 16 n.
+extern "C" __global__ void __launch_bounds__(128) emutest_proxy_fence(float* __restrict__ out, int fence) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x;
+  unsigned char* a = smem;
+  unsigned char* b = smem + 64 * 16 * 2;
+  for (int e = tid; e < 64 * 16; e += 128) {
+    const int row = e / 16, k = e % 16;
+    *reinterpret_cast<__nv_bfloat16*>(a + (row / 8) * 128 + (row % 8) * 16 + (k / 8) * 1024 + (k % 8) * 2) =
+        __float2bfloat16(1.0f);
+  }
+  for (int e = tid; e < 64 * 16; e += 128) {
+    const int row = e / 16, k = e % 16;
+    *reinterpret_cast<__nv_bfloat16*>(b + (row / 8) * 128 + (row % 8) * 16 + (k / 8) * 1024 + (k % 8) * 2) =
+        __float2bfloat16((float)row);
+  }
+  if (fence) sluice::fence_proxy_async_shared();
+  __syncthreads();  // PLANTED BUG site: without the fence, the wgmma below reads unfenced bytes
+  float acc[32];
+  for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
+  const uint64_t da = sluice::wgmma_desc(sluice::smem_addr(smem, a), 1024, 128);
+  const uint64_t db = sluice::wgmma_desc(sluice::smem_addr(smem, b), 1024, 128);
+  sluice::wgmma_fence();
+  sluice::wgmma_bf16<64>(acc, da, db, 1, smem);
+  sluice::wgmma_commit();
+  sluice::wgmma_wait<0>();
+  out[tid] = acc[0];
+}
