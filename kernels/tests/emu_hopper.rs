@@ -475,3 +475,54 @@ fn tensor_maps_refuse_what_the_copy_engine_cannot_do() {
     .to_string();
     assert!(e.contains("cpu"), "{e}");
 }
+
+#[test]
+fn named_barriers_order_the_warps_that_meet_at_them() {
+    let line = planted_line("PLANTED BUG site: read without the pair's barrier");
+    for seed in [1u64, 2, 3] {
+        let out = buf(64 * 4);
+        let clean = checked(
+            "emutest_named_barrier",
+            128,
+            0,
+            &[ptr(&out), P::Slot(1)],
+            seed,
+        );
+        assert!(clean.is_empty(), "seed {seed}: {clean:#?}");
+        let got = words_f32(&out);
+        for (i, v) in got.iter().enumerate() {
+            let (pair, lane) = (i / 32, i % 32);
+            assert_eq!(
+                *v,
+                (pair * 64 + (lane + 1) % 32 + 1) as f32,
+                "seed {seed}, word {i}"
+            );
+        }
+        let out = buf(64 * 4);
+        let found = checked(
+            "emutest_named_barrier",
+            128,
+            0,
+            &[ptr(&out), P::Slot(0)],
+            seed,
+        );
+        assert!(
+            !found.is_empty(),
+            "seed {seed}: the missing named barrier went unnoticed"
+        );
+        assert!(
+            found.iter().all(|f| f.kind == "race"
+                && f.message.contains("of the same block with no __syncthreads, named barrier or mbarrier between them")),
+            "{found:#?}"
+        );
+        assert!(found.iter().any(|f| names_line(f, line)), "{found:#?}");
+    }
+}
+
+#[test]
+fn a_chain_of_syncwarps_orders_transitively() {
+    let out = buf(4);
+    let found = checked("emutest_syncwarp_chain", 32, 0, &[ptr(&out)], 1);
+    assert!(found.is_empty(), "{found:#?}");
+    assert_eq!(words_f32(&out), [7.0]);
+}

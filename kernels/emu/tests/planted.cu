@@ -7,6 +7,7 @@
 
 #include "common/cp_async.cuh"
 #include "common/hopper.cuh"
+#include "common/named_barrier.cuh"
 
 namespace emutest {
 
@@ -493,4 +494,26 @@ extern "C" __global__ void __launch_bounds__(128) emutest_proxy_fence(float* __r
   sluice::wgmma_commit();
   sluice::wgmma_wait<0>();
   out[tid] = acc[0];
+}
+
+// Two pairs of warps exchange through shared memory, each pair meeting at its own named barrier
+// (ids 1 and 2, 64 threads each): warp 2p writes, the pair syncs, warp 2p + 1 reads. With
+// sync == 0 the pair does not meet (PLANTED BUG).
+extern "C" __global__ void __launch_bounds__(128) emutest_named_barrier(float* __restrict__ out, int sync) {
+  __shared__ float s[64];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, pair = warp / 2;
+  if (warp % 2 == 0) s[pair * 32 + lane] = (float)(threadIdx.x + 1);
+  if (sync) sluice::named_barrier_sync(1 + pair, 64);
+  if (warp % 2 == 1) out[pair * 32 + lane] = s[pair * 32 + (lane + 1) % 32];  // PLANTED BUG site: read without the pair's barrier
+}
+
+// Order through a chain of __syncwarp with different masks: lane 0 writes, syncs with lane 1,
+// lane 1 syncs with lane 2, lane 2 reads (ordered transitively: clean).
+extern "C" __global__ void emutest_syncwarp_chain(float* __restrict__ out) {
+  __shared__ float s[1];
+  const int lane = threadIdx.x % 32;
+  if (lane == 0) s[0] = 7.0f;
+  if (lane < 2) __syncwarp(0x3u);
+  if (lane == 1 || lane == 2) __syncwarp(0x6u);
+  if (lane == 2) out[0] = s[0];
 }
