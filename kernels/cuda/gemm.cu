@@ -1,13 +1,13 @@
 // gemm: C[M,N] = A[M,K] . B[N,K]^T (row-major; B is the weight in the linear-layer form).
 //
-// Three kernels, each serving the plain, batched and grouped forms (kernels/src/ops/gemm.rs
+// Two kernels, each serving the plain, batched and grouped forms (kernels/src/ops/gemm.rs
 // computes the grid and picks the kernel):
 //   gemm_f32         F32 inputs, true f32 (SIMT FMA; never tf32, never tensor cores).
 //   gemm_bf16_mma    BF16 inputs, mma.sync m16n8k16 + ldmatrix, f32 accumulate (compute_80;
 //                    the default on every GPU).
-//   gemm_bf16_wgmma  BF16 inputs, Hopper wgmma + bulk async copies + mbarriers (compute_90a).
-//                    Opt-in (SLUICE_GEMM_PATH=wgmma) until verified on a GPU.
-// The output is always F32.
+// The output is always F32. The Hopper kernel of the same family, gemm_bf16_wgmma (tensor-map
+// copies, a producer warp and two consumer warpgroups on wgmma, a persistent grid), lives in
+// kernels/cuda/gemm_hopper.cu.
 //
 // Common signature (only pointers and scalars, per the kernel conventions):
 //   (a, b, c, offsets, rows, n, k, groups, stride_a, stride_b, stride_c)
@@ -26,7 +26,6 @@
 #include <stdint.h>
 #include <cuda_bf16.h>
 
-#include "common/hopper.cuh"
 #include "common/mma.cuh"
 
 namespace gemm {
@@ -300,170 +299,4 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16_mma(
             }
         }
     }
-}
-
-namespace gemm {
-
-// ---------------------------------------------------------------------------------------------
-// gemm_bf16_wgmma (Hopper): 128x128 tile per block, one warpgroup (128 threads), K in steps of
-// 64 through a 4-stage shared-memory ring. Each stage holds A[128][64] and B[128][64] in the
-// K-major no-swizzle core-matrix layout of common/hopper.cuh: element (row, k) of a 128-row
-// tile at (k/8)*2048 + row*16 + (k%8)*2 bytes, so LBO = 2048 (next 8 k) and SBO = 128 (next 8
-// rows). Loads: every 16-byte piece (8 k of one row) that lies inside the matrix and is 16-byte
-// aligned in global memory goes by a bulk async copy (cp.async.bulk, the TMA engine) completing
-// on the stage's mbarrier; pieces at the ragged edges are written by ordinary stores with zero
-// fill, then fenced to the async proxy. Each of the 128 threads adds its own bulk bytes with
-// expect_tx and then arrives, so the barrier's phase completes when all threads have arrived and
-// all their bytes have landed. Per K step: two wgmma.m64n128k16 per k16 (rows 0-63 and 64-127),
-// four k16 steps, then wait for them, a block barrier (the stage is free), and the loads of the
-// step STAGES ahead into the freed stage.
-// ---------------------------------------------------------------------------------------------
-#if SLUICE_HOPPER_OK
-constexpr int WG_BM = 128, WG_BN = 128, WG_BK = 64, WG_STAGES = 4, WG_THREADS = 128;
-constexpr int WG_TILE_BYTES = WG_BM * WG_BK * 2;           // 16384, A and B alike (BM == BN)
-constexpr int WG_STAGE_BYTES = 2 * WG_TILE_BYTES;          // 32768
-constexpr int WG_BARRIER_OFFSET = WG_STAGES * WG_STAGE_BYTES;  // 131072; + 4 x 8-byte mbarriers
-constexpr uint32_t WG_LBO = WG_BM * 16;                    // 2048
-constexpr uint32_t WG_SBO = 128;
-static_assert(WG_BM == WG_BN, "A and B tiles share one layout and size");
-// Fills one matrix's tile of one stage: 128 rows x 8 pieces of 16 bytes; thread tid takes
-// pieces tid + 128 i (row q/8, piece q%8: consecutive threads read consecutive global bytes).
-// Returns nothing; adds this thread's bulk bytes to `bar` before issuing them.
-__device__ __forceinline__ void wg_load_tile(unsigned char* dst, const __nv_bfloat16* src,
-                                             int row0, int row_end, int k0, int k, bool bulk_ok,
-                                             uint64_t* bar) {
-    const int tid = threadIdx.x;
-    uint32_t bulk_bytes = 0;
-    #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const int q = tid + WG_THREADS * i;
-        const int r = row0 + q / 8, kk = k0 + (q % 8) * 8;
-        if (bulk_ok && r < row_end && kk + 8 <= k) bulk_bytes += 16;
-    }
-    if (bulk_bytes > 0) sluice::mbarrier_expect_tx(bar, bulk_bytes);
-    #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const int q = tid + WG_THREADS * i;
-        const int lr = q / 8, piece = q % 8;
-        const int r = row0 + lr, kk = k0 + piece * 8;
-        unsigned char* d = dst + piece * WG_LBO + lr * 16;
-        if (bulk_ok && r < row_end && kk + 8 <= k) {
-            sluice::bulk_copy_g2s(d, src + static_cast<long long>(r) * k + kk, 16, bar);
-        } else {
-            uint16_t h[8];
-            #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                h[e] = 0;
-                if (r < row_end && kk + e < k) {
-                    const __nv_bfloat16 x = src[static_cast<long long>(r) * k + kk + e];
-                    h[e] = *reinterpret_cast<const uint16_t*>(&x);
-                }
-            }
-            uint4 v;
-            v.x = h[0] | (static_cast<uint32_t>(h[1]) << 16);
-            v.y = h[2] | (static_cast<uint32_t>(h[3]) << 16);
-            v.z = h[4] | (static_cast<uint32_t>(h[5]) << 16);
-            v.w = h[6] | (static_cast<uint32_t>(h[7]) << 16);
-            *reinterpret_cast<uint4*>(d) = v;
-        }
-    }
-}
-#endif
-
-}  // namespace gemm
-
-extern "C" __global__ void __launch_bounds__(128) gemm_bf16_wgmma(
-    const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
-    float* __restrict__ c, const int* __restrict__ offsets, int rows, int n, int k, int groups,
-    long long stride_a, long long stride_b, long long stride_c) {
-#if SLUICE_HOPPER_OK
-    using namespace gemm;
-    const Tile<__nv_bfloat16> tile =
-        find_tile(a, b, c, offsets, rows, groups, stride_a, stride_b, stride_c, WG_BM);
-    if (!tile.valid) return;  // uniform across the block, before any barrier
-    const int col0 = static_cast<int>(blockIdx.y) * WG_BN;
-
-    extern __shared__ __align__(128) unsigned char smem[];
-    uint64_t* full = reinterpret_cast<uint64_t*>(smem + WG_BARRIER_OFFSET);
-    const int tid = threadIdx.x;
-    if (tid == 0) {
-        for (int s = 0; s < WG_STAGES; ++s) sluice::mbarrier_init(&full[s], WG_THREADS);
-        sluice::fence_mbarrier_init();
-    }
-    __syncthreads();
-
-    const bool bulk_ok = (k % 8 == 0) && (reinterpret_cast<uintptr_t>(tile.a) % 16 == 0) &&
-                         (reinterpret_cast<uintptr_t>(tile.b) % 16 == 0);
-    const int ktiles = (k + WG_BK - 1) / WG_BK;
-    auto load_stage = [&](int s, int kt) {
-        unsigned char* base = smem + s * WG_STAGE_BYTES;
-        gemm::wg_load_tile(base, tile.a, tile.row_begin, tile.row_end, kt * WG_BK, k, bulk_ok,
-                           &full[s]);
-        gemm::wg_load_tile(base + WG_TILE_BYTES, tile.b, col0, n, kt * WG_BK, k, bulk_ok,
-                           &full[s]);
-        sluice::fence_proxy_async_shared();  // this thread's ordinary stores -> async proxy
-        sluice::mbarrier_arrive(&full[s]);
-    };
-
-    float acc[2][64];
-    #pragma unroll
-    for (int h = 0; h < 2; ++h)
-        #pragma unroll
-        for (int e = 0; e < 64; ++e) acc[h][e] = 0.0f;
-
-    #pragma unroll
-    for (int s = 0; s < WG_STAGES && s < ktiles; ++s) load_stage(s, s);
-    // Orders every thread's arrivals before any wait (required by the emulated mbarrier, which
-    // cannot block; harmless on the GPU).
-    __syncthreads();
-
-    for (int kt = 0; kt < ktiles; ++kt) {
-        const int s = kt % WG_STAGES;
-        sluice::mbarrier_wait(&full[s], static_cast<uint32_t>((kt / WG_STAGES) & 1));
-        const unsigned char* base = smem + s * WG_STAGE_BYTES;
-        const uint32_t a_addr = sluice::smem_addr(smem, base);
-        const uint32_t b_addr = sluice::smem_addr(smem, base + WG_TILE_BYTES);
-        sluice::wgmma_fence();
-        #pragma unroll
-        for (int j = 0; j < WG_BK / 16; ++j) {
-            // k16 step j starts two core-matrix columns (2 * LBO bytes) further on.
-            const uint64_t db = sluice::wgmma_desc(b_addr + 2 * j * WG_LBO, WG_LBO, WG_SBO);
-            #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                // Rows 64h..64h+63 of the A tile start 64 rows (64 * 16 bytes) further on.
-                const uint64_t da =
-                    sluice::wgmma_desc(a_addr + h * 64 * 16 + 2 * j * WG_LBO, WG_LBO, WG_SBO);
-                sluice::wgmma_m64n128k16_bf16(acc[h], da, db, 1, smem);
-            }
-        }
-        sluice::wgmma_commit();
-        sluice::wgmma_wait<0>();
-        __syncthreads();  // every warp is done reading stage s
-        if (kt + WG_STAGES < ktiles) load_stage(s, kt + WG_STAGES);
-    }
-
-    const int wt = tid & 127;
-    const int warp = wt / 32, lane = wt % 32, g = lane / 4, t = lane % 4;
-    #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            const int col = col0 + 8 * j + 2 * t;
-            #pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-                const int r = tile.row_begin + 64 * h + 16 * warp + g + 8 * hr;
-                if (r >= tile.row_end) continue;
-                float* out = tile.c + static_cast<long long>(r) * n;
-                if (col < n) out[col] = acc[h][4 * j + 2 * hr];
-                if (col + 1 < n) out[col + 1] = acc[h][4 * j + 2 * hr + 1];
-            }
-        }
-    }
-#else
-    // compute_80 PTX: wgmma, bulk copies and mbarrier transactions need sm_90a. The host never
-    // launches this kernel on such a GPU (ops/gemm.rs refuses first); trap if it ever happens.
-    (void)a; (void)b; (void)c; (void)offsets; (void)rows; (void)n; (void)k; (void)groups;
-    (void)stride_a; (void)stride_b; (void)stride_c;
-    __trap();
-#endif
 }

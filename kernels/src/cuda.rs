@@ -105,6 +105,14 @@ impl CudaBackend {
         Ok(self.stream.synchronize()?)
     }
 
+    /// The number of streaming multiprocessors (the size of a persistent grid).
+    pub fn sm_count(&self) -> Result<usize> {
+        let n = self.ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )?;
+        Ok(n.max(1) as usize)
+    }
+
     fn module(&self, family: &'static KernelFamily) -> Result<Arc<CudaModule>> {
         let mut modules = self.modules.lock().map_err(|_| poisoned())?;
         if let Some(m) = modules.get(family.family) {

@@ -15,9 +15,11 @@
 //! Paths on `cuda` and `emu` (kernels/cuda/gemm.cu):
 //! - `gemm_f32`: F32, tiled SIMT FMA, one thread per 4x4 outputs, K ascending one FMA at a time.
 //! - `gemm_bf16_mma`: BF16, mma.sync m16n8k16 with ldmatrix (compute_80; the default on every GPU).
-//! - `gemm_bf16_wgmma`: BF16, Hopper wgmma + bulk async copies (compute_90a). Never run on a GPU
-//!   yet, so it is used only when `SLUICE_GEMM_PATH=wgmma` is set (or [`GemmPath::Wgmma`] is
-//!   asked for); scripts/gpu-check tests it so the first GPU run can verify it.
+//! - `gemm_bf16_wgmma`: BF16, the Hopper pipeline (kernels/cuda/gemm_hopper.cu, launched by
+//!   [`super::gemm_hopper`]: tensor-map copies, warp-specialised wgmma, persistent grid;
+//!   compute_90a) for K % 8 == 0, `gemm_bf16_mma` for other K. Never run on a GPU yet, so it is
+//!   used only when `SLUICE_GEMM_PATH=wgmma` is set (or [`GemmPath::Wgmma`] is asked for);
+//!   scripts/gpu-check tests it so the first GPU run can verify it and decide the sm_90 default.
 
 pub use super::gemm_chain::{gemm_chain_into, gemm_chain_strided_into};
 pub use super::gemm_small::{gemm_packed_into, PackedB};
@@ -28,6 +30,8 @@ use crate::launch::{blocks_for, Launch};
 use crate::runner::{OpCall, OpOutputs, OpSpec, TensorSpec};
 use crate::tensor::Tensor;
 use half::bf16;
+
+use super::gemm_hopper;
 
 // ---------------------------------------------------------------------------------------------
 // CPU reference
@@ -332,7 +336,8 @@ fn widen(x: &[bf16]) -> Vec<f32> {
 pub enum GemmPath {
     /// `gemm_bf16_mma`: mma.sync m16n8k16 (compute_80); the default on every GPU.
     Mma,
-    /// `gemm_bf16_wgmma`: Hopper wgmma + bulk async copies. Opt-in until verified on a GPU.
+    /// `gemm_bf16_wgmma`: the Hopper pipeline (TMA, warp-specialised wgmma, persistent grid)
+    /// where K % 8 == 0, else mma.sync. Opt-in until verified on a GPU.
     Wgmma,
 }
 
@@ -377,20 +382,11 @@ const MMA_TILES: TileConfig = TileConfig {
     threads: 256,
     shared_bytes: 0,
 };
-/// 4 stages of a 128x64 A tile and a 128x64 B tile in bf16, plus 4 mbarriers (8 bytes each).
-const WGMMA_TILES: TileConfig = TileConfig {
-    kernel: "gemm_bf16_wgmma",
-    block_m: 128,
-    block_n: 128,
-    threads: 128,
-    shared_bytes: 4 * (128 + 128) * 64 * 2 + 4 * 8,
-};
-
 fn tiles_for(dtype: DType, path: GemmPath) -> &'static TileConfig {
     match (dtype, path) {
         (DType::F32, _) => &F32_TILES,
-        (_, GemmPath::Mma) => &MMA_TILES,
-        (_, GemmPath::Wgmma) => &WGMMA_TILES,
+        // The Hopper path runs gemm_bf16_mma for the K it does not take (gemm_hopper::takes).
+        (_, GemmPath::Mma | GemmPath::Wgmma) => &MMA_TILES,
     }
 }
 
@@ -597,6 +593,9 @@ fn batched(
                     "gemm_batched: batch = {batch} exceeds the grid's z limit (65535)"
                 )));
             }
+            if dtype == DType::BF16 && path == GemmPath::Wgmma && gemm_hopper::takes(k) {
+                return gemm_hopper::batched(backend, a, b, c, batch, m, n, k, shared_b);
+            }
             let t = tiles_for(dtype, path);
             let grid = [
                 blocks_for(m, t.block_m),
@@ -719,6 +718,10 @@ pub fn gemm_grouped_with_path(
             if rows * n == 0 {
                 return Ok(c);
             }
+            if dtype == DType::BF16 && path == GemmPath::Wgmma && gemm_hopper::takes(k) {
+                gemm_hopper::grouped(backend, a, b_stack, offsets, &c, rows, n, k, groups)?;
+                return Ok(c);
+            }
             let t = tiles_for(dtype, path);
             // Each segment needs ceil(len/BM) row tiles; their total is at most
             // ceil(T/BM) + G. Blocks past the last tile exit at once.
@@ -759,7 +762,7 @@ fn check_grid_y(y: u32, n: usize) -> Result<()> {
 }
 
 /// The wgmma path needs Hopper (sm_90a PTX) on `cuda`; the emulator runs its portable version.
-fn check_path(backend: &Backend, dtype: DType, path: GemmPath) -> Result<()> {
+pub(super) fn check_path(backend: &Backend, dtype: DType, path: GemmPath) -> Result<()> {
     if dtype != DType::BF16 || path != GemmPath::Wgmma {
         return Ok(());
     }
