@@ -31,6 +31,8 @@ fn det(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut c = Command::new(BIN);
     c.arg("determinism").args(args).current_dir(root());
     c.env_remove("SLUICE_PLANT");
+    // Tests run checked (kernels/src/debug.rs); a test may pass SLUICE_DEBUG=0 in `env`.
+    c.env("SLUICE_DEBUG", "1");
     for (k, v) in env {
         c.env(k, v);
     }
