@@ -79,33 +79,49 @@ fn decode_counts(m: &Model, cfg: &ModelConfig, p: Precision) -> (Counts, ReadyGr
     (c, group)
 }
 
-fn train_counts(m: Model, group: &ReadyGroup) -> (Counts, Counts) {
+/// The counts of two train steps on `group`, and the bits of both losses.
+fn train_counts(m: Model, group: &ReadyGroup) -> (Counts, Counts, [u64; 2]) {
     let be = Backend::emu_with_seed(1);
     let mut learner =
         Learner::new(be, m, OptimConfig::default(), LearnerConfig::default(), 0).unwrap();
     let groups = std::slice::from_ref(group);
-    let (r, first) = counted(|| learner.train(groups).unwrap());
-    assert!(r.loss.is_finite());
-    let (_, second) = counted(|| learner.train(groups).unwrap());
-    (first, second)
+    let (r1, first) = counted(|| learner.train(groups).unwrap());
+    assert!(r1.loss.is_finite());
+    let (r2, second) = counted(|| learner.train(groups).unwrap());
+    (first, second, [r1.loss.to_bits(), r2.loss.to_bits()])
+}
+
+/// A run's results, bit for bit: every sample's tokens and log-probs.
+fn sample_bits(g: &ReadyGroup) -> Vec<(Vec<u32>, Vec<u32>)> {
+    g.samples
+        .iter()
+        .map(|s| {
+            let logp = s.behavior_logp.iter().map(|x| x.to_bits()).collect();
+            (s.tokens.clone(), logp)
+        })
+        .collect()
+}
+
+fn tiny(p: Precision) -> (Model, ModelConfig) {
+    let cfg = ModelConfig::tiny();
+    let be = Backend::emu_with_seed(1);
+    let mut m = Model::new(cfg.clone(), &be).unwrap();
+    m.set_precision(&be, p).unwrap();
+    (m, cfg)
 }
 
 #[test]
 fn decode_and_train_steps_of_the_tiny_model_make_no_host_round_trips() {
     debug::set(false);
     for p in [Precision::F32, Precision::Bf16] {
-        let cfg = ModelConfig::tiny();
-        let be = Backend::emu_with_seed(1);
-        let mut m = Model::new(cfg.clone(), &be).unwrap();
-        m.set_precision(&be, p).unwrap();
-
+        let (m, cfg) = tiny(p);
         let (d, group) = decode_counts(&m, &cfg, p);
         // One download: the sampled tokens and their log-probs, together.
         assert_eq!(d.host_syncs, 1, "{p:?} decode step: {d:?}");
         assert_eq!(d.op_downloads, 0, "{p:?} decode step: {d:?}");
         assert_eq!(d.storage_allocs, 0, "{p:?} steady decode step: {d:?}");
 
-        let (first, second) = train_counts(m, &group);
+        let (first, second, losses) = train_counts(m, &group);
         // Two: the loss outputs with the MoE layers' expert bounds (model/src/forward.rs,
         // one copy), and the optimizer's gradient norm (NaN check and clipping).
         for (what, c) in [("first", first), ("second", second)] {
@@ -116,6 +132,14 @@ fn decode_and_train_steps_of_the_tiny_model_make_no_host_round_trips() {
             second.storage_allocs, 0,
             "{p:?} steady train step: {second:?}"
         );
+
+        // The same run again on this thread's warm cache (every output recycled, holding the
+        // first run's values, nothing poisoned): the same bits.
+        let (m, cfg) = tiny(p);
+        let (_, again) = decode_counts(&m, &cfg, p);
+        assert_eq!(sample_bits(&again), sample_bits(&group), "{p:?} samples");
+        let (.., losses_again) = train_counts(m, &again);
+        assert_eq!(losses_again, losses, "{p:?} losses");
     }
 }
 
