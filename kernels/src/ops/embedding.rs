@@ -4,9 +4,12 @@
 //! Backward: dtable[v,:] = sum over positions t with tokens[t] == v, in ascending t, of
 //! dout[t,:]; rows of unused ids are 0. dtable is F32.
 //!
-//! Tokens are validated on the host on every device (0 <= token < V; otherwise an error naming
-//! `tokens`, the position and the value). On cuda that costs one small device-to-host copy of
-//! T int32 values; the backward needs the tokens on the host anyway for its sort.
+//! Tokens are validated on the host (0 <= token < V; otherwise an error naming `tokens`, the
+//! position and the value) where they live there, and on a device in debug mode
+//! ([`crate::debug`]: one small device-to-host copy of T int32 values); otherwise the caller
+//! checked them where it built them. The backward needs the tokens on the host for its sort:
+//! [`embedding_backward_host`] takes the caller's host copy, [`embedding_backward`] downloads
+//! them.
 //!
 //! No atomics: [`counting_sort`] (host, O(T + V)) groups the positions by token id, stable
 //! (ascending positions inside each group); then one GPU thread owns one (v, column) element of
