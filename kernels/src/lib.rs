@@ -9,6 +9,7 @@ pub mod bench;
 pub mod bench_cases;
 pub mod counters;
 pub mod cuda;
+pub mod debug;
 pub mod device;
 pub mod dtype;
 pub mod emu;

@@ -13,7 +13,7 @@ use half::bf16;
 use std::sync::{Arc, OnceLock};
 
 mod pool;
-pub use pool::RecycleScope;
+pub use pool::{cached as pool_cached, release as pool_release, PoolScope, RecycleScope};
 
 /// Host bytes, viewable as the tensor's element type: 8-byte aligned words (any dtype), or an
 /// f32 vector adopted without a copy by [`Tensor::from_f32_vec`] (F32 tensors only, so every
@@ -153,60 +153,83 @@ fn numel(shape: &[usize]) -> usize {
     shape.iter().product()
 }
 
+/// How fresh storage is initialised.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Fill {
+    Byte(u8),
+    /// Not at all: whatever the allocator (or the cache) hands out.
+    Uninit,
+}
+
 impl Tensor {
-    /// A tensor whose every byte is [`POISON_BYTE`].
+    /// An op's output: every byte [`POISON_BYTE`] while the debug switch is on
+    /// ([`crate::debug`]: in every test), so an element the op fails to write is caught;
+    /// uninitialised (no memset) when it is off. Read only what has been written.
     pub fn poisoned(backend: &Backend, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        Self::filled(backend, shape, dtype, POISON_BYTE)
+        let fill = if crate::debug::enabled() {
+            Fill::Byte(POISON_BYTE)
+        } else {
+            Fill::Uninit
+        };
+        Self::filled(backend, shape, dtype, fill)
+    }
+
+    /// A tensor whose every byte is [`POISON_BYTE`], whatever the debug switch says.
+    pub fn poison_filled(backend: &Backend, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        Self::filled(backend, shape, dtype, Fill::Byte(POISON_BYTE))
     }
 
     /// A tensor of zeros.
     pub fn zeros(backend: &Backend, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        Self::filled(backend, shape, dtype, 0)
+        Self::filled(backend, shape, dtype, Fill::Byte(0))
     }
 
-    fn filled(backend: &Backend, shape: &[usize], dtype: DType, byte: u8) -> Result<Tensor> {
+    fn filled(backend: &Backend, shape: &[usize], dtype: DType, fill: Fill) -> Result<Tensor> {
         let bytes = numel(shape) * dtype.size_bytes();
         let kind = match backend {
             Backend::Cpu => pool::Kind::Host,
             Backend::Emu(_) => pool::Kind::Emu,
             Backend::Cuda(c) => pool::Kind::Cuda(Arc::as_ptr(c.stream()) as usize),
         };
-        let pooled_bytes = match backend {
-            Backend::Cuda(_) => bytes.max(1),
-            _ => bytes,
-        };
-        if let Some(storage) = pool::take(kind, pooled_bytes) {
+        if let Some(storage) = pool::take(kind, bytes) {
             let mut t = Tensor {
                 shape: shape.to_vec(),
                 dtype,
                 storage,
                 packed: OnceLock::new(),
             };
-            // A recycled buffer is not re-poisoned (pool.rs says why); zeros stay zeros.
-            if byte != POISON_BYTE {
-                t.fill_byte(byte)?;
+            // A recycled buffer is filled like a fresh one: poisoned in debug, zeros re-zeroed.
+            if let Fill::Byte(b) = fill {
+                t.fill_byte(b)?;
             }
             return Ok(t);
         }
         crate::counters::storage_alloc();
         let storage = match backend {
-            Backend::Cpu => Storage::Host(HostBuffer::filled(bytes, byte)),
+            Backend::Cpu => Storage::Host(HostBuffer::filled(
+                bytes,
+                match fill {
+                    Fill::Byte(b) => b,
+                    // Zeroed pages from the OS cost no pass over the memory.
+                    Fill::Uninit => 0,
+                },
+            )),
             Backend::Emu(_) => {
                 let mut buf = EmuBuffer::alloc(bytes).map_err(Error::Device)?;
                 // Profile mode (emu::profile::LazyAlloc): fresh memory stays untouched zero
                 // pages, so the doc shapes' outputs cost no memory until a sampled block writes.
-                if !crate::emu::profile::lazy_alloc() {
-                    buf.as_bytes_mut().fill(byte);
+                if let (Fill::Byte(b), false) = (fill, crate::emu::profile::lazy_alloc()) {
+                    buf.as_bytes_mut().fill(b);
                 }
                 Storage::Emu(buf)
             }
             Backend::Cuda(c) => {
                 let stream = c.stream().clone();
-                // SAFETY: the allocation is filled on the same stream by the memset below
-                // before anything can read it. One byte at least, so the pointer is valid.
-                let slice = unsafe { stream.alloc::<u8>(bytes.max(1)) }?;
-                let mut storage = Storage::Cuda(slice, stream);
-                memset_cuda(&mut storage, byte)?;
+                let mut storage =
+                    Storage::Cuda(cuda_alloc(&stream, pool::bucket(kind, bytes))?, stream);
+                if let Fill::Byte(b) = fill {
+                    memset_cuda(&mut storage, b)?;
+                }
                 storage
             }
         };
@@ -254,7 +277,8 @@ impl Tensor {
                 packed: OnceLock::new(),
             });
         }
-        let mut t = Self::poisoned(backend, shape, dtype)?;
+        // Every byte is written at once: nothing to poison.
+        let mut t = Self::filled(backend, shape, dtype, Fill::Uninit)?;
         t.write_bytes(bytes)?;
         Ok(t)
     }
@@ -299,9 +323,16 @@ impl Tensor {
 
     /// The elements as f32 without a copy when they are F32 in host memory (cpu, emu), else a
     /// downloaded (BF16: widened) copy. What an op's CPU path reads its inputs through.
+    #[track_caller]
     pub fn f32_data(&self) -> Result<std::borrow::Cow<'_, [f32]>> {
         match self.host_slice::<f32>() {
-            Ok(s) => Ok(std::borrow::Cow::Borrowed(s)),
+            Ok(s) => {
+                // Emu memory is device memory: a download, counted as on cuda.
+                if let Storage::Emu(_) = self.storage {
+                    crate::counters::download(std::panic::Location::caller());
+                }
+                Ok(std::borrow::Cow::Borrowed(s))
+            }
             Err(_) => Ok(std::borrow::Cow::Owned(self.to_f32_vec()?)),
         }
     }
@@ -341,15 +372,16 @@ impl Tensor {
     }
 
     /// Downloads the raw bytes.
+    #[track_caller]
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         match &self.storage {
             Storage::Host(h) => Ok(h.as_bytes().to_vec()),
             Storage::Emu(e) => {
-                crate::counters::host_sync();
+                crate::counters::download(std::panic::Location::caller());
                 Ok(e.as_bytes().to_vec())
             }
             Storage::Cuda(slice, stream) => {
-                crate::counters::host_sync();
+                crate::counters::download(std::panic::Location::caller());
                 let mut all = stream.clone_dtoh(slice)?;
                 all.truncate(self.len_bytes());
                 Ok(all)
@@ -357,10 +389,72 @@ impl Tensor {
         }
     }
 
+    /// Downloads several tensors with one wait of the host: on cuda they are gathered into one
+    /// staging buffer by device copies, then copied down once (one host sync counted, however
+    /// many tensors); on emu and cpu a host copy each (one sync counted on emu). How a step
+    /// brings back its small results (sampled tokens and log-probs, the loss and its
+    /// counters) in one round trip. The tensors must all live on one device.
+    #[track_caller]
+    pub fn download_many(tensors: &[&Tensor]) -> Result<Vec<Vec<u8>>> {
+        let caller = std::panic::Location::caller();
+        let Some(first) = tensors.first() else {
+            return Ok(Vec::new());
+        };
+        match &first.storage {
+            Storage::Host(_) | Storage::Emu(_) => {
+                let mut out = Vec::with_capacity(tensors.len());
+                let mut device = false;
+                for t in tensors {
+                    out.push(match &t.storage {
+                        Storage::Host(h) => h.as_bytes().to_vec(),
+                        Storage::Emu(e) => {
+                            device = true;
+                            e.as_bytes().to_vec()
+                        }
+                        Storage::Cuda(..) => return Err(mixed_download()),
+                    });
+                }
+                if device {
+                    crate::counters::download(caller);
+                }
+                Ok(out)
+            }
+            Storage::Cuda(_, stream) => {
+                let total: usize = tensors.iter().map(|t| t.len_bytes()).sum();
+                let mut staging = cuda_alloc(stream, total)?;
+                let mut at = 0;
+                for t in tensors {
+                    let Storage::Cuda(src, _) = &t.storage else {
+                        return Err(mixed_download());
+                    };
+                    let n = t.len_bytes();
+                    if n > 0 {
+                        stream.memcpy_dtod(&src.slice(0..n), &mut staging.slice_mut(at..at + n))?;
+                    }
+                    at += n;
+                }
+                crate::counters::download(caller);
+                let all = stream.clone_dtoh(&staging)?;
+                let mut out = Vec::with_capacity(tensors.len());
+                let mut at = 0;
+                for t in tensors {
+                    out.push(all[at..at + t.len_bytes()].to_vec());
+                    at += t.len_bytes();
+                }
+                Ok(out)
+            }
+        }
+    }
+
     /// Downloads the elements; the dtype must match `T`.
+    #[track_caller]
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         self.expect_dtype("tensor", T::DTYPE)?;
         if let Ok(host) = self.host_slice::<T>() {
+            // Emu memory is device memory: a download, counted as on cuda.
+            if let Storage::Emu(_) = self.storage {
+                crate::counters::download(std::panic::Location::caller());
+            }
             return Ok(par_to_vec(host));
         }
         let bytes = self.to_bytes()?;
@@ -368,6 +462,7 @@ impl Tensor {
     }
 
     /// Downloads a float tensor as f32 (BF16 widened exactly).
+    #[track_caller]
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
         match self.dtype {
             DType::F32 => self.to_vec::<f32>(),
@@ -381,11 +476,13 @@ impl Tensor {
     }
 
     /// A copy of this tensor on another backend (or converted to another float dtype).
+    #[track_caller]
     pub fn to_backend(&self, backend: &Backend) -> Result<Tensor> {
         Tensor::from_bytes(backend, &self.shape, self.dtype, &self.to_bytes()?)
     }
 
     /// A copy converted between F32 and BF16 (round to nearest even), on the same backend.
+    #[track_caller]
     pub fn cast(&self, backend: &Backend, dtype: DType) -> Result<Tensor> {
         if dtype == self.dtype {
             return self.to_backend(backend);
@@ -425,12 +522,10 @@ impl Tensor {
             }
             Storage::Cuda(slice, stream) => {
                 let kind = pool::Kind::Cuda(Arc::as_ptr(stream) as usize);
-                let mut dst = match pool::take(kind, n.max(1)) {
+                let mut dst = match pool::take(kind, n) {
                     Some(Storage::Cuda(d, _)) => d,
-                    // SAFETY: every byte of `dst` that the tensor exposes (n of them) is
-                    // written by the copy below, ordered on the same stream before any later
-                    // use.
-                    _ => counted(unsafe { stream.alloc::<u8>(n.max(1)) }?),
+                    // Every byte the tensor exposes (n of them) is written by the copy below.
+                    _ => counted(cuda_alloc(stream, pool::bucket(kind, n))?),
                 };
                 if n > 0 {
                     stream.memcpy_dtod(&slice.slice(range), &mut dst.slice_mut(0..n))?;
@@ -659,8 +754,26 @@ impl Tensor {
     }
 }
 
+fn mixed_download() -> Error {
+    Error::Invalid("download_many: the tensors live on different devices".into())
+}
+
 fn not_host() -> Error {
     Error::Invalid("tensor lives in CUDA memory; download it with to_vec".into())
+}
+
+/// `bytes` (a cache bucket size, at least 1) of uninitialised device memory on `stream`; when
+/// the device is out of memory, this thread's cache is freed and the allocation tried again.
+fn cuda_alloc(stream: &Arc<CudaStream>, bytes: usize) -> Result<CudaSlice<u8>> {
+    // SAFETY: uninitialised device memory; every caller writes what its tensor exposes (a
+    // memset, a copy, or the op that owns the output) on the same stream before reading it,
+    // and the debug switch poisons op outputs to catch an op that does not.
+    match unsafe { stream.alloc::<u8>(bytes.max(1)) } {
+        Ok(s) => Ok(s),
+        // SAFETY: as above.
+        Err(_) if pool::release() > 0 => Ok(unsafe { stream.alloc::<u8>(bytes.max(1)) }?),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// A device memset of a whole CUDA allocation on its stream (a no-op for other storage).
@@ -676,9 +789,9 @@ fn memset_cuda(storage: &mut Storage, byte: u8) -> Result<()> {
 }
 
 impl Drop for Tensor {
-    /// Offers the storage to the bench's pool where a [`RecycleScope`] is open on this thread
-    /// (a buffer still in use by queued kernels is safe to hand out again: every use of it is
-    /// ordered on the same stream).
+    /// Offers the storage to this thread's cache where a [`PoolScope`] is open on it (a buffer
+    /// still in use by queued kernels is safe to hand out again: every use of it is ordered on
+    /// the same stream).
     fn drop(&mut self) {
         if pool::active() {
             let storage = std::mem::replace(
@@ -706,141 +819,4 @@ impl std::fmt::Debug for Tensor {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn ranges_on(backend: &Backend) {
-        let data: Vec<f32> = (0..60).map(|i| i as f32 * 0.5 - 7.0).collect();
-        let mut t = Tensor::from_slice(backend, &[6, 10], &data).unwrap();
-        // A ragged window across rows, with its own shape.
-        let w = t.copy_range(backend, 13, &[3, 7]).unwrap();
-        assert_eq!(w.shape(), &[3, 7]);
-        assert!(w.is_on(backend.device()));
-        assert_eq!(w.to_vec::<f32>().unwrap(), data[13..34].to_vec());
-        // Empty and whole ranges.
-        assert_eq!(t.copy_range(backend, 60, &[0]).unwrap().numel(), 0);
-        assert_eq!(
-            t.copy_range(backend, 0, &[60])
-                .unwrap()
-                .to_vec::<f32>()
-                .unwrap(),
-            data
-        );
-        // Write a window back elsewhere; the rest stays.
-        let src = Tensor::from_slice(backend, &[2, 2], &[1.0f32, 2.0, 3.0, 4.0]).unwrap();
-        t.write_range(56, &src).unwrap();
-        let mut want = data.clone();
-        want[56..60].copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
-        assert_eq!(t.to_vec::<f32>().unwrap(), want);
-        t.write_range(3, &Tensor::zeros(backend, &[0], DType::F32).unwrap())
-            .unwrap();
-        assert_eq!(t.to_vec::<f32>().unwrap(), want);
-        // bf16 keeps its bits.
-        let h: Vec<bf16> = data.iter().map(|&x| bf16::from_f32(x)).collect();
-        let hb = Tensor::from_slice(backend, &[60], &h).unwrap();
-        let hw = hb.copy_range(backend, 1, &[5]).unwrap();
-        assert_eq!(hw.dtype(), DType::BF16);
-        assert_eq!(hw.to_vec::<bf16>().unwrap(), h[1..6].to_vec());
-
-        // Bad input: errors that name the problem, never a panic.
-        let err = t.copy_range(backend, 55, &[2, 3]).unwrap_err().to_string();
-        assert!(err.contains("55..55+6") && err.contains("[6, 10]"), "{err}");
-        let err = t
-            .copy_range(backend, usize::MAX, &[2])
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("out of bounds"), "{err}");
-        let err = t.write_range(59, &src).unwrap_err().to_string();
-        assert!(err.contains("59..59+4"), "{err}");
-        let err = t.write_range(0, &hw).unwrap_err();
-        assert!(
-            matches!(&err, Error::DType { tensor, .. } if tensor == "src"),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn ranges_on_cpu() {
-        ranges_on(&Backend::Cpu);
-    }
-
-    #[test]
-    fn ranges_on_emu() {
-        ranges_on(&Backend::emu_with_seed(1));
-    }
-
-    #[test]
-    fn ranges_on_cuda() {
-        if let Some(gpu) = crate::device::cuda_for_tests("tensor ranges") {
-            ranges_on(&gpu);
-        }
-    }
-
-    #[test]
-    fn ranges_across_devices_are_errors() {
-        let emu = Backend::emu_with_seed(1);
-        let mut cpu_t = Tensor::from_slice(&Backend::Cpu, &[4], &[1.0f32; 4]).unwrap();
-        let emu_t = Tensor::from_slice(&emu, &[4], &[2.0f32; 4]).unwrap();
-        let err = cpu_t.copy_range(&emu, 0, &[2]).unwrap_err().to_string();
-        assert!(err.contains("lives on cpu, not on emu"), "{err}");
-        let err = cpu_t.write_range(0, &emu_t).unwrap_err().to_string();
-        assert!(err.contains("`src` lives on emu"), "{err}");
-    }
-
-    #[test]
-    fn adopted_f32_vectors_behave_like_any_tensor() {
-        let v: Vec<f32> = (0..12).map(|i| i as f32 * 1.5).collect();
-        for backend in [Backend::Cpu, Backend::emu_with_seed(1)] {
-            let mut t = Tensor::from_f32_vec(&backend, &[3, 4], v.clone()).unwrap();
-            assert!(t.is_on(backend.device()));
-            assert_eq!(t.to_vec::<f32>().unwrap(), v);
-            assert_eq!(&*t.f32_data().unwrap(), v.as_slice());
-            assert!(t.host_slice::<bf16>().is_err());
-            t.host_slice_mut::<f32>().unwrap()[5] = -1.0;
-            let w = t.copy_range(&backend, 4, &[2]).unwrap();
-            assert_eq!(w.to_vec::<f32>().unwrap(), vec![6.0, -1.0]);
-            t.write_range(0, &w).unwrap();
-            assert_eq!(t.to_vec::<f32>().unwrap()[..2], [6.0, -1.0]);
-            let r = t.reshape(&[12]).unwrap();
-            assert_eq!(r.to_bytes().unwrap().len(), 48);
-            assert!(Tensor::from_f32_vec(&backend, &[5], vec![0.0; 4]).is_err());
-        }
-        let b16 = Tensor::from_f32_as(&Backend::Cpu, &[2], DType::BF16, &[1.5, -2.0]).unwrap();
-        assert_eq!(&*b16.f32_data().unwrap(), &[1.5, -2.0]);
-    }
-
-    #[test]
-    fn large_host_copies_split_over_threads_keep_every_byte() {
-        // Above PAR_BYTES, with a ragged tail (not a multiple of the 256 KiB chunk or of 8).
-        let n = (3 << 20) + 5;
-        let bytes: Vec<u8> = (0..n).map(|i| (i * 7 + i / 4096) as u8).collect();
-        for backend in [Backend::Cpu, Backend::emu_with_seed(1)] {
-            let mut t = Tensor::from_bytes(&backend, &[n], DType::U8, &bytes).unwrap();
-            assert_eq!(t.to_bytes().unwrap(), bytes);
-            assert_eq!(t.to_vec::<u8>().unwrap(), bytes);
-            let w = t.copy_range(&backend, 3, &[n - 4]).unwrap();
-            assert_eq!(w.to_vec::<u8>().unwrap(), bytes[3..n - 1].to_vec());
-            t.write_range(1, &w).unwrap();
-            let mut want = bytes.clone();
-            want[1..n - 3].copy_from_slice(&bytes[3..n - 1]);
-            assert_eq!(t.to_vec::<u8>().unwrap(), want);
-            let p = Tensor::poisoned(&backend, &[n], DType::U8).unwrap();
-            assert!(p.to_vec::<u8>().unwrap().iter().all(|&b| b == POISON_BYTE));
-        }
-        let f: Vec<f32> = (0..(1 << 19) + 3).map(|i| i as f32).collect();
-        let t = Tensor::from_slice(&Backend::Cpu, &[f.len()], &f).unwrap();
-        assert_eq!(t.to_vec::<f32>().unwrap(), f);
-    }
-
-    #[test]
-    fn host_fast_paths_keep_values() {
-        let v: Vec<f32> = (0..13).map(|i| i as f32 - 3.25).collect();
-        for backend in [Backend::Cpu, Backend::emu_with_seed(1)] {
-            let t = Tensor::from_slice(&backend, &[13], &v).unwrap();
-            assert_eq!(t.to_vec::<f32>().unwrap(), v);
-            assert_eq!(t.to_bytes().unwrap(), bytemuck::cast_slice::<f32, u8>(&v));
-            let odd = Tensor::from_bytes(&backend, &[3], DType::U8, &[1, 2, 3]).unwrap();
-            assert_eq!(odd.to_vec::<u8>().unwrap(), vec![1, 2, 3]);
-        }
-    }
-}
+mod tests;

@@ -4,9 +4,9 @@
 
 use sluice_kernels::device::cuda_for_tests;
 use sluice_kernels::ops::moe::{
-    moe_backward, moe_backward_reference, moe_backward_saved, moe_forward, moe_forward_reference,
-    moe_forward_saved, moe_route_reference, moe_sort, moe_sort_reference, MoeConfig, MoeDims,
-    MoeGradTensors, MoeOutput, ScoreFn,
+    moe_backward, moe_backward_bounded, moe_backward_reference, moe_backward_saved, moe_forward,
+    moe_forward_reference, moe_forward_saved, moe_route_reference, moe_sort, moe_sort_reference,
+    MoeConfig, MoeDims, MoeGradTensors, MoeOutput, ScoreFn,
 };
 use sluice_kernels::testing::{lost_outputs, rel_norm, Rng, BF16_TOL, F32_TOL};
 use sluice_kernels::{Backend, DType, Error, Tensor};
@@ -426,7 +426,15 @@ fn run_device(b: &Backend, c: &Case, dtype: DType) -> DevOut {
         topk_idx,
         topk_gate,
         aux_loss,
+        offsets,
     } = moe_forward(b, &u.x, &u.wr, &u.w1, &u.w3, &u.w2, c.cfg).unwrap();
+    // The expert bounds the forward returns are the stable sort's of its own top-k.
+    let idx = topk_idx.to_vec::<i32>().unwrap();
+    assert_eq!(
+        offsets.to_vec::<i32>().unwrap(),
+        moe_sort_reference(&idx, c.dims.e).0,
+        "offsets"
+    );
     let MoeGradTensors {
         dx,
         dw_router,
@@ -437,7 +445,7 @@ fn run_device(b: &Backend, c: &Case, dtype: DType) -> DevOut {
     let v = |t: &Tensor| t.to_vec::<f32>().unwrap();
     DevOut {
         y: v(&y),
-        idx: topk_idx.to_vec::<i32>().unwrap(),
+        idx,
         gate: v(&topk_gate),
         aux: v(&aux_loss)[0],
         grads: [v(&dx), v(&dw_router), v(&dw1), v(&dw3), v(&dw2)],
@@ -851,4 +859,57 @@ fn bad_input_is_an_error_naming_the_tensor() {
     let emu = Backend::emu_with_seed(1);
     let ex = Tensor::zeros(&emu, &[4, 8], DType::F32).unwrap();
     assert!(moe_forward(&emu, &ex, &u.wr, &u.w1, &u.w3, &u.w2, c.cfg).is_err());
+}
+
+/// The backward's host bounds: the forward's offsets give the same bits as the op's own copy;
+/// in debug mode (on in tests) bounds that are not the routing's are an error naming `bounds`.
+#[test]
+fn caller_bounds_give_the_same_gradients_and_wrong_ones_are_named() {
+    let b = Backend::emu_with_seed(1);
+    let (t, d, f, e) = (7, 8, 6, 4);
+    let cfg = MoeConfig::new(2);
+    let mut rng = Rng::new(5);
+    let mut up = |shape: &[usize]| {
+        let n = shape.iter().product();
+        Tensor::from_f32_as(&b, shape, DType::BF16, &rng.normal_vec(n, 0.5)).unwrap()
+    };
+    let (x, wr, w1, w3, w2, dy) = (
+        up(&[t, d]),
+        up(&[e, d]),
+        up(&[e, f, d]),
+        up(&[e, f, d]),
+        up(&[e, d, f]),
+        up(&[t, d]),
+    );
+    let bounds = moe_forward(&b, &x, &wr, &w1, &w3, &w2, cfg)
+        .unwrap()
+        .offsets
+        .to_vec::<i32>()
+        .unwrap();
+    let bits = |g: MoeGradTensors| -> Vec<Vec<u32>> {
+        [g.dx, g.dw_router, g.dw1, g.dw3, g.dw2]
+            .iter()
+            .map(|t| {
+                t.to_vec::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect()
+            })
+            .collect()
+    };
+    let own = bits(moe_backward(&b, &x, &wr, &w1, &w3, &w2, &dy, cfg).unwrap());
+    let given = bits(
+        moe_backward_bounded(&b, &x, &wr, &w1, &w3, &w2, &dy, cfg, None, Some(&bounds)).unwrap(),
+    );
+    assert_eq!(own, given);
+    let mut wrong = bounds.clone();
+    wrong[1] += 1;
+    for bad in [&wrong[..], &bounds[..e]] {
+        let err = moe_backward_bounded(&b, &x, &wr, &w1, &w3, &w2, &dy, cfg, None, Some(bad))
+            .err()
+            .expect("wrong bounds are an error")
+            .to_string();
+        assert!(err.contains("`bounds`"), "{err}");
+    }
 }

@@ -23,7 +23,7 @@ use crate::batch::PackedBatch;
 use crate::config::ModelConfig;
 use crate::layers::{
     embed, embed_backward, head, head_backward, layer, layer_backward, BatchTensors, Dims,
-    LayerSaved, ModelWeights,
+    FfnSaved, LayerSaved, ModelWeights,
 };
 use crate::Model;
 use sluice_kernels::ops::is_gate_loss::{
@@ -145,18 +145,24 @@ fn gate_objective(
     inputs: &TokenInputs<'_>,
     params: &GateParams,
 ) -> Result<(GateOutputs, Tensor)> {
+    // The ids checked here, on the host copy, so the op need not read them back.
+    sluice_kernels::ops::is_gate_loss::check_tokens(
+        inputs.tokens,
+        logits.shape().get(1).copied().unwrap_or(0),
+    )?;
     let up = Uploaded::new(backend, inputs)?;
     is_gate_loss(backend, logits, &up.batch(), params)
 }
 
 /// The supervised loss: the mean over tokens with `mask != 0` of -log p(targets[t]) (the
-/// is_gate_loss row routine in `pg` mode with advantage 1), and d loss / d logits.
+/// is_gate_loss row routine in `pg` mode with advantage 1) as a `[1]` tensor, and d loss /
+/// d logits.
 fn lm_loss(
     backend: &Backend,
     logits: &Tensor,
     targets: &[i32],
     mask: &[f32],
-) -> Result<(f32, Tensor)> {
+) -> Result<(Tensor, Tensor)> {
     let t = logits.shape()[0];
     if targets.len() != t || mask.len() != t {
         return Err(Error::Invalid(format!(
@@ -179,7 +185,51 @@ fn lm_loss(
         ..GateParams::default()
     };
     let (out, dlogits) = gate_objective(backend, logits, &inputs, &params)?;
-    Ok((scalar(&out.loss)?, dlogits))
+    Ok((out.loss, dlogits))
+}
+
+/// Copies `results` and every MoE layer's expert bounds (where its backward needs them on the
+/// host: bf16 experts on a device) to the host in ONE download (one host sync), puts the bounds
+/// into the layers' saved state for the backward, and returns the bytes of `results` in order.
+/// This is the training step's first of its two host syncs (the optimizer's gradient norm is
+/// the second).
+fn fetch_with_routing(fwd: &mut Forward, results: &[&Tensor]) -> Result<Vec<Vec<u8>>> {
+    let mut offsets: Vec<(usize, Tensor)> = Vec::new();
+    for (i, l) in fwd.layers.iter_mut().enumerate() {
+        if let FfnSaved::Moe(m) = &mut l.ffn.ffn {
+            if let Some(o) = m.take_offsets() {
+                offsets.push((i, o));
+            }
+        }
+    }
+    let mut all: Vec<&Tensor> = results.to_vec();
+    all.extend(offsets.iter().map(|(_, t)| t));
+    let mut got = Tensor::download_many(&all)?;
+    let bounds = got.split_off(results.len());
+    for ((i, _), b) in offsets.iter().zip(bounds) {
+        if let FfnSaved::Moe(m) = &mut fwd.layers[*i].ffn.ffn {
+            m.bounds = Some(
+                b.chunks_exact(4)
+                    .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            );
+        }
+    }
+    Ok(got)
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+fn first_f32(bytes: &[u8]) -> Result<f32> {
+    f32s(bytes)
+        .first()
+        .copied()
+        .ok_or_else(|| Error::Invalid("internal: an empty loss tensor".into()))
 }
 
 /// The single value of a `[1]` tensor.
@@ -220,7 +270,7 @@ pub fn loss_of_on(
     let dims = Dims::new(cfg)?;
     let w = ModelWeights::from_arena(backend, params)?;
     let fwd = forward_all(backend, &dims, &w, batch)?;
-    Ok(lm_loss(backend, &fwd.logits, targets, mask)?.0)
+    scalar(&lm_loss(backend, &fwd.logits, targets, mask)?.0)
 }
 
 /// [`loss_of_on`] on the backend of the arena.
@@ -248,7 +298,7 @@ pub fn loss_and_grad_on(
 ) -> Result<f32> {
     let dims = Dims::new(&model.config)?;
     let w = ModelWeights::from_arena(backend, model.compute_weights())?;
-    let fwd = {
+    let mut fwd = {
         let _stage = nvtx::range_on(backend, "forward");
         forward_all(backend, &dims, &w, batch)?
     };
@@ -256,9 +306,10 @@ pub fn loss_and_grad_on(
         let _stage = nvtx::range_on(backend, "loss");
         lm_loss(backend, &fwd.logits, targets, mask)?
     };
+    let loss = fetch_with_routing(&mut fwd, &[&loss])?;
     let _stage = nvtx::range_on(backend, "backward");
     backward(backend, &dims, &w, fwd, &dlogits, &mut model.grads)?;
-    Ok(loss)
+    first_f32(&loss[0])
 }
 
 /// [`loss_and_grad_on`] on the backend of the model's arenas.
@@ -285,7 +336,7 @@ pub fn policy_loss_and_grad_on(
 ) -> Result<GateReference> {
     let dims = Dims::new(&model.config)?;
     let w = ModelWeights::from_arena(backend, model.compute_weights())?;
-    let fwd = {
+    let mut fwd = {
         let _stage = nvtx::range_on(backend, "forward");
         forward_all(backend, &dims, &w, batch)?
     };
@@ -293,16 +344,27 @@ pub fn policy_loss_and_grad_on(
         let _stage = nvtx::range_on(backend, "is_gate_loss");
         gate_objective(backend, &fwd.logits, inputs, params)?
     };
+    let got = fetch_with_routing(
+        &mut fwd,
+        &[
+            &out.loss,
+            &out.counters,
+            &out.logp,
+            &out.ratio,
+            &out.accepted,
+        ],
+    )?;
+    drop(out);
     {
         let _stage = nvtx::range_on(backend, "backward");
         backward(backend, &dims, &w, fwd, &dlogits, &mut model.grads)?;
     }
-    let counters = out.counters.to_vec::<f32>()?;
+    let counters = f32s(&got[1]);
     Ok(GateReference {
-        loss: scalar(&out.loss)?,
-        logp: out.logp.to_vec()?,
-        ratio: out.ratio.to_vec()?,
-        accepted: out.accepted.to_vec()?,
+        loss: first_f32(&got[0])?,
+        logp: f32s(&got[2]),
+        ratio: f32s(&got[3]),
+        accepted: got[4].clone(),
         counters: counters.try_into().map_err(|c: Vec<f32>| {
             Error::Invalid(format!("internal: {} loss counters, expected 8", c.len()))
         })?,
@@ -357,7 +419,7 @@ fn backward(
     }
     layer_grads.reverse();
     let g = ModelWeights {
-        embed: embed_backward(backend, dims, &dx, &batch.tokens)?,
+        embed: embed_backward(backend, dims, &dx, &batch.host_tokens)?,
         layers: layer_grads,
         final_norm: dfinal,
         lm_head: dlm,

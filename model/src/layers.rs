@@ -36,10 +36,10 @@ use crate::config::{ModelConfig, ScoreFn};
 use crate::layout::{FfnViews, Layout};
 use sluice_kernels::ops::attention::{attention_backward_saved, attention_forward, resolve_scale};
 use sluice_kernels::ops::elementwise::{residual_add, transpose};
-use sluice_kernels::ops::embedding::{embedding, embedding_backward};
+use sluice_kernels::ops::embedding::{embedding, embedding_backward_host};
 use sluice_kernels::ops::gemm::gemm;
 use sluice_kernels::ops::moe::{
-    moe_backward_saved, moe_forward_saved, MoeConfig, MoeSaved, ScoreFn as MoeScoreFn,
+    moe_backward_bounded, moe_forward_saved, MoeConfig, MoeSaved, ScoreFn as MoeScoreFn,
 };
 use sluice_kernels::ops::optim::cast_bf16_into;
 use sluice_kernels::ops::rmsnorm::{rmsnorm, rmsnorm_backward};
@@ -282,6 +282,9 @@ pub struct BatchTensors {
     pub tokens: Tensor,
     pub positions: Tensor,
     pub cu_seqlens: Tensor,
+    /// The token ids in host memory too: the embedding backward sorts them on the host, which
+    /// would otherwise read them back from the device.
+    pub host_tokens: Vec<i32>,
 }
 
 impl BatchTensors {
@@ -296,6 +299,7 @@ impl BatchTensors {
                 &[batch.cu_seqlens().len()],
                 batch.cu_seqlens(),
             )?,
+            host_tokens: batch.tokens().to_vec(),
         })
     }
 }
@@ -640,6 +644,19 @@ pub fn swiglu_ffn_backward(
 pub struct MoeFfnSaved {
     pub shared: Option<SwigluSaved>,
     pub routed: Option<MoeSaved>,
+    /// On a device with bf16 experts: the routing's expert segment bounds `[E+1]` I32, which
+    /// the backward needs on the host (it shapes one tensor-core GEMM per expert). The caller
+    /// brings them down with the step's other results in one copy and puts them in `bounds`
+    /// ([`MoeFfnSaved::take_offsets`]); without them the backward reads them back itself.
+    pub offsets: Option<Tensor>,
+    pub bounds: Option<Vec<i32>>,
+}
+
+impl MoeFfnSaved {
+    /// The device offsets the backward wants on the host, if any (see `offsets`).
+    pub fn take_offsets(&mut self) -> Option<Tensor> {
+        self.offsets.take()
+    }
 }
 
 /// The routed experts (the moe family: router, top-k gates, stable expert sort, grouped SwiGLU,
@@ -655,6 +672,8 @@ pub fn moe_ffn(
     let h = as_dtype(backend, h, w.w1.dtype())?;
     let (out, routed_saved) =
         moe_forward_saved(backend, &h, &w.router, &w.w1, &w.w3, &w.w2, dims.moe)?;
+    let offsets =
+        (!matches!(backend, Backend::Cpu) && w.w1.dtype() == DType::BF16).then_some(out.offsets);
     let routed = out.y;
     match &w.shared {
         Some(sw) => {
@@ -664,6 +683,8 @@ pub fn moe_ffn(
                 MoeFfnSaved {
                     shared: Some(saved),
                     routed: routed_saved,
+                    offsets,
+                    bounds: None,
                 },
                 y,
             ))
@@ -672,6 +693,8 @@ pub fn moe_ffn(
             MoeFfnSaved {
                 shared: None,
                 routed: routed_saved,
+                offsets,
+                bounds: None,
             },
             routed,
         )),
@@ -689,10 +712,24 @@ pub fn moe_ffn_backward(
     saved: MoeFfnSaved,
     dy: &Tensor,
 ) -> Result<(Tensor, MoeWeights)> {
-    let MoeFfnSaved { shared, routed } = saved;
+    let MoeFfnSaved {
+        shared,
+        routed,
+        bounds,
+        ..
+    } = saved;
     let h = as_dtype(backend, h, w.w1.dtype())?;
-    let g = moe_backward_saved(
-        backend, &h, &w.router, &w.w1, &w.w3, &w.w2, dy, dims.moe, routed,
+    let g = moe_backward_bounded(
+        backend,
+        &h,
+        &w.router,
+        &w.w1,
+        &w.w3,
+        &w.w2,
+        dy,
+        dims.moe,
+        routed,
+        bounds.as_deref(),
     )?;
     let (dh, shared_grads) = match (&w.shared, shared, h_t) {
         (Some(sw), Some(saved), Some(h_t)) => {
@@ -879,9 +916,9 @@ pub fn embed_backward(
     backend: &Backend,
     dims: &Dims,
     dx: &Tensor,
-    tokens: &Tensor,
+    tokens: &[i32],
 ) -> Result<Tensor> {
-    embedding_backward(backend, dx, tokens, dims.vocab)
+    embedding_backward_host(backend, dx, tokens, dims.vocab)
 }
 
 /// The final RMSNorm and the LM head: (hf = rmsnorm(x) [T, d] in the GEMM dtype,

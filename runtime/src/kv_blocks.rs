@@ -21,6 +21,7 @@
 //! gives the same block numbers on every run.
 
 use crate::hash::hash_block;
+use sluice_kernels::ops::paged_attention::{check_block_table, PagedDims};
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 
@@ -64,6 +65,10 @@ pub enum KvError {
     },
     /// num_blocks or block_size out of range.
     BadConfig(String),
+    /// A block table that the paged-attention kernels would reject (the kernels' named error,
+    /// `sluice_kernels::ops::paged_attention::check_block_table`): checked here, where the
+    /// tables are built, so the kernels need not read them back from the device.
+    BadTable(String),
 }
 
 impl fmt::Display for KvError {
@@ -81,6 +86,7 @@ impl fmt::Display for KvError {
                 "{seq} uses {blocks} blocks but the block table has {max_blocks} columns (MB)"
             ),
             KvError::BadConfig(m) => write!(f, "block manager configuration: {m}"),
+            KvError::BadTable(m) => write!(f, "block table: {m}"),
         }
     }
 }
@@ -288,6 +294,18 @@ impl BlockManager {
             }
             lens.push(s.len as i32);
         }
+        // The decode kernel's own check, here where the table is built (on a device the op
+        // checks it only in debug mode).
+        let dims = PagedDims {
+            b: seqs.len(),
+            h: 0,
+            hkv: 0,
+            d: 0,
+            nb: self.blocks.len(),
+            bs: self.block_size,
+            mb: max_blocks,
+        };
+        check_block_table(&table, &lens, dims).map_err(|e| KvError::BadTable(e.to_string()))?;
         Ok((table, lens))
     }
 

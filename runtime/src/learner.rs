@@ -287,6 +287,9 @@ impl Learner {
     /// One optimizer step on `groups` (each of G trajectories). Errors leave the weights as
     /// they were (the optimizer checks everything before it writes).
     pub fn train(&mut self, groups: &[ReadyGroup]) -> Result<StepReport> {
+        // The step's temporaries go back to this thread's cache when dropped and serve the
+        // next step (kernels/src/tensor/pool.rs): a steady-state step allocates nothing.
+        let _pool = sluice_kernels::tensor::PoolScope::enter();
         let start = Instant::now();
         let version = self.version();
         let mut report = StepReport {

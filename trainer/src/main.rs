@@ -14,6 +14,13 @@ use std::process::ExitCode;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Debug mode (also SLUICE_DEBUG=1): every op output poisoned (NaN bytes) so an unwritten
+    /// element is caught, and index inputs (offsets, block tables, token ids, sequence
+    /// bounds) copied to the host and checked inside each op, a host sync each. Off by
+    /// default: outputs uninitialised, no device-to-host copy inside an op. `sluice kernel`
+    /// always runs this way.
+    #[arg(long, global = true)]
+    debug: bool,
 }
 
 #[derive(Subcommand)]
@@ -239,6 +246,10 @@ fn fail(e: &Error) -> ExitCode {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The kernel runner checks one op on tensors from a file: always in debug mode (its bad
+    // inputs must be named errors, never a kernel reading out of bounds).
+    let kernel = matches!(cli.command, Command::Kernel { .. });
+    sluice_kernels::debug::set_for_main(cli.debug || kernel);
     match cli.command {
         Command::Kernel {
             op,

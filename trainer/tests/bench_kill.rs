@@ -15,6 +15,7 @@ fn a_killed_bench_keeps_every_finished_row() {
     std::fs::create_dir_all(&dir).unwrap();
     let jsonl = dir.join("rows.jsonl");
     let mut child = std::process::Command::new(BIN)
+        .env("SLUICE_DEBUG", "1")
         .args([
             "bench",
             "--device",
@@ -77,6 +78,7 @@ fn bad_bench_input_exits_2_naming_it() {
         (&["--device", "gpu"][..], "gpu"),
     ] {
         let out = std::process::Command::new(BIN)
+            .env("SLUICE_DEBUG", "1")
             .arg("bench")
             .args(args)
             .output()

@@ -31,6 +31,8 @@ fn det(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut c = Command::new(BIN);
     c.arg("determinism").args(args).current_dir(root());
     c.env_remove("SLUICE_PLANT");
+    // Tests run checked (kernels/src/debug.rs); a test may pass SLUICE_DEBUG=0 in `env`.
+    c.env("SLUICE_DEBUG", "1");
     for (k, v) in env {
         c.env(k, v);
     }
@@ -86,7 +88,14 @@ fn class_key(device: &str) -> String {
 #[test]
 fn committed_goldens_pass_on_cpu_and_emu() {
     let golden = root().join("tests/golden");
-    for (device, preset) in [("cpu", "ci"), ("cpu", "full"), ("emu", "ci")] {
+    // The emu goldens also with the debug switch off, as the main job runs: no poisoning and
+    // recycled uninitialised buffers must not change a bit.
+    for (device, preset, debug) in [
+        ("cpu", "ci", "1"),
+        ("cpu", "full", "1"),
+        ("emu", "ci", "1"),
+        ("emu", "ci", "0"),
+    ] {
         let o = det(
             &[
                 "check",
@@ -97,9 +106,9 @@ fn committed_goldens_pass_on_cpu_and_emu() {
                 "--preset",
                 preset,
             ],
-            &[],
+            &[("SLUICE_DEBUG", debug)],
         );
-        let (out, _) = expect(&o, 0, &format!("check {device} {preset}"));
+        let (out, _) = expect(&o, 0, &format!("check {device} {preset} debug {debug}"));
         let key = class_key(device);
         if golden.join(&key).join(format!("{preset}.json")).exists() {
             assert!(out.contains("ok: "), "{device} {preset}: {out}");

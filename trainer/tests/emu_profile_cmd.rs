@@ -17,6 +17,7 @@ fn scratch(tag: &str) -> PathBuf {
 fn sluice(args: &[&str]) -> Output {
     Command::new(BIN)
         .args(args)
+        .env("SLUICE_DEBUG", "1")
         .env(
             "SLUICE_EMU_CACHE",
             Path::new(env!("CARGO_TARGET_TMPDIR")).join("emu-cache"),

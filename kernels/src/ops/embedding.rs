@@ -4,9 +4,12 @@
 //! Backward: dtable[v,:] = sum over positions t with tokens[t] == v, in ascending t, of
 //! dout[t,:]; rows of unused ids are 0. dtable is F32.
 //!
-//! Tokens are validated on the host on every device (0 <= token < V; otherwise an error naming
-//! `tokens`, the position and the value). On cuda that costs one small device-to-host copy of
-//! T int32 values; the backward needs the tokens on the host anyway for its sort.
+//! Tokens are validated on the host (0 <= token < V; otherwise an error naming `tokens`, the
+//! position and the value) where they live there, and on a device in debug mode
+//! ([`crate::debug`]: one small device-to-host copy of T int32 values); otherwise the caller
+//! checked them where it built them. The backward needs the tokens on the host for its sort:
+//! [`embedding_backward_host`] takes the caller's host copy, [`embedding_backward`] downloads
+//! them.
 //!
 //! No atomics: [`counting_sort`] (host, O(T + V)) groups the positions by token id, stable
 //! (ascending positions inside each group); then one GPU thread owns one (v, column) element of
@@ -125,18 +128,31 @@ pub fn embedding_backward_reference(
 }
 
 fn check_tokens(tokens: &Tensor) -> Result<Vec<i32>> {
-    tokens.expect_dtype("tokens", DType::I32)?;
-    tokens.expect_rank("tokens", 1, "[T]")?;
+    check_token_tensor(tokens)?;
     tokens.to_vec::<i32>()
+}
+
+fn check_token_tensor(tokens: &Tensor) -> Result<()> {
+    tokens.expect_dtype("tokens", DType::I32)?;
+    tokens.expect_rank("tokens", 1, "[T]")
 }
 
 /// Embedding lookup on any device: table[V,d] (F32 or BF16), tokens[T] I32 -> out[T,d] F32.
 pub fn embedding(backend: &Backend, table: &Tensor, tokens: &Tensor) -> Result<Tensor> {
     let dtype = float_dtype(&[("table", table)])?;
     let (vocab, d) = rows_cols("table", table, "[V,d]")?;
-    let host_tokens = check_tokens(tokens)?;
-    validate_tokens(&host_tokens, vocab)?;
-    let t = host_tokens.len();
+    check_token_tensor(tokens)?;
+    let t = tokens.numel();
+    // The ids are checked on the host where they live there, and on a device in debug mode
+    // (a copy and a sync); otherwise whoever built them checked them (the model's batches, the
+    // engine's sampled rows).
+    let host_tokens = if crate::debug::reads_back(tokens) {
+        let host = tokens.to_vec::<i32>()?;
+        validate_tokens(&host, vocab)?;
+        host
+    } else {
+        Vec::new()
+    };
     if let Backend::Cpu = backend {
         let out = embedding_reference(&table.f32_data()?, &host_tokens, vocab, d)?;
         return host_tensor(backend, &[t, d], out);
@@ -169,8 +185,20 @@ pub fn embedding_backward(
     tokens: &Tensor,
     vocab: usize,
 ) -> Result<Tensor> {
-    let dtype = float_dtype(&[("dout", dout)])?;
     let host_tokens = check_tokens(tokens)?;
+    embedding_backward_host(backend, dout, &host_tokens, vocab)
+}
+
+/// [`embedding_backward`] from the token ids in host memory (the caller's copy of what it
+/// uploaded), so nothing is read back from the device: the ids are sorted by value on the host
+/// for the kernel's one-writer-per-row schedule.
+pub fn embedding_backward_host(
+    backend: &Backend,
+    dout: &Tensor,
+    host_tokens: &[i32],
+    vocab: usize,
+) -> Result<Tensor> {
+    let dtype = float_dtype(&[("dout", dout)])?;
     let t = host_tokens.len();
     dout.expect_rank("dout", 2, "[T,d]")?;
     if dout.shape()[0] != t {
@@ -182,10 +210,10 @@ pub fn embedding_backward(
     }
     let d = dout.shape()[1];
     if let Backend::Cpu = backend {
-        let dtable = embedding_backward_reference(&dout.f32_data()?, &host_tokens, vocab, d)?;
+        let dtable = embedding_backward_reference(&dout.f32_data()?, host_tokens, vocab, d)?;
         return host_tensor(backend, &[vocab, d], dtable);
     }
-    let (order, offsets) = counting_sort(&host_tokens, vocab)?;
+    let (order, offsets) = counting_sort(host_tokens, vocab)?;
     let dtable = Tensor::poisoned(backend, &[vocab, d], DType::F32)?;
     if vocab == 0 || d == 0 {
         return Ok(dtable);

@@ -325,7 +325,10 @@ fn check_len(name: &str, len: usize, n: usize) -> Result<()> {
     Ok(())
 }
 
-fn check_tokens(tokens: &[i32], v: usize) -> Result<()> {
+/// Checks token ids against the vocabulary V (the error names `tokens`, the row and the id):
+/// what [`is_gate_loss`] runs on the host copy, and what a caller with the ids in host memory
+/// runs before uploading them.
+pub fn check_tokens(tokens: &[i32], v: usize) -> Result<()> {
     if let Some((t, &tok)) = tokens
         .iter()
         .enumerate()
@@ -585,8 +588,13 @@ fn validate(
             )));
         }
     }
-    // Token ids index the logits: check them here (N * 4 bytes) rather than read out of bounds.
-    check_tokens(&batch.tokens.to_vec::<i32>()?, v)?;
+    // Token ids index the logits: checked here (N * 4 bytes) rather than read out of bounds,
+    // where they are in host memory and, on a device, in debug mode (a copy and a sync);
+    // otherwise the caller checked its host copy (the model's `gate_objective`, with
+    // [`check_tokens`]).
+    if crate::debug::reads_back(batch.tokens) {
+        check_tokens(&batch.tokens.to_vec::<i32>()?, v)?;
+    }
     let mask_f32 = if batch.mask.dtype() == DType::U8 {
         let m: Vec<f32> = batch
             .mask

@@ -307,9 +307,16 @@ pub fn kv_append(
         ));
     }
     slot_mapping.expect_dtype("slot_mapping", DType::I32)?;
-    let slots = slot_mapping.to_vec::<i32>()?;
     let n_slots = nb * bs;
-    check_slots(&slots, n_slots)?;
+    // On a device only in debug mode (a copy and a sync): the block manager hands out distinct
+    // slots inside the cache (runtime kv_blocks.rs checks its tables where it builds them).
+    let slots = if crate::debug::reads_back(slot_mapping) {
+        let slots = slot_mapping.to_vec::<i32>()?;
+        check_slots(&slots, n_slots)?;
+        slots
+    } else {
+        Vec::new()
+    };
     if t == 0 {
         return Ok(());
     }
@@ -447,17 +454,21 @@ fn validate_inputs_on(
             k_cache.shape(),
         ));
     }
-    check_block_table(
-        &block_table.to_vec::<i32>()?,
-        &context_lens.to_vec::<i32>()?,
-        dims,
-    )?;
+    // On a device only in debug mode (a copy and a sync); the runtime's block manager checks
+    // the tables where it builds them (kv_blocks.rs, the same named errors).
+    if crate::debug::reads_back(block_table) || crate::debug::reads_back(context_lens) {
+        check_block_table(
+            &block_table.to_vec::<i32>()?,
+            &context_lens.to_vec::<i32>()?,
+            dims,
+        )?;
+    }
     Ok(dims)
 }
 
 /// Decode attention on `backend`: out[B,H,D] (F32) for q[B,H,D] over the paged caches.
 /// `scale` defaults to 1/sqrt(D). The block table and context lengths are checked on the host
-/// (on cuda that downloads B*(MB+1) ints).
+/// where they live there, and on a device in debug mode (a download of B*(MB+1) ints).
 pub fn paged_attention(
     backend: &Backend,
     q: &Tensor,
@@ -777,8 +788,16 @@ pub fn paged_prefill_on(
     cu_seqlens.expect_rank("cu_seqlens", 1, "[B+1]")?;
     cu_seqlens.expect_dtype("cu_seqlens", DType::I32)?;
     let b = cu_seqlens.numel().saturating_sub(1);
-    let cu = cu_seqlens.to_vec::<i32>()?;
-    crate::ops::attention::check_cu_seqlens(&cu, q.shape()[0])?;
+    // The index inputs on the host: always on `cpu`, on a device only in debug mode (the
+    // engine builds them from the block manager's checked tables).
+    let host = crate::debug::reads_back(cu_seqlens) || crate::debug::reads_back(context_lens);
+    let cu = if host {
+        let cu = cu_seqlens.to_vec::<i32>()?;
+        crate::ops::attention::check_cu_seqlens(&cu, q.shape()[0])?;
+        cu
+    } else {
+        Vec::new()
+    };
     // The decode's checks with B sequences (a [B,H,D] view of the shapes): caches, block table,
     // context lengths.
     let (t, h, d) = (q.shape()[0], q.shape()[1], q.shape()[2]);
@@ -787,8 +806,13 @@ pub fn paged_prefill_on(
     }
     let probe = Tensor::zeros(&Backend::Cpu, &[b, h, d], q.dtype())?;
     let dims = validate_inputs_on(&probe, k_cache, v_cache, block_table, context_lens)?;
-    let ctx = context_lens.to_vec::<i32>()?;
-    check_prefill_lens(&cu, &ctx)?;
+    let ctx = if host {
+        let ctx = context_lens.to_vec::<i32>()?;
+        check_prefill_lens(&cu, &ctx)?;
+        ctx
+    } else {
+        Vec::new()
+    };
     let scale = resolve_scale(scale, d)?;
     let PagedDims { hkv, bs, mb, .. } = dims;
     let order = RowOrder::of(path, q.dtype(), d);

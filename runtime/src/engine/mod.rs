@@ -39,6 +39,7 @@ use crate::trajectory::{
 };
 use sluice_kernels::ops::embedding::embedding;
 use sluice_kernels::ops::sample::{sample, SampleParams};
+use sluice_kernels::tensor::PoolScope;
 use sluice_kernels::{Backend, Tensor};
 use sluice_model::infer::{self, DecodeBatch, InferWeights, KvCache, PrefillBatch};
 use sluice_model::{Arena, ModelConfig, Precision};
@@ -712,6 +713,9 @@ impl Engine {
 
     /// One scheduling step (see the module docs).
     pub fn step(&mut self) -> Result<Vec<Event>> {
+        // The step's temporaries go back to this thread's cache when dropped and serve the
+        // next step (kernels/src/tensor/pool.rs): a steady-state step allocates nothing.
+        let _pool = PoolScope::enter();
         let mut events = Vec::new();
         self.stats.steps += 1;
         let mut budget = self.cfg.max_batch_tokens;
@@ -1216,10 +1220,17 @@ impl Engine {
                 top_p: f32::from_bits(top_p),
             };
             let (toks, lps) = sample(&self.backend, table, &ids, &pos, &p)?;
-            let toks = toks.to_vec::<i32>()?;
-            let lps = lps.to_vec::<f32>()?;
+            // Tokens and log-probs in one copy: the decode step's one host sync.
+            let got = Tensor::download_many(&[&toks, &lps])?;
+            let word = |b: &[u8], j: usize| -> Result<[u8; 4]> {
+                b.get(4 * j..4 * j + 4)
+                    .and_then(|w| w.try_into().ok())
+                    .ok_or_else(|| bad("internal: the sampler returned fewer rows than asked"))
+            };
             for (j, &i) in members.iter().enumerate() {
-                out[i] = (toks[j] as TokenId, lps[j]);
+                let tok = i32::from_le_bytes(word(&got[0], j)?);
+                let lp = f32::from_le_bytes(word(&got[1], j)?);
+                out[i] = (tok as TokenId, lp);
             }
         }
         Ok(out)

@@ -21,6 +21,8 @@ pub fn scratch(tag: &str) -> PathBuf {
 pub fn sluice(args: &[&str]) -> std::process::Output {
     Command::new(BIN)
         .args(args)
+        // Tests run checked (kernels/src/debug.rs); the binary's default is off.
+        .env("SLUICE_DEBUG", "1")
         .current_dir(root())
         .output()
         .expect("run sluice")

@@ -4,7 +4,7 @@
 use super::{Inputs, MoeConfig, MoeDims, MoeGradTensors, ScoreFn};
 use crate::device::Backend;
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
 use crate::ops::elementwise::softmax;
 use crate::ops::gemm::{gemm, gemm_grouped};
@@ -101,7 +101,7 @@ pub(super) struct DeviceForward {
     kept: Tensor,
     pub(super) idx: Tensor,
     pub(super) gate: Tensor,
-    offsets: Tensor,
+    pub(super) offsets: Tensor,
     pos: Tensor,
     xs: Tensor,
     a: Tensor,
@@ -279,6 +279,26 @@ pub(super) fn device_sort(
     Ok((offsets, perm, pos))
 }
 
+/// The expert segment bounds on the host: the caller's copy (checked against the device's in
+/// debug mode), else a copy of `offsets` (a host sync inside the op).
+fn host_bounds(offsets: &Tensor, given: Option<&[i32]>) -> Result<Vec<i32>> {
+    match given {
+        Some(b) => {
+            if crate::debug::enabled() {
+                let device = offsets.to_vec::<i32>()?;
+                if device != b {
+                    return Err(Error::Invalid(format!(
+                        "`bounds`: the caller's expert segment bounds {b:?} are not the \
+                         routing's {device:?}; pass the offsets of the forward of the same inputs"
+                    )));
+                }
+            }
+            Ok(b.to_vec())
+        }
+        None => offsets.to_vec::<i32>(),
+    }
+}
+
 /// `[batch, rows, cols]` -> `[batch, cols, rows]` on the device (moe_transpose).
 fn device_transpose(
     backend: &Backend,
@@ -402,6 +422,7 @@ pub(super) fn device_backward(
     dy: &Tensor,
     dims: MoeDims,
     cfg: MoeConfig,
+    bounds: Option<&[i32]>,
 ) -> Result<MoeGradTensors> {
     let MoeDims { t, d, f, e } = dims;
     let k = cfg.k;
@@ -450,7 +471,7 @@ pub(super) fn device_backward(
             device_wgrad(backend, &db, &s.xs, &s.offsets, e, f, d)?,
         )
     } else {
-        let bounds = s.offsets.to_vec::<i32>()?;
+        let bounds = host_bounds(&s.offsets, bounds)?;
         (
             device_wgrad_mma(backend, &dye, &s.h, &bounds, d, f)?,
             device_wgrad_mma(backend, &da, &s.xs, &bounds, f, d)?,

@@ -279,6 +279,11 @@ pub struct MoeOutput {
     pub topk_gate: Tensor,
     /// [1] F32: the load-balancing loss (0 when `aux_alpha` is 0).
     pub aux_loss: Tensor,
+    /// [E+1] I32: the expert segment bounds of the stable sort (expert e owns sorted slots
+    /// offsets[e]..offsets[e+1]). The bf16 backward on a device needs them on the host; a
+    /// caller that copies them down with its own results passes them to
+    /// [`moe_backward_bounded`], so the op makes no copy of its own.
+    pub offsets: Tensor,
 }
 
 /// The gradients of [`moe_backward`], all F32.
@@ -361,6 +366,7 @@ pub fn moe_forward_saved(
             topk_idx: Tensor::from_slice(backend, &[t, k], &r.idx)?,
             topk_gate: Tensor::from_slice(backend, &[t, k], &r.gate)?,
             aux_loss: Tensor::from_slice(backend, &[1], &[r.aux_loss])?,
+            offsets: Tensor::from_slice(backend, &[r.offsets.len()], &r.offsets)?,
         };
         let saved = MoeSaved {
             state: Box::new(state),
@@ -377,6 +383,7 @@ pub fn moe_forward_saved(
             topk_idx: s.idx,
             topk_gate: s.gate,
             aux_loss: s.aux_loss,
+            offsets: s.offsets,
         },
         None,
     ))
@@ -413,6 +420,28 @@ pub fn moe_backward_saved(
     dy: &Tensor,
     cfg: MoeConfig,
     saved: Option<MoeSaved>,
+) -> Result<MoeGradTensors> {
+    moe_backward_bounded(backend, x, w_router, w1, w3, w2, dy, cfg, saved, None)
+}
+
+/// [`moe_backward_saved`] with the routing's expert segment bounds in host memory (`bounds`:
+/// the [`MoeOutput::offsets`] of the forward of the same inputs, copied down by the caller),
+/// which the bf16 backward on a device needs to shape its per-expert weight-gradient GEMMs;
+/// with `None` it copies them down itself (a host sync). In debug mode ([`crate::debug`]) the
+/// given bounds are checked against the device's (an error names `bounds`); otherwise they are
+/// trusted. Ignored on `cpu` and for F32 inputs, which need no host copy.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_backward_bounded(
+    backend: &Backend,
+    x: &Tensor,
+    w_router: &Tensor,
+    w1: &Tensor,
+    w3: &Tensor,
+    w2: &Tensor,
+    dy: &Tensor,
+    cfg: MoeConfig,
+    saved: Option<MoeSaved>,
+    bounds: Option<&[i32]>,
 ) -> Result<MoeGradTensors> {
     let inp = check_inputs(backend, x, w_router, w1, w3, w2, Some(dy), cfg)?;
     let MoeDims { t, d, f, e } = inp.dims;
@@ -464,7 +493,16 @@ pub fn moe_backward_saved(
     let w = Widened::new(backend, &inp)?;
     let dyw = widen(backend, dy)?;
     let dy = dyw.as_ref().unwrap_or(dy);
-    device_backward(backend, &w, dy, inp.dims, cfg)
+    if let Some(b) = bounds {
+        if b.len() != e + 1 {
+            return Err(Error::Invalid(format!(
+                "`bounds`: {} entries given; the routing of E = {e} experts has E+1 = {}",
+                b.len(),
+                e + 1
+            )));
+        }
+    }
+    device_backward(backend, &w, dy, inp.dims, cfg, bounds)
 }
 /// The stable counting sort of token-slots by expert on any device: `idx` [T,k] I32 with every
 /// entry in [0, E) -> (offsets [E+1], perm [T*k], pos [T*k]), all I32, as

@@ -27,7 +27,10 @@ pub fn sq_norm_reference(x: &[f32]) -> f64 {
 }
 
 /// The squared global norm of a 1-D F32 tensor, as f64 (cpu: f64 accumulation; emu/cuda: two
-/// launches with f32 fixed-order block sums, then a 4-byte download).
+/// launches with f32 fixed-order block sums, then a 4-byte download). The download is the
+/// result the caller asked for, so it is counted as the caller's (`#[track_caller]`,
+/// [`crate::counters`]), not as a copy the op makes on its own.
+#[track_caller]
 pub fn sq_norm(backend: &Backend, x: &Tensor) -> Result<f64> {
     x.expect_dtype("x", DType::F32)?;
     x.expect_rank("x", 1, "[n]")?;
