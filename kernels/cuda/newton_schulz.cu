@@ -24,16 +24,17 @@
 // products in ascending k by one thread; the norm is a fixed-order two-level reduction whose
 // partition depends on the matrix's size alone (batch-invariant).
 //
-// The bf16 path (`newton_schulz_bf16` on the Rust side) uses the same normalise launch, then
-// runs every product on the gemm family's bf16 tensor-core kernel (C = A B^T, bf16 operands,
-// f32 accumulation) and this file's one elementwise kernel between them:
-//   newton_schulz_combine_bf16          v = alpha * P + beta * E (fmaf(beta, E, alpha * P); E
-//                                       optional), written as any of: f32, f32 transposed, bf16
-//                                       (round-to-nearest-even), bf16 transposed. 32x32 tiles,
-//                                       the transposes staged through shared memory.
-// One step: A = gemm(Xb, Xb); Ab = bf16(A); AA = gemm(Ab, Ab) (A symmetric);
-// Bb = bf16(c AA + b A); BX = gemm(Bb, XTb); X' = BX + a X in f32 (the master copy) with its
-// bf16 rounding Xb' and bf16 transpose XTb' for the next step.
+// The bf16 path (`newton_schulz_bf16` on the Rust side) uses the same normalise launches (the
+// scale launch also writes Xb = bf16(X0) and XTb = bf16(X0)^T), then runs every product on the
+// gemm family's bf16 tensor-core kernel with its epilogue (`gemm_bf16_mma_epilogue` in gemm.cu:
+// C = A B^T, bf16 operands, f32 accumulation, then v = fmaf(beta, E, alpha acc) written as f32
+// and/or bf16, as is and/or transposed). One step is three launches:
+//   A = gemm(Xb, Xb)                  -> A (f32) and Ab = bf16(A)
+//   Bb = bf16(fmaf(b, A, c AA)),         AA = gemm(Ab, Ab) (A symmetric)
+//   X' = fmaf(a, X, BX),                 BX = gemm(Bb, XTb) -> X' (f32, the master copy), Xb'
+//                                     and XTb' for the next step (the last step: the output)
+// (Until issue 23 item 4 the elementwise parts were separate `newton_schulz_combine_bf16`
+// launches with the same formulas; the fused results have their bits.)
 
 #include <cuda_bf16.h>
 #include "common/block_reduce.cuh"
@@ -248,52 +249,5 @@ extern "C" __global__ void __launch_bounds__(256) newton_schulz_matmul_f32(
             out = fmaf(beta, e[bz * e_bs + (long long)i * e_rs + (long long)j * e_cs], out);
         }
         c[bz * c_bs + (long long)i * c_rs + (long long)j * c_cs] = out;
-    }
-}
-
-// v = alpha * p + beta * e (e may be null: v = alpha * p) over n matrices [rows, cols]
-// (blockIdx.z), each output optional (null skips it): out [rows, cols] f32, out_t [cols, rows]
-// f32, out_b [rows, cols] bf16, out_bt [cols, rows] bf16 (bf16 = round-to-nearest-even of v).
-// Block: 256 threads = 32 columns x 8 rows over a 32x32 tile (4 rows a thread); the transposed
-// writes read the tile back from shared memory column-wise so both sides stay coalesced.
-extern "C" __global__ void __launch_bounds__(256) newton_schulz_combine_bf16(
-    const float* __restrict__ p, const float* __restrict__ e, float* __restrict__ out,
-    float* __restrict__ out_t, __nv_bfloat16* __restrict__ out_b,
-    __nv_bfloat16* __restrict__ out_bt, int rows, int cols, float alpha, float beta) {
-    constexpr int T = 32;
-    constexpr int R = 8;
-    __shared__ float tile[T][T + 1];
-    const int tx = threadIdx.x % T;
-    const int ty = threadIdx.x / T;
-    const int row0 = blockIdx.y * T;
-    const int col0 = blockIdx.x * T;
-    const long long base = (long long)blockIdx.z * rows * cols;
-    const int j = col0 + tx;
-    for (int q = 0; q < T / R; ++q) {
-        const int ti = ty + q * R;
-        const int i = row0 + ti;
-        float v = 0.0f;
-        if (i < rows && j < cols) {
-            const long long idx = base + (long long)i * cols + j;
-            v = alpha * p[idx];
-            if (e != nullptr) v = fmaf(beta, e[idx], v);
-            if (out != nullptr) out[idx] = v;
-            if (out_b != nullptr) out_b[idx] = __float2bfloat16_rn(v);
-        }
-        tile[ti][tx] = v;
-    }
-    if (out_t == nullptr && out_bt == nullptr) return;
-    __syncthreads();
-    // Transposed: thread (tx, ty) writes column col0 + ty + 8q, rows row0 + tx.
-    const int ii = row0 + tx;
-    for (int q = 0; q < T / R; ++q) {
-        const int tj = ty + q * R;
-        const int jj = col0 + tj;
-        if (ii < rows && jj < cols) {
-            const float v = tile[tx][tj];
-            const long long idx = base + (long long)jj * rows + ii;
-            if (out_t != nullptr) out_t[idx] = v;
-            if (out_bt != nullptr) out_bt[idx] = __float2bfloat16_rn(v);
-        }
     }
 }

@@ -8,6 +8,7 @@
 //! misses fails the bit comparisons.
 
 use half::bf16;
+use sluice_kernels::ops::gemm::gemm_batched;
 use sluice_kernels::ops::newton_schulz::{
     newton_schulz_bf16_reference, newton_schulz_reference, newton_schulz_with_precision,
     ns_sq_partition, ns_sum_of_squares, NsPrecision,
@@ -60,9 +61,9 @@ fn the_partition_covers_each_matrix_in_at_most_256_chunks() {
         8192,
         8193,
         20_000,
-        2_097_152,    // [1024, 2048]: 256 chunks of 8192
-        2_097_153,    // one more element: chunks of 16384
-        536_870_912,  // [16384, 32768]
+        2_097_152,   // [1024, 2048]: 256 chunks of 8192
+        2_097_153,   // one more element: chunks of 16384
+        536_870_912, // [16384, 32768]
         1 << 31,
     ] {
         let (chunk, parts) = ns_sq_partition(size);
@@ -97,7 +98,10 @@ fn the_sum_of_squares_is_the_f64_sum_to_f32_rounding() {
         let ascending = g.iter().fold(0.0f32, |s, &v| v.mul_add(v, s));
         differs += usize::from(ascending.to_bits() != (got as f32).to_bits());
     }
-    assert!(differs >= 3, "only {differs} of 6 sums differ from ascending");
+    assert!(
+        differs >= 3,
+        "only {differs} of 6 sums differ from ascending"
+    );
     assert_eq!(ns_sum_of_squares(&[]), 0.0);
     assert_eq!(ns_sum_of_squares(&[0.0; 9]).to_bits(), 0.0f32.to_bits());
 }
@@ -155,7 +159,14 @@ fn emu_matrices_have_the_same_bits_alone_and_in_a_batch() {
         for precision in [NsPrecision::F32, NsPrecision::Bf16] {
             let all = on_emu(&g, (n, r, c), dtype, 2, precision, 2);
             for i in 0..n {
-                let one = on_emu(&g[i * size..(i + 1) * size], (1, r, c), dtype, 2, precision, 3);
+                let one = on_emu(
+                    &g[i * size..(i + 1) * size],
+                    (1, r, c),
+                    dtype,
+                    2,
+                    precision,
+                    3,
+                );
                 assert_eq!(
                     bits(&all[i * size..(i + 1) * size]),
                     bits(&one),
@@ -167,4 +178,94 @@ fn emu_matrices_have_the_same_bits_alone_and_in_a_batch() {
         }
     }
     assert_eq!(compared, 12);
+}
+
+fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0.0f32; rows * cols];
+    for i in 0..rows {
+        for j in 0..cols {
+            t[j * rows + i] = x[i * cols + j];
+        }
+    }
+    t
+}
+
+fn round_bf16(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect()
+}
+
+/// `a` [rows, k] . `b` [cols, k]^T with bf16 operands on the cpu device: the bf16 chain, the
+/// emulated mma.sync's order at every K.
+fn cpu_bf16_gemm(a: &[f32], b: &[f32], rows: usize, cols: usize, k: usize) -> Vec<f32> {
+    let cpu = Backend::Cpu;
+    let at = Tensor::from_f32_as(&cpu, &[1, rows, k], DType::BF16, a).unwrap();
+    let bt = Tensor::from_f32_as(&cpu, &[1, cols, k], DType::BF16, b).unwrap();
+    gemm_batched(&cpu, &at, &bt).unwrap().to_vec().unwrap()
+}
+
+/// The bf16 path as it ran before its combines were fused into the GEMM's epilogue (issue 23
+/// item 4), composed on the cpu device: the plain bf16 GEMM (`gemm_batched`, the emulated
+/// mma.sync's order) and, between the products, the formulas of the removed
+/// `newton_schulz_combine_bf16` kernel (v = fmaf(beta, E, alpha * P), rounded where the path
+/// rounds). One matrix g [r, c].
+fn unfused_bf16_path(g: &[f32], r: usize, c: usize, steps: usize) -> Vec<f32> {
+    let (a, b, cc) = (3.4445f32, -4.7750f32, 2.0315f32);
+    let denom = ns_sum_of_squares(g).sqrt() + 1e-7;
+    let x0: Vec<f32> = g.iter().map(|&v| v / denom).collect();
+    let (rr, cw, transposed) = if r > c { (c, r, true) } else { (r, c, false) };
+    let mut x = if transposed { transpose(&x0, r, c) } else { x0 };
+    for _ in 0..steps {
+        let xb = round_bf16(&x);
+        let am = cpu_bf16_gemm(&xb, &xb, rr, rr, cw);
+        let ab = round_bf16(&am);
+        let aa = cpu_bf16_gemm(&ab, &ab, rr, rr, rr);
+        let bb: Vec<f32> = aa
+            .iter()
+            .zip(&am)
+            .map(|(&p, &e)| bf16::from_f32(b.mul_add(e, cc * p)).to_f32())
+            .collect();
+        let xtb = transpose(&xb, rr, cw);
+        let bx = cpu_bf16_gemm(&bb, &xtb, rr, cw, rr);
+        x = bx
+            .iter()
+            .zip(&x)
+            .map(|(&p, &e)| a.mul_add(e, 1.0 * p))
+            .collect();
+    }
+    if transposed {
+        transpose(&x, rr, cw)
+    } else {
+        x
+    }
+}
+
+/// The fused bf16 path on emu has the bits of the unfused one (GEMM, then the combine), at
+/// shapes where K > 256 (so the bf16 CPU reference, on the f32 GEMM's 256-chunks, is not
+/// bit-comparable): [40, 300] (K = 300), [300, 33] (transposed: the last product writes the
+/// output transposed), [130, 260] (past one 128-row tile each way). Also checked when the
+/// change was made: 4 shapes of emu output (597,764 bytes) identical before and after.
+#[test]
+fn emu_bf16_path_has_the_bits_of_the_unfused_gemm_and_combine() {
+    let mut rng = Rng::new(74);
+    let mut compared = 0;
+    for &(n, r, c, steps, dtype) in &[
+        (2, 40, 300, 3, DType::BF16),
+        (1, 300, 33, 2, DType::F32),
+        (1, 130, 260, 2, DType::BF16),
+    ] {
+        let g = rng.normal_vec(n * r * c, 1.0);
+        let gw = as_input(&g, dtype);
+        let got = on_emu(&g, (n, r, c), dtype, steps, NsPrecision::Bf16, 4);
+        let size = r * c;
+        for i in 0..n {
+            let want = unfused_bf16_path(&gw[i * size..(i + 1) * size], r, c, steps);
+            assert_eq!(
+                bits(&got[i * size..(i + 1) * size]),
+                bits(&want),
+                "n={n} [{r},{c}] {dtype}: matrix {i}: fused emu != unfused"
+            );
+            compared += 1;
+        }
+    }
+    assert_eq!(compared, 4);
 }

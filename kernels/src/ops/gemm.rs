@@ -18,6 +18,9 @@
 //! - `gemm_bf16_wgmma`: BF16, Hopper wgmma + bulk async copies (compute_90a). Never run on a GPU
 //!   yet, so it is used only when `SLUICE_GEMM_PATH=wgmma` is set (or [`GemmPath::Wgmma`] is
 //!   asked for); scripts/gpu-check tests it so the first GPU run can verify it.
+//!
+//! The batched bf16 form with an epilogue (alpha, beta, E; f32 / bf16 outputs, as is or
+//! transposed) is [`super::gemm_epilogue`].
 
 pub use super::gemm_chain::{gemm_chain_into, gemm_chain_strided_into};
 pub use super::gemm_small::{gemm_packed_into, PackedB};
@@ -749,7 +752,7 @@ pub fn gemm_grouped_with_path(
     }
 }
 
-fn check_grid_y(y: u32, n: usize) -> Result<()> {
+pub(crate) fn check_grid_y(y: u32, n: usize) -> Result<()> {
     if y > 65535 {
         return Err(Error::Invalid(format!(
             "gemm: N = {n} needs {y} column tiles, over the grid's y limit (65535)"

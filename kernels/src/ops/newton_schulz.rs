@@ -25,19 +25,22 @@
 //! The bf16 path ([`newton_schulz_bf16`], or [`newton_schulz_with_precision`] with
 //! [`NsPrecision::Bf16`]): X is kept in f32 between steps (the master copy) and every product
 //! takes bf16 operands (round-to-nearest-even of the f32 values) with f32 accumulation, through
-//! the gemm family's batched bf16 GEMM (`gemm_bf16_mma`, tensor cores, on emu/cuda):
-//! A = X X^T = gemm(Xb, Xb); A A = gemm(Ab, Ab) (A is symmetric); B = c AA + b A in f32, rounded
-//! to bf16; X' = B X + a X = gemm(Bb, XTb) + a X in f32, where XTb is the bf16 transpose of X.
-//! The elementwise pieces between the GEMMs are `newton_schulz_combine_bf16` launches. The
-//! normalisation is the f32 one; its scale launch also writes Xb and XTb. On `cpu` it is [`newton_schulz_bf16_reference`]: the same
-//! rounding points, bf16 values widened exactly into the f32 [`gemm_reference_into`].
+//! the gemm family's batched bf16 GEMM with an epilogue ([`gemm_batched_epilogue`]:
+//! `gemm_bf16_mma_epilogue`, mma.sync tensor cores, on emu/cuda), which also does the
+//! elementwise work between the products: A = X X^T = gemm(Xb, Xb), written in f32 and as Ab;
+//! A A = gemm(Ab, Ab) (A is symmetric), combined into Bb = bf16(fmaf(b, A, c AA)); X' = B X + a X
+//! = fmaf(a, X, gemm(Bb, XTb)) in f32, written with its bf16 rounding Xb' and bf16 transpose
+//! XTb'. Launches per call: 2 + 3 x steps. The normalisation is the f32 one; its scale launch
+//! also writes Xb and XTb. On `cpu` it is [`newton_schulz_bf16_reference`]: the same rounding
+//! points, bf16 values widened exactly into the f32 [`gemm_reference_into`].
 
 use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
 use crate::ops::block_reduce::{block_sum, reduce_lanes, BLOCK_THREADS};
-use crate::ops::gemm::{gemm_batched, gemm_reference_into, gemm_strided_into};
+use crate::ops::gemm::{gemm_reference_into, gemm_strided_into};
+use crate::ops::gemm_epilogue::{gemm_batched_epilogue, GemmEpilogue};
 use crate::par;
 use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
 use crate::tensor::Tensor;
@@ -410,9 +413,9 @@ fn normalize(
     )?;
     let tiles = r.div_ceil(SCALE_TILE) * c.div_ceil(SCALE_TILE);
     let mut launch = Launch::new(scale, [tiles as u32, n as u32, 1], [THREADS, 1, 1])
-    .arg_tensor(g)
-    .arg_tensor(&partials)
-    .arg_i32(parts as i32);
+        .arg_tensor(g)
+        .arg_tensor(&partials)
+        .arg_i32(parts as i32);
     for o in outs {
         launch = match o {
             Some(t) => launch.arg_tensor(t),
@@ -422,96 +425,60 @@ fn normalize(
     backend.launch(&launch.arg_i32(r as i32).arg_i32(c as i32))
 }
 
-/// The bf16 path's steps on emu/cuda: `x` [n,rr,cw] is the normalised wide X0 (f32); the result
-/// goes to `out` (transposed back when `transposed`).
+/// The bf16 path's steps on emu/cuda: `x` [n,rr,cw] is the normalised wide X0 (f32), `xb` and
+/// `xtb` its bf16 rounding and that transposed; the result goes to `out` (transposed back when
+/// `transposed`). Three launches of `gemm_bf16_mma_epilogue` per step, the elementwise work in
+/// their epilogues:
+///   A = gemm(Xb, Xb)            -> A (f32, the next product's E) and Ab = bf16(A)
+///   Bb = bf16(fmaf(b, A, c AA)) with AA = gemm(Ab, Ab)
+///   X' = fmaf(a, X, BX) with BX = gemm(Bb, XTb) -> X' (f32), Xb', XTb' (bf16); the last step
+///                                  writes only the output, transposed back when needed.
+/// XTb is read by the third product while its successor is written, so it is double-buffered
+/// like X.
 fn iterate_bf16(
     backend: &Backend,
     mut x: Tensor,
-    out: Tensor,
-    (xb, xtb): (Tensor, Tensor),
+    mut out: Tensor,
+    (mut xb, mut xtb): (Tensor, Tensor),
     (n, rr, cw): (usize, usize, usize),
     transposed: bool,
     steps: usize,
 ) -> Result<Tensor> {
     let (a, b, cc) = NS_COEFFS;
     let mut x_next = Tensor::poisoned(backend, &[n, rr, cw], DType::F32)?;
-    let ab = Tensor::poisoned(backend, &[n, rr, rr], DType::BF16)?;
-    let bb = Tensor::poisoned(backend, &[n, rr, rr], DType::BF16)?;
-    let dims = (n, rr, cw);
-    let sq = (n, rr, rr);
+    let mut xtb_next = Tensor::poisoned(backend, &[n, cw, rr], DType::BF16)?;
+    let mut am = Tensor::poisoned(backend, &[n, rr, rr], DType::F32)?;
+    let mut ab = Tensor::poisoned(backend, &[n, rr, rr], DType::BF16)?;
+    let mut bb = Tensor::poisoned(backend, &[n, rr, rr], DType::BF16)?;
     for step in 0..steps {
         let last = step + 1 == steps;
-        let am = gemm_batched(backend, &xb, &xb)?; // A = X X^T
-        combine(
-            backend,
-            (&am, None),
-            sq,
-            (1.0, 0.0),
-            [None, None, Some(&ab), None],
-        )?;
-        let aa = gemm_batched(backend, &ab, &ab)?; // A A (= A A^T)
-        combine(
-            backend,
-            (&aa, Some(&am)),
-            sq,
-            (cc, b),
-            [None, None, Some(&bb), None],
-        )?;
-        let bx = gemm_batched(backend, &bb, &xtb)?; // B X
+        // A = X X^T, and its bf16 rounding.
+        let mut ep = GemmEpilogue::identity(&mut am);
+        ep.c_b = Some(&mut ab);
+        gemm_batched_epilogue(backend, &xb, &xb, ep)?;
+        // A A (= A A^T: A is symmetric), combined with A and rounded.
+        let mut ep = GemmEpilogue::scaled_plus(cc, b, &am);
+        ep.c_b = Some(&mut bb);
+        gemm_batched_epilogue(backend, &ab, &ab, ep)?;
+        // B X, combined with X.
+        let mut ep = GemmEpilogue::scaled_plus(1.0, a, &x);
         if last {
-            let dst = if transposed {
-                [None, Some(&out), None, None]
+            if transposed {
+                ep.c_t = Some(&mut out);
             } else {
-                [Some(&out), None, None, None]
-            };
-            combine(backend, (&bx, Some(&x)), dims, (1.0, a), dst)?;
+                ep.c = Some(&mut out);
+            }
+            gemm_batched_epilogue(backend, &bb, &xtb, ep)?;
         } else {
-            combine(
-                backend,
-                (&bx, Some(&x)),
-                dims,
-                (1.0, a),
-                [Some(&x_next), None, Some(&xb), Some(&xtb)],
-            )?;
+            ep.c = Some(&mut x_next);
+            ep.c_b = Some(&mut xb);
+            ep.c_bt = Some(&mut xtb_next);
+            gemm_batched_epilogue(backend, &bb, &xtb, ep)?;
             std::mem::swap(&mut x, &mut x_next);
+            std::mem::swap(&mut xtb, &mut xtb_next);
         }
     }
     Ok(out)
-}
-
-/// One `newton_schulz_combine_bf16` launch over `n` matrices [rows, cols]:
-/// v = alpha * p + beta * e (e optional), written to the outputs given, in the order
-/// [f32, f32 transposed, bf16, bf16 transposed].
-fn combine(
-    backend: &Backend,
-    (p, e): (&Tensor, Option<&Tensor>),
-    (n, rows, cols): (usize, usize, usize),
-    (alpha, beta): (f32, f32),
-    outs: [Option<&Tensor>; 4],
-) -> Result<()> {
-    let mut launch = Launch::new(
-        "newton_schulz_combine_bf16",
-        [blocks_for(cols, 32), blocks_for(rows, 32), n as u32],
-        [THREADS, 1, 1],
-    )
-    .arg_tensor(p);
-    launch = match e {
-        Some(e) => launch.arg_tensor(e),
-        None => launch.arg_u64(0),
-    };
-    for o in outs {
-        launch = match o {
-            Some(t) => launch.arg_tensor(t),
-            None => launch.arg_u64(0),
-        };
-    }
-    backend.launch(
-        &launch
-            .arg_i32(rows as i32)
-            .arg_i32(cols as i32)
-            .arg_f32(alpha)
-            .arg_f32(beta),
-    )
 }
 
 /// The f32 path's steps on emu/cuda (see [`iterate_bf16`] for the arguments).
