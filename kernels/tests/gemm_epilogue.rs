@@ -13,7 +13,13 @@
 //! fails.
 
 use half::bf16;
-use sluice_kernels::ops::gemm::gemm_batched;
+use sluice_kernels::ops::gemm::{gemm_batched_with_path, GemmPath};
+
+/// The plain GEMM on the path the epilogue kernel shares its main loop with (mma.sync), whatever
+/// `SLUICE_GEMM_PATH` says.
+fn gemm_batched(backend: &Backend, a: &Tensor, b: &Tensor) -> sluice_kernels::Result<Tensor> {
+    gemm_batched_with_path(backend, a, b, GemmPath::Mma)
+}
 use sluice_kernels::ops::gemm_epilogue::{gemm_batched_epilogue, GemmEpilogue};
 use sluice_kernels::testing::Rng;
 use sluice_kernels::{Backend, DType, Error, Tensor};
@@ -246,4 +252,50 @@ fn bad_input_is_an_error_naming_the_tensor() {
             "b"
         );
     }
+}
+
+/// On a GPU: against cpu by relative norm (the tensor cores add each mma's 16 products in an
+/// order the ISA leaves open, so bits may differ from the emulated chain in the last places:
+/// `BF16_TOL` is generous for K <= 300 of f32 accumulation), two runs bit-identical, and the
+/// identity epilogue bit-identical to the plain GEMM (the same main loop, then 1 * acc).
+#[test]
+fn cuda_matches_cpu_and_repeats() {
+    let Some(gpu) =
+        sluice_kernels::device::cuda_for_tests("gemm_epilogue::cuda_matches_cpu_and_repeats")
+    else {
+        return;
+    };
+    use sluice_kernels::testing::{rel_norm, BF16_TOL};
+    for (i, &case) in CASES.iter().enumerate() {
+        let params = (2.0315, -4.775, true);
+        let want = run(&Backend::Cpu, case, 60 + i as u64, params);
+        let got = run(&gpu, case, 60 + i as u64, params);
+        let again = run(&gpu, case, 60 + i as u64, params);
+        for (name, g, a, w) in [
+            ("c", &got.c, &again.c, &want.c),
+            ("c_t", &got.c_t, &again.c_t, &want.c_t),
+            ("c_b", &got.c_b, &again.c_b, &want.c_b),
+            ("c_bt", &got.c_bt, &again.c_bt, &want.c_bt),
+        ] {
+            let w64: Vec<f64> = w.iter().map(|&v| v as f64).collect();
+            let err = rel_norm(g, &w64);
+            assert!(err <= BF16_TOL, "{case:?} {name}: rel err {err:e}");
+            assert_eq!(bits(g), bits(a), "{case:?} {name}: two runs differ");
+        }
+    }
+    let (batch, m, n, k) = (2, 130, 17, 300);
+    let (a, b, _) = inputs((batch, m, n, k, false), 8);
+    let at = Tensor::from_f32_as(&gpu, &[batch, m, k], DType::BF16, &a).unwrap();
+    let bt = Tensor::from_f32_as(&gpu, &[batch, n, k], DType::BF16, &b).unwrap();
+    let plain = gemm_batched(&gpu, &at, &bt)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    let mut c = Tensor::poisoned(&gpu, &[batch, m, n], DType::F32).unwrap();
+    gemm_batched_epilogue(&gpu, &at, &bt, GemmEpilogue::identity(&mut c)).unwrap();
+    assert_eq!(
+        bits(&c.to_vec::<f32>().unwrap()),
+        bits(&plain),
+        "cuda identity"
+    );
 }
