@@ -1,13 +1,16 @@
 // gemm: C[M,N] = A[M,K] . B[N,K]^T (row-major; B is the weight in the linear-layer form).
 //
-// Two kernels, each serving the plain, batched and grouped forms (kernels/src/ops/gemm.rs
+// Three kernels, each serving the plain, batched and grouped forms (kernels/src/ops/gemm.rs
 // computes the grid and picks the kernel):
 //   gemm_f32         F32 inputs, true f32 (SIMT FMA; never tf32, never tensor cores).
 //   gemm_bf16_mma    BF16 inputs, mma.sync m16n8k16 + ldmatrix, f32 accumulate (compute_80;
 //                    the default on every GPU).
-// The output is always F32. The Hopper kernel of the same family, gemm_bf16_wgmma (tensor-map
-// copies, a producer warp and two consumer warpgroups on wgmma, a persistent grid), lives in
-// kernels/cuda/gemm_hopper.cu.
+//   gemm_bf16_mma_epilogue  the same main loop with an epilogue: v = fmaf(beta, E, alpha acc)
+//                    written as f32 and/or bf16, as is and/or transposed (newton_schulz's steps;
+//                    gemm::Epilogue below).
+// The output is always F32 (the epilogue kernel: as asked). The Hopper kernel of the same family,
+// gemm_bf16_wgmma (tensor-map copies, a producer warp and two consumer warpgroups on wgmma, a
+// persistent grid), lives in kernels/cuda/gemm_hopper.cu.
 //
 // Common signature (only pointers and scalars, per the kernel conventions):
 //   (a, b, c, offsets, rows, n, k, groups, stride_a, stride_b, stride_c)
@@ -42,7 +45,7 @@ struct Tile {
 };
 
 // Maps blockIdx to a tile (see the file comment for the two modes).
-template <typename T>
+template <typename T, bool C_MAY_BE_NULL = false>
 __device__ __forceinline__ Tile<T> find_tile(const T* a, const T* b, float* c,
                                              const int* offsets, int rows, int groups,
                                              long long stride_a, long long stride_b,
@@ -53,7 +56,8 @@ __device__ __forceinline__ Tile<T> find_tile(const T* a, const T* b, float* c,
         const long long z = blockIdx.z;
         tile.a = a + z * stride_a;
         tile.b = b + z * stride_b;
-        tile.c = c + z * stride_c;
+        // The epilogue kernel may have no f32 output (c null): no arithmetic on a null pointer.
+        tile.c = (C_MAY_BE_NULL && c == nullptr) ? nullptr : c + z * stride_c;
         tile.row_begin = static_cast<int>(blockIdx.x) * block_m;
         tile.row_end = rows;
         tile.valid = tile.row_begin < rows;
@@ -191,15 +195,104 @@ __device__ __forceinline__ uint4 load8(const __nv_bfloat16* base, int r, int r_e
     return v;
 }
 
-}  // namespace gemm
+// The epilogue of gemm_bf16_mma_epilogue: each output element is
+//   v = fmaf(beta, E[r][col], alpha * acc)   (v = alpha * acc when e is null)
+// in f32 (newton_schulz's combine formulas: the same ops in the same order, so the fused
+// result has the unfused result's bits), written to any of c [M,N] f32, c_t [N,M] f32, c_b
+// [M,N] bf16 (round-to-nearest-even) and c_bt [N,M] bf16; null skips one. E, c and c_b advance
+// by stride_c per batch entry, c_t and c_bt too (they hold the same M*N elements transposed).
+// The default (alpha 1, beta 0, no E, c only) is the plain GEMM's result, but the plain kernel
+// keeps its own direct stores: `Epilogue` is only instantiated for the epilogue kernel.
+struct Epilogue {
+    const float* e;
+    float* c_t;
+    __nv_bfloat16* c_b;
+    __nv_bfloat16* c_bt;
+    float alpha;
+    float beta;
+};
 
-extern "C" __global__ void __launch_bounds__(256) gemm_bf16_mma(
-    const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
-    float* __restrict__ c, const int* __restrict__ offsets, int rows, int n, int k, int groups,
-    long long stride_a, long long stride_b, long long stride_c) {
-    using namespace gemm;
-    const Tile<__nv_bfloat16> tile =
-        find_tile(a, b, c, offsets, rows, groups, stride_a, stride_b, stride_c, MMA_BM);
+// The epilogue's staging slab: 32 rows of the 128x128 tile in f32, rows padded to 129 floats
+// so that reading a row (lanes along columns) and reading a column (lanes along rows) are both
+// free of bank conflicts. It reuses the A stages' shared memory (16.5 KB of 20 KB).
+constexpr int EPI_ROWS = 32, EPI_LD = MMA_BN + 1;
+static_assert(EPI_ROWS * EPI_LD * 4 <= 2 * MMA_BM * MMA_LD * 2, "the slab fits the A stages");
+
+// Writes the block's 128x128 accumulator tile through the epilogue, one 32-row slab at a time:
+// the warps holding the slab's rows (wm = slab / 2, fragments i = 2 (slab % 2) + 0, 1) store
+// them to the slab; then every thread takes elements along rows (lanes on consecutive columns:
+// E loads and c / c_b stores coalesced) computing v and keeping it in the slab, and, when a
+// transposed output is asked for, elements along columns (lanes on consecutive rows: c_t / c_bt
+// stores coalesced). The fragments' own layout would spread one store instruction over 8 rows.
+__device__ __forceinline__ void epilogue_store(const float (&acc)[4][4][4], float* slab,
+                                               const Epilogue& ep, float* c, long long cz,
+                                               int row_begin, int row_end, int col0, int rows,
+                                               int n) {
+    const int tid = threadIdx.x;
+    const int warp = tid / 32, lane = tid % 32;
+    const int wm = warp / 4, wn = warp % 4;
+    const int g = lane / 4, t = lane % 4;
+    const bool transposed = ep.c_t != nullptr || ep.c_bt != nullptr;
+    // Unrolled: the fragment index i below must be a compile-time constant, or acc would be
+    // indexed at run time and live in local memory.
+    #pragma unroll
+    for (int s = 0; s < MMA_BM / EPI_ROWS; ++s) {
+        if (wm == s / 2) {
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int i = 2 * (s % 2) + h;
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    #pragma unroll
+                    for (int hr = 0; hr < 2; ++hr) {
+                        float* d = slab + (h * 16 + g + 8 * hr) * EPI_LD + wn * 32 + j * 8 + 2 * t;
+                        d[0] = acc[i][j][2 * hr];
+                        d[1] = acc[i][j][2 * hr + 1];
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        const int r0 = row_begin + s * EPI_ROWS;
+        for (int q = tid; q < EPI_ROWS * MMA_BN; q += MMA_THREADS) {
+            const int lr = q / MMA_BN, lc = q % MMA_BN;
+            const int r = r0 + lr, col = col0 + lc;
+            if (r >= row_end || col >= n) continue;
+            const long long idx = cz + static_cast<long long>(r) * n + col;
+            float v = ep.alpha * slab[lr * EPI_LD + lc];
+            if (ep.e != nullptr) v = fmaf(ep.beta, ep.e[idx], v);
+            if (c != nullptr) c[idx] = v;
+            if (ep.c_b != nullptr) ep.c_b[idx] = __float2bfloat16_rn(v);
+            if (transposed) slab[lr * EPI_LD + lc] = v;  // for the transposed pass
+        }
+        if (transposed) {  // uniform across the block
+            __syncthreads();
+            for (int q = tid; q < EPI_ROWS * MMA_BN; q += MMA_THREADS) {
+                const int lc = q / EPI_ROWS, lr = q % EPI_ROWS;
+                const int r = r0 + lr, col = col0 + lc;
+                if (r >= row_end || col >= n) continue;
+                const float v = slab[lr * EPI_LD + lc];
+                const long long idx = cz + static_cast<long long>(col) * rows + r;
+                if (ep.c_t != nullptr) ep.c_t[idx] = v;
+                if (ep.c_bt != nullptr) ep.c_bt[idx] = __float2bfloat16_rn(v);
+            }
+        }
+        __syncthreads();  // the slab is rewritten by the next pass
+    }
+}
+
+// The body of gemm_bf16_mma (EPI = false: the plain GEMM's direct f32 stores, unchanged) and
+// gemm_bf16_mma_epilogue (EPI = true: epilogue_store). A compile-time flag, not a runtime
+// branch, so the plain kernel's code is what it was.
+template <bool EPI>
+__device__ __forceinline__ void mma_gemm(const __nv_bfloat16* __restrict__ a,
+                                         const __nv_bfloat16* __restrict__ b,
+                                         float* __restrict__ c, const int* __restrict__ offsets,
+                                         int rows, int n, int k, int groups, long long stride_a,
+                                         long long stride_b, long long stride_c,
+                                         const Epilogue& ep) {
+    const Tile<__nv_bfloat16> tile = find_tile<__nv_bfloat16, EPI>(
+        a, b, c, offsets, rows, groups, stride_a, stride_b, stride_c, MMA_BM);
     if (!tile.valid) return;  // uniform across the block, before any barrier
     const int col0 = static_cast<int>(blockIdx.y) * MMA_BN;
 
@@ -283,6 +376,13 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16_mma(
         __syncthreads();
     }
 
+    if constexpr (EPI) {
+        // The main loop ended with a barrier: the A stages are free for the slab.
+        const long long cz = offsets == nullptr ? static_cast<long long>(blockIdx.z) * stride_c : 0;
+        epilogue_store(acc, reinterpret_cast<float*>(&as[0][0][0]), ep, c, cz, tile.row_begin,
+                       tile.row_end, col0, rows, n);
+        return;
+    }
     const int g = lane / 4, t = lane % 4;
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -299,4 +399,26 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16_mma(
             }
         }
     }
+}
+
+}  // namespace gemm
+
+extern "C" __global__ void __launch_bounds__(256) gemm_bf16_mma(
+    const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
+    float* __restrict__ c, const int* __restrict__ offsets, int rows, int n, int k, int groups,
+    long long stride_a, long long stride_b, long long stride_c) {
+    gemm::mma_gemm<false>(a, b, c, offsets, rows, n, k, groups, stride_a, stride_b, stride_c,
+                          gemm::Epilogue{nullptr, nullptr, nullptr, nullptr, 1.0f, 0.0f});
+}
+
+// gemm_bf16_mma with the epilogue (gemm::Epilogue above): the common signature, then E, c_t,
+// c_b, c_bt, alpha, beta. `c` may be null. Outputs must not overlap the inputs (a, b, e).
+extern "C" __global__ void __launch_bounds__(256) gemm_bf16_mma_epilogue(
+    const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
+    float* __restrict__ c, const int* __restrict__ offsets, int rows, int n, int k, int groups,
+    long long stride_a, long long stride_b, long long stride_c, const float* __restrict__ e,
+    float* __restrict__ c_t, __nv_bfloat16* __restrict__ c_b, __nv_bfloat16* __restrict__ c_bt,
+    float alpha, float beta) {
+    gemm::mma_gemm<true>(a, b, c, offsets, rows, n, k, groups, stride_a, stride_b, stride_c,
+                         gemm::Epilogue{e, c_t, c_b, c_bt, alpha, beta});
 }

@@ -32,6 +32,14 @@ pub fn block_sum(n: usize, term: impl Fn(usize) -> f32) -> f32 {
         }
         base += BLOCK_THREADS;
     }
+    reduce_lanes(lanes)
+}
+
+/// Steps 2 and 3 of the order above: the sum of the 256 lane accumulators `lanes` (lane `l`
+/// is thread `l`'s value), as `block_sum<8>` on the device adds them. For kernels whose lanes
+/// accumulate in their own way (newton_schulz's sum of squares: groups of 8 elements, FMA).
+#[inline]
+pub fn reduce_lanes(mut lanes: [f32; BLOCK_THREADS]) -> f32 {
     let mut total = 0.0f32;
     for warp in lanes.chunks_exact_mut(WARP) {
         let mut stride = WARP / 2;

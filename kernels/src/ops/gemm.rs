@@ -20,6 +20,9 @@
 //!   compute_90a) for K % 8 == 0, `gemm_bf16_mma` for other K. Never run on a GPU yet, so it is
 //!   used only when `SLUICE_GEMM_PATH=wgmma` is set (or [`GemmPath::Wgmma`] is asked for);
 //!   scripts/gpu-check tests it so the first GPU run can verify it and decide the sm_90 default.
+//!
+//! The batched bf16 form with an epilogue (alpha, beta, E; f32 / bf16 outputs, as is or
+//! transposed) is [`super::gemm_epilogue`].
 
 pub use super::gemm_chain::{gemm_chain_into, gemm_chain_strided_into};
 pub use super::gemm_small::{gemm_packed_into, PackedB};
@@ -758,7 +761,7 @@ pub fn gemm_grouped_with_path(
     }
 }
 
-fn check_grid_y(y: u32, n: usize) -> Result<()> {
+pub(crate) fn check_grid_y(y: u32, n: usize) -> Result<()> {
     if y > 65535 {
         return Err(Error::Invalid(format!(
             "gemm: N = {n} needs {y} column tiles, over the grid's y limit (65535)"

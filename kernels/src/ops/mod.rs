@@ -9,6 +9,7 @@ pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
 pub mod gemm_chain;
+pub mod gemm_epilogue;
 pub mod gemm_hopper;
 pub mod gemm_small;
 pub mod is_gate_loss;

@@ -9,10 +9,15 @@
 //!
 //! Devices:
 //! - `cpu`: [`newton_schulz_reference`], f32 on the gemm family's CPU reference
-//!   ([`gemm_reference_into`]), rayon over the matrices. The Frobenius norm sums the squares in
-//!   f64 in ascending element order (fixed; deterministic).
+//!   ([`gemm_reference_into`]), rayon over the matrices. The Frobenius norm is
+//!   [`ns_sum_of_squares`]: f32, in the device's order (a fixed partition of each matrix into
+//!   chunks, FMA chains per lane, the block reductions' order), so the norm's bits are the
+//!   device's; the combines use the device's formulas (fmaf(beta, E, alpha P)). Where every
+//!   product's K is at most 256 (one chunk of the CPU GEMM: one ascending FMA chain, as the
+//!   kernels) cpu and emu give the same bits (kernels/tests/newton_schulz_bits.rs).
 //! - `emu` / `cuda`: kernels/cuda/newton_schulz.cu, a sequence of launches each covering all `n`
-//!   matrices: one normalise launch (per-matrix fixed-order block reduction, no atomics), then
+//!   matrices: two normalise launches (sums of squares of fixed chunks, many blocks per matrix;
+//!   then a scale launch that adds each matrix's partials in a fixed order; no atomics), then
 //!   three batched strided matmul launches per step (A = X X^T; Bm = c A A + b A;
 //!   X' = Bm X + a X). All arithmetic after the load is f32 (true f32 FMA, no tensor cores), for
 //!   BF16 inputs too: they are widened exactly on load and X stays f32 between steps.
@@ -20,18 +25,22 @@
 //! The bf16 path ([`newton_schulz_bf16`], or [`newton_schulz_with_precision`] with
 //! [`NsPrecision::Bf16`]): X is kept in f32 between steps (the master copy) and every product
 //! takes bf16 operands (round-to-nearest-even of the f32 values) with f32 accumulation, through
-//! the gemm family's batched bf16 GEMM (`gemm_bf16_mma`, tensor cores, on emu/cuda):
-//! A = X X^T = gemm(Xb, Xb); A A = gemm(Ab, Ab) (A is symmetric); B = c AA + b A in f32, rounded
-//! to bf16; X' = B X + a X = gemm(Bb, XTb) + a X in f32, where XTb is the bf16 transpose of X.
-//! The elementwise pieces between the GEMMs are `newton_schulz_combine_bf16` launches. The
-//! normalisation is the f32 one. On `cpu` it is [`newton_schulz_bf16_reference`]: the same
-//! rounding points, bf16 values widened exactly into the f32 [`gemm_reference_into`].
+//! the gemm family's batched bf16 GEMM with an epilogue ([`gemm_batched_epilogue`]:
+//! `gemm_bf16_mma_epilogue`, mma.sync tensor cores, on emu/cuda), which also does the
+//! elementwise work between the products: A = X X^T = gemm(Xb, Xb), written in f32 and as Ab;
+//! A A = gemm(Ab, Ab) (A is symmetric), combined into Bb = bf16(fmaf(b, A, c AA)); X' = B X + a X
+//! = fmaf(a, X, gemm(Bb, XTb)) in f32, written with its bf16 rounding Xb' and bf16 transpose
+//! XTb'. Launches per call: 2 + 3 x steps. The normalisation is the f32 one; its scale launch
+//! also writes Xb and XTb. On `cpu` it is [`newton_schulz_bf16_reference`]: the same rounding
+//! points, bf16 values widened exactly into the f32 [`gemm_reference_into`].
 
 use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
-use crate::ops::gemm::{gemm_batched, gemm_reference_into, gemm_strided_into};
+use crate::ops::block_reduce::{block_sum, reduce_lanes, BLOCK_THREADS};
+use crate::ops::gemm::{gemm_reference_into, gemm_strided_into};
+use crate::ops::gemm_epilogue::{gemm_batched_epilogue, GemmEpilogue};
 use crate::par;
 use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
 use crate::tensor::Tensor;
@@ -158,10 +167,53 @@ fn round_bf16(v: f32) -> f32 {
     bf16::from_f32(v).to_f32()
 }
 
+/// Elements one thread of the sum-of-squares pass loads at once (16 bytes of bf16; the same
+/// groups for f32, so the order does not depend on the dtype).
+const SQ_GROUP: usize = 8;
+/// The smallest chunk of the sum-of-squares pass: 4 groups a thread.
+const SQ_MIN_CHUNK: usize = SQ_GROUP * BLOCK_THREADS * 4;
+/// The most chunks a matrix is cut into: one partial per lane of the combining block.
+const SQ_MAX_PARTS: usize = BLOCK_THREADS;
+
+/// The fixed partition of a matrix of `size` >= 1 elements for its sum of squares: (chunk,
+/// parts), `parts` <= 256 chunks of `chunk` elements (a multiple of 8192; the last chunk may be
+/// shorter). A function of `size` alone, so a matrix's norm never depends on n.
+pub fn ns_sq_partition(size: usize) -> (usize, usize) {
+    let units = size.div_ceil(SQ_MIN_CHUNK).max(1);
+    let chunk = SQ_MIN_CHUNK * units.div_ceil(SQ_MAX_PARTS);
+    (chunk, size.div_ceil(chunk).max(1))
+}
+
+/// ||g||_F^2 in f32 in the device's order (kernels/cuda/newton_schulz.cu,
+/// `newton_schulz_sq_partials_*` then `newton_schulz_scale_*`): g is cut by [`ns_sq_partition`];
+/// in each chunk lane t adds the squares of the 8-element groups t, t + 256, ... to +0 with one
+/// FMA each in ascending order, the 256 lanes are added in `block_sum`'s order, and the
+/// chunks' partials are added in `block_sum`'s order again (partial p in lane p).
+pub fn ns_sum_of_squares(g: &[f32]) -> f32 {
+    if g.is_empty() {
+        return 0.0;
+    }
+    let (chunk, parts) = ns_sq_partition(g.len());
+    let partials: Vec<f32> = g
+        .chunks(chunk)
+        .map(|part| {
+            let mut lanes = [0.0f32; BLOCK_THREADS];
+            for (gi, group) in part.chunks(SQ_GROUP).enumerate() {
+                let lane = &mut lanes[gi % BLOCK_THREADS];
+                for &v in group {
+                    *lane = v.mul_add(v, *lane);
+                }
+            }
+            reduce_lanes(lanes)
+        })
+        .collect();
+    debug_assert_eq!(partials.len(), parts);
+    block_sum(parts, |p| partials[p])
+}
+
 /// X0 = G / (||G||_F + 1e-7) in the wide orientation; returns (x, rows, cols, transposed).
 fn normalized_wide(g: &[f32], r: usize, c: usize) -> (Vec<f32>, usize, usize, bool) {
-    let ss: f64 = g.iter().map(|&v| v as f64 * v as f64).sum();
-    let denom = (ss.sqrt() as f32) + NS_EPS;
+    let denom = ns_sum_of_squares(g).sqrt() + NS_EPS;
     let transposed = r > c;
     let (rr, cw) = if transposed { (c, r) } else { (r, c) };
     let mut x: Vec<f32> = g.iter().map(|&v| v / denom).collect();
@@ -219,12 +271,13 @@ fn one_matrix(g: &[f32], out: &mut [f32], r: usize, c: usize, steps: usize) {
         // A = X X^T; A^2 = A A^T (A is symmetric); BX = Bm (X^T)^T with Bm = b A + c A^2.
         gemm_reference_into(&x, &x, &mut am, rr, rr, cw);
         gemm_reference_into(&am, &am, &mut a2, rr, rr, rr);
+        // The device's epilogue formula, fmaf(beta, E, alpha * P).
         for (p, &q) in a2.iter_mut().zip(&am) {
-            *p = cc * *p + b * q;
+            *p = b.mul_add(q, cc * *p);
         }
         gemm_strided_into(rr, cw, rr, (&a2, rr, 1), (&x, cw, 1), &mut bx);
         for (xv, &bv) in x.iter_mut().zip(&bx) {
-            *xv = bv + a * *xv;
+            *xv = a.mul_add(*xv, bv);
         }
     }
     write_back(out, &x, rr, cw, transposed);
@@ -234,10 +287,11 @@ fn one_matrix(g: &[f32], out: &mut [f32], r: usize, c: usize, steps: usize) {
 // Device entry point
 // ---------------------------------------------------------------------------------------------
 
-/// Threads per block of every kernel; the matmul's tile edge (newton_schulz.cu has the same
-/// numbers).
-const THREADS: u32 = 256;
+/// Threads per block of every kernel; the matmul's tile edge; the scale kernel's tile edge
+/// (newton_schulz.cu has the same numbers).
+const THREADS: u32 = BLOCK_THREADS as u32;
 const TILE: usize = 16;
+const SCALE_TILE: usize = 64;
 
 fn check_steps(steps: usize) -> Result<()> {
     if steps == 0 || steps > MAX_STEPS {
@@ -290,133 +344,141 @@ pub fn newton_schulz_with_precision(
     if n * r * c == 0 {
         return Ok(out);
     }
-    if r.max(c) > i32::MAX as usize || n > 65535 || r.min(c).div_ceil(TILE) > 65535 {
+    let scale_tiles = r.div_ceil(SCALE_TILE) * c.div_ceil(SCALE_TILE);
+    if r.max(c) > i32::MAX as usize
+        || n > 65535
+        || r.min(c).div_ceil(TILE) > 65535
+        || scale_tiles > i32::MAX as usize
+    {
         return Err(Error::shape(
             "g",
-            "[n,r,c] with n <= 65535, min(r,c) <= 1048560 and r, c within 32-bit indices",
+            "[n,r,c] with n <= 65535, min(r,c) <= 1048560, r, c within 32-bit indices and \
+             ceil(r/64) * ceil(c/64) < 2^31",
             g.shape(),
         ));
     }
     let transposed = r > c;
     let (rr, cw) = if transposed { (c, r) } else { (r, c) };
     let x = Tensor::poisoned(backend, &[n, rr, cw], DType::F32)?;
-    let normalize = match g.dtype() {
-        DType::BF16 => "newton_schulz_normalize_bf16",
-        _ => "newton_schulz_normalize_f32",
-    };
-    backend.launch(
-        &Launch::new(normalize, [n as u32, 1, 1], [THREADS, 1, 1])
-            .arg_tensor(g)
-            .arg_tensor(&x)
-            .arg_i32(r as i32)
-            .arg_i32(c as i32)
-            .arg_i32(transposed as i32),
-    )?;
     match precision {
-        NsPrecision::F32 => iterate_f32(backend, x, out, (n, rr, cw), transposed, steps),
-        NsPrecision::Bf16 => iterate_bf16(backend, x, out, (n, rr, cw), transposed, steps),
-    }
-}
-
-/// The bf16 path's steps on emu/cuda: `x` [n,rr,cw] is the normalised wide X0 (f32); the result
-/// goes to `out` (transposed back when `transposed`).
-fn iterate_bf16(
-    backend: &Backend,
-    mut x: Tensor,
-    out: Tensor,
-    (n, rr, cw): (usize, usize, usize),
-    transposed: bool,
-    steps: usize,
-) -> Result<Tensor> {
-    let (a, b, cc) = NS_COEFFS;
-    let mut x_next = Tensor::poisoned(backend, &[n, rr, cw], DType::F32)?;
-    let xb = Tensor::poisoned(backend, &[n, rr, cw], DType::BF16)?;
-    let xtb = Tensor::poisoned(backend, &[n, cw, rr], DType::BF16)?;
-    let ab = Tensor::poisoned(backend, &[n, rr, rr], DType::BF16)?;
-    let bb = Tensor::poisoned(backend, &[n, rr, rr], DType::BF16)?;
-    let dims = (n, rr, cw);
-    let sq = (n, rr, rr);
-    // Xb, XTb from X0.
-    combine(
-        backend,
-        (&x, None),
-        dims,
-        (1.0, 0.0),
-        [None, None, Some(&xb), Some(&xtb)],
-    )?;
-    for step in 0..steps {
-        let last = step + 1 == steps;
-        let am = gemm_batched(backend, &xb, &xb)?; // A = X X^T
-        combine(
-            backend,
-            (&am, None),
-            sq,
-            (1.0, 0.0),
-            [None, None, Some(&ab), None],
-        )?;
-        let aa = gemm_batched(backend, &ab, &ab)?; // A A (= A A^T)
-        combine(
-            backend,
-            (&aa, Some(&am)),
-            sq,
-            (cc, b),
-            [None, None, Some(&bb), None],
-        )?;
-        let bx = gemm_batched(backend, &bb, &xtb)?; // B X
-        if last {
-            let dst = if transposed {
-                [None, Some(&out), None, None]
+        NsPrecision::F32 => {
+            // X0 in the wide orientation: G's layout, or its transpose.
+            let outs = if transposed {
+                [None, Some(&x), None, None]
             } else {
-                [Some(&out), None, None, None]
+                [Some(&x), None, None, None]
             };
-            combine(backend, (&bx, Some(&x)), dims, (1.0, a), dst)?;
-        } else {
-            combine(
-                backend,
-                (&bx, Some(&x)),
-                dims,
-                (1.0, a),
-                [Some(&x_next), None, Some(&xb), Some(&xtb)],
-            )?;
-            std::mem::swap(&mut x, &mut x_next);
+            normalize(backend, g, (n, r, c), outs)?;
+            iterate_f32(backend, x, out, (n, rr, cw), transposed, steps)
+        }
+        NsPrecision::Bf16 => {
+            let xb = Tensor::poisoned(backend, &[n, rr, cw], DType::BF16)?;
+            let xtb = Tensor::poisoned(backend, &[n, cw, rr], DType::BF16)?;
+            // X0 (f32), Xb = bf16(X0) and XTb = bf16(X0)^T, all from the scale launch.
+            let outs = if transposed {
+                [None, Some(&x), Some(&xtb), Some(&xb)]
+            } else {
+                [Some(&x), None, Some(&xb), Some(&xtb)]
+            };
+            normalize(backend, g, (n, r, c), outs)?;
+            iterate_bf16(backend, x, out, (xb, xtb), (n, rr, cw), transposed, steps)
         }
     }
-    Ok(out)
 }
 
-/// One `newton_schulz_combine_bf16` launch over `n` matrices [rows, cols]:
-/// v = alpha * p + beta * e (e optional), written to the outputs given, in the order
-/// [f32, f32 transposed, bf16, bf16 transposed].
-fn combine(
+/// X0 = G / (||G||_F + 1e-7) for the n matrices of `g` [n,r,c] on emu/cuda: one
+/// `newton_schulz_sq_partials_*` launch (the partials of [`ns_sq_partition`]) and one
+/// `newton_schulz_scale_*` launch that adds them and writes the outputs given, in the order
+/// [f32 [n,r,c], f32 [n,c,r], bf16 [n,r,c], bf16 [n,c,r]].
+fn normalize(
     backend: &Backend,
-    (p, e): (&Tensor, Option<&Tensor>),
-    (n, rows, cols): (usize, usize, usize),
-    (alpha, beta): (f32, f32),
+    g: &Tensor,
+    (n, r, c): (usize, usize, usize),
     outs: [Option<&Tensor>; 4],
 ) -> Result<()> {
-    let mut launch = Launch::new(
-        "newton_schulz_combine_bf16",
-        [blocks_for(cols, 32), blocks_for(rows, 32), n as u32],
-        [THREADS, 1, 1],
-    )
-    .arg_tensor(p);
-    launch = match e {
-        Some(e) => launch.arg_tensor(e),
-        None => launch.arg_u64(0),
+    let size = r * c;
+    let (chunk, parts) = ns_sq_partition(size);
+    let partials = Tensor::poisoned(backend, &[n, parts], DType::F32)?;
+    let (sq, scale) = match g.dtype() {
+        DType::BF16 => ("newton_schulz_sq_partials_bf16", "newton_schulz_scale_bf16"),
+        _ => ("newton_schulz_sq_partials_f32", "newton_schulz_scale_f32"),
     };
+    backend.launch(
+        &Launch::new(sq, [parts as u32, n as u32, 1], [THREADS, 1, 1])
+            .arg_tensor(g)
+            .arg_tensor(&partials)
+            .arg_i64(size as i64)
+            .arg_i64(chunk as i64)
+            .arg_i32(parts as i32),
+    )?;
+    let tiles = r.div_ceil(SCALE_TILE) * c.div_ceil(SCALE_TILE);
+    let mut launch = Launch::new(scale, [tiles as u32, n as u32, 1], [THREADS, 1, 1])
+        .arg_tensor(g)
+        .arg_tensor(&partials)
+        .arg_i32(parts as i32);
     for o in outs {
         launch = match o {
             Some(t) => launch.arg_tensor(t),
             None => launch.arg_u64(0),
         };
     }
-    backend.launch(
-        &launch
-            .arg_i32(rows as i32)
-            .arg_i32(cols as i32)
-            .arg_f32(alpha)
-            .arg_f32(beta),
-    )
+    backend.launch(&launch.arg_i32(r as i32).arg_i32(c as i32))
+}
+
+/// The bf16 path's steps on emu/cuda: `x` [n,rr,cw] is the normalised wide X0 (f32), `xb` and
+/// `xtb` its bf16 rounding and that transposed; the result goes to `out` (transposed back when
+/// `transposed`). Three launches of `gemm_bf16_mma_epilogue` per step, the elementwise work in
+/// their epilogues:
+///   A = gemm(Xb, Xb)            -> A (f32, the next product's E) and Ab = bf16(A)
+///   Bb = bf16(fmaf(b, A, c AA)) with AA = gemm(Ab, Ab)
+///   X' = fmaf(a, X, BX) with BX = gemm(Bb, XTb) -> X' (f32), Xb', XTb' (bf16); the last step
+///                                  writes only the output, transposed back when needed.
+/// XTb is read by the third product while its successor is written, so it is double-buffered
+/// like X.
+fn iterate_bf16(
+    backend: &Backend,
+    mut x: Tensor,
+    mut out: Tensor,
+    (mut xb, mut xtb): (Tensor, Tensor),
+    (n, rr, cw): (usize, usize, usize),
+    transposed: bool,
+    steps: usize,
+) -> Result<Tensor> {
+    let (a, b, cc) = NS_COEFFS;
+    let mut x_next = Tensor::poisoned(backend, &[n, rr, cw], DType::F32)?;
+    let mut xtb_next = Tensor::poisoned(backend, &[n, cw, rr], DType::BF16)?;
+    let mut am = Tensor::poisoned(backend, &[n, rr, rr], DType::F32)?;
+    let mut ab = Tensor::poisoned(backend, &[n, rr, rr], DType::BF16)?;
+    let mut bb = Tensor::poisoned(backend, &[n, rr, rr], DType::BF16)?;
+    for step in 0..steps {
+        let last = step + 1 == steps;
+        // A = X X^T, and its bf16 rounding.
+        let mut ep = GemmEpilogue::identity(&mut am);
+        ep.c_b = Some(&mut ab);
+        gemm_batched_epilogue(backend, &xb, &xb, ep)?;
+        // A A (= A A^T: A is symmetric), combined with A and rounded.
+        let mut ep = GemmEpilogue::scaled_plus(cc, b, &am);
+        ep.c_b = Some(&mut bb);
+        gemm_batched_epilogue(backend, &ab, &ab, ep)?;
+        // B X, combined with X.
+        let mut ep = GemmEpilogue::scaled_plus(1.0, a, &x);
+        if last {
+            if transposed {
+                ep.c_t = Some(&mut out);
+            } else {
+                ep.c = Some(&mut out);
+            }
+            gemm_batched_epilogue(backend, &bb, &xtb, ep)?;
+        } else {
+            ep.c = Some(&mut x_next);
+            ep.c_b = Some(&mut xb);
+            ep.c_bt = Some(&mut xtb_next);
+            gemm_batched_epilogue(backend, &bb, &xtb, ep)?;
+            std::mem::swap(&mut x, &mut x_next);
+            std::mem::swap(&mut xtb, &mut xtb_next);
+        }
+    }
+    Ok(out)
 }
 
 /// The f32 path's steps on emu/cuda (see [`iterate_bf16`] for the arguments).
