@@ -196,16 +196,7 @@ pub fn ns_sum_of_squares(g: &[f32]) -> f32 {
     let (chunk, parts) = ns_sq_partition(g.len());
     let partials: Vec<f32> = g
         .chunks(chunk)
-        .map(|part| {
-            let mut lanes = [0.0f32; BLOCK_THREADS];
-            for (gi, group) in part.chunks(SQ_GROUP).enumerate() {
-                let lane = &mut lanes[gi % BLOCK_THREADS];
-                for &v in group {
-                    *lane = v.mul_add(v, *lane);
-                }
-            }
-            reduce_lanes(lanes)
-        })
+        .map(|part| reduce_lanes(fma::sq_lanes(part)))
         .collect();
     debug_assert_eq!(partials.len(), parts);
     block_sum(parts, |p| partials[p])
@@ -235,19 +226,84 @@ fn one_matrix_bf16(g: &[f32], out: &mut [f32], r: usize, c: usize, steps: usize)
         gemm_reference_into(&xb, &xb, &mut am, rr, rr, cw);
         let ab: Vec<f32> = am.iter().map(|&v| round_bf16(v)).collect();
         gemm_reference_into(&ab, &ab, &mut a2, rr, rr, rr);
-        let bb: Vec<f32> = a2
-            .iter()
-            .zip(&am)
-            .map(|(&p, &q)| round_bf16(b.mul_add(q, cc * p)))
-            .collect();
+        fma::combine_into_p(&mut a2, &am, cc, b); // fmaf(b, A, c AA)
+        let bb: Vec<f32> = a2.iter().map(|&v| round_bf16(v)).collect();
         // BX = Bb Xb, Xb read as the [rr, cw] row-major right operand (no transposed copy; the
         // bits of the product with the copy, see gemm_strided_into).
         gemm_strided_into(rr, cw, rr, (&bb, rr, 1), (&xb, cw, 1), &mut bx);
-        for (xv, &bv) in x.iter_mut().zip(&bx) {
-            *xv = a.mul_add(*xv, bv);
-        }
+        fma::combine_into_e(&mut x, &bx, 1.0, a); // fmaf(a, X, BX)
     }
     write_back(out, &x, rr, cw, transposed);
+}
+
+/// The references' element loops, with FMA instructions where the CPU has them. `mul_add` is a
+/// correctly rounded fused multiply-add on every path, so the bits are the same either way; but
+/// without the `fma` feature (the default x86-64 target) each one is a libm call, measured ~13x
+/// slower than the unfused loop (78 vs 6 ms for the 19.7M combines of a 48 x [128,512] call).
+mod fma {
+    use super::{BLOCK_THREADS, SQ_GROUP};
+
+    /// Runs the `#[inline(always)]` body `$body` inside an `fma`-enabled wrapper when the CPU
+    /// has FMA.
+    macro_rules! dispatch {
+        ($(#[$m:meta])* pub fn $name:ident($($a:ident: $t:ty),*) $(-> $r:ty)? = $body:ident) => {
+            $(#[$m])*
+            pub fn $name($($a: $t),*) $(-> $r)? {
+                #[cfg(target_arch = "x86_64")]
+                {
+                    #[target_feature(enable = "fma")]
+                    fn fast($($a: $t),*) $(-> $r)? {
+                        $body($($a),*)
+                    }
+                    if std::is_x86_feature_detected!("fma") {
+                        // SAFETY: `fast` needs only FMA instructions, and the CPU has them.
+                        return unsafe { fast($($a),*) };
+                    }
+                }
+                $body($($a),*)
+            }
+        };
+    }
+
+    dispatch! {
+        /// The 256 lane sums of one chunk (see `ns_sum_of_squares`): lane t adds the squares
+        /// of groups t, t + 256, ... to +0, one FMA each.
+        pub fn sq_lanes(part: &[f32]) -> [f32; BLOCK_THREADS] = sq_lanes_body
+    }
+    dispatch! {
+        /// p[i] = fmaf(beta, e[i], alpha * p[i]).
+        pub fn combine_into_p(p: &mut [f32], e: &[f32], alpha: f32, beta: f32) = combine_p_body
+    }
+    dispatch! {
+        /// e[i] = fmaf(beta, e[i], alpha * p[i]).
+        pub fn combine_into_e(e: &mut [f32], p: &[f32], alpha: f32, beta: f32) = combine_e_body
+    }
+
+    #[inline(always)]
+    fn sq_lanes_body(part: &[f32]) -> [f32; BLOCK_THREADS] {
+        let mut lanes = [0.0f32; BLOCK_THREADS];
+        for (gi, group) in part.chunks(SQ_GROUP).enumerate() {
+            let lane = &mut lanes[gi % BLOCK_THREADS];
+            for &v in group {
+                *lane = v.mul_add(v, *lane);
+            }
+        }
+        lanes
+    }
+
+    #[inline(always)]
+    fn combine_p_body(p: &mut [f32], e: &[f32], alpha: f32, beta: f32) {
+        for (pv, &ev) in p.iter_mut().zip(e) {
+            *pv = beta.mul_add(ev, alpha * *pv);
+        }
+    }
+
+    #[inline(always)]
+    fn combine_e_body(e: &mut [f32], p: &[f32], alpha: f32, beta: f32) {
+        for (ev, &pv) in e.iter_mut().zip(p) {
+            *ev = beta.mul_add(*ev, alpha * pv);
+        }
+    }
 }
 
 /// `x` [rows,cols] -> [cols,rows].
@@ -271,14 +327,10 @@ fn one_matrix(g: &[f32], out: &mut [f32], r: usize, c: usize, steps: usize) {
         // A = X X^T; A^2 = A A^T (A is symmetric); BX = Bm (X^T)^T with Bm = b A + c A^2.
         gemm_reference_into(&x, &x, &mut am, rr, rr, cw);
         gemm_reference_into(&am, &am, &mut a2, rr, rr, rr);
-        // The device's epilogue formula, fmaf(beta, E, alpha * P).
-        for (p, &q) in a2.iter_mut().zip(&am) {
-            *p = b.mul_add(q, cc * *p);
-        }
+        // The device's combine formula, fmaf(beta, E, alpha * P).
+        fma::combine_into_p(&mut a2, &am, cc, b);
         gemm_strided_into(rr, cw, rr, (&a2, rr, 1), (&x, cw, 1), &mut bx);
-        for (xv, &bv) in x.iter_mut().zip(&bx) {
-            *xv = a.mul_add(*xv, bv);
-        }
+        fma::combine_into_e(&mut x, &bx, 1.0, a);
     }
     write_back(out, &x, rr, cw, transposed);
 }
