@@ -165,14 +165,19 @@ extern "C" __global__ void __launch_bounds__(256) moe_sort_scatter(const int* __
 }
 
 namespace moe {
+// Row loops: block b takes rows b, b + gridDim.x, ... and its threads the columns of each row
+// (coalesced, one division per row for the token index, none per element: the launch may use any
+// grid). `d` is the row length in elements.
+__device__ __forceinline__ int row_start() { return static_cast<int>(blockIdx.x); }
+__device__ __forceinline__ int row_step() { return static_cast<int>(gridDim.x); }
+
 // xs[p, :] = x[perm[p] / k, :] for the n sorted positions (a copy: exact in any dtype).
 template <typename T>
 __device__ __forceinline__ void gather_rows(const T* __restrict__ x, const int* __restrict__ perm, T* __restrict__ xs, int n, int d, int k) {
-    const long long total = static_cast<long long>(n) * d;
-    for (long long i = grid_stride_start(); i < total; i += grid_stride_step()) {
-        const long long p = i / d, c = i % d;
-        const long long tok = perm[p] / k;
-        xs[i] = x[tok * d + c];
+    for (int p = row_start(); p < n; p += row_step()) {
+        const T* src = x + static_cast<long long>(perm[p] / k) * d;
+        T* dst = xs + static_cast<long long>(p) * d;
+        for (int c = threadIdx.x; c < d; c += blockDim.x) dst[c] = src[c];
     }
 }
 }  // namespace moe
@@ -180,21 +185,34 @@ __device__ __forceinline__ void gather_rows(const T* __restrict__ x, const int* 
 extern "C" __global__ void __launch_bounds__(256) moe_gather_rows(const float* __restrict__ x, const int* __restrict__ perm, float* __restrict__ xs, int n, int d, int k) {
     moe::gather_rows(x, perm, xs, n, d, k);
 }
+// BF16 rows move as 4-byte pairs when d is even (rows then start 4-byte aligned).
 extern "C" __global__ void __launch_bounds__(256) moe_gather_rows_bf16(const __nv_bfloat16* __restrict__ x, const int* __restrict__ perm, __nv_bfloat16* __restrict__ xs, int n, int d, int k) {
-    moe::gather_rows(x, perm, xs, n, d, k);
+    if (d % 2 == 0) {
+        moe::gather_rows(reinterpret_cast<const uint32_t*>(x), perm, reinterpret_cast<uint32_t*>(xs), n, d / 2, k);
+    } else {
+        moe::gather_rows(x, perm, xs, n, d, k);
+    }
 }
 
-// y[t, c] = sum_{j = 0..k-1, ascending} gate[t, j] * ye[pos[t*k + j], c].
+// y[t, c] = sum_{j = 0..k-1, ascending} gate[t, j] * ye[pos[t*k + j], c]. Row t's k gates and
+// rows are read once per row (the same for every thread of the block).
 extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* __restrict__ ye, const float* __restrict__ gate, const int* __restrict__ pos, float* __restrict__ y, int T, int d, int k) {
-    const long long total = static_cast<long long>(T) * d;
-    for (long long i = moe::grid_stride_start(); i < total; i += moe::grid_stride_step()) {
-        const long long t = i / d, c = i % d;
-        float acc = 0.0f;
-        for (int j = 0; j < k; ++j) {
-            const long long slot = t * k + j;
-            acc += gate[slot] * ye[static_cast<long long>(pos[slot]) * d + c];
+    for (int t = moe::row_start(); t < T; t += moe::row_step()) {
+        const long long slot0 = static_cast<long long>(t) * k;
+        // k <= kMaxK (the host's top-k limit); clamped so no value can overrun the arrays.
+        const int kk = k < moe::kMaxK ? k : moe::kMaxK;
+        float g[moe::kMaxK];
+        const float* rows[moe::kMaxK];
+        for (int j = 0; j < kk; ++j) {
+            g[j] = gate[slot0 + j];
+            rows[j] = ye + static_cast<long long>(pos[slot0 + j]) * d;
         }
-        y[i] = acc;
+        float* out = y + static_cast<long long>(t) * d;
+        for (int c = threadIdx.x; c < d; c += blockDim.x) {
+            float acc = 0.0f;
+            for (int j = 0; j < kk; ++j) acc += g[j] * rows[j][c];
+            out[c] = acc;
+        }
     }
 }
 
@@ -206,10 +224,12 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* __res
 // dy[s / k, c] * ye[pos[s], c] (one thread per slot; d is at most a few thousand).
 extern "C" __global__ void __launch_bounds__(256) moe_combine_backward(const float* __restrict__ dy, const float* __restrict__ ye, const float* __restrict__ gate, const int* __restrict__ pos, float* __restrict__ dye, float* __restrict__ dgate, int T, int d, int k) {
     const long long n = static_cast<long long>(T) * k;
-    const long long total = n * d;
-    for (long long i = moe::grid_stride_start(); i < total; i += moe::grid_stride_step()) {
-        const long long s = i / d, c = i % d;
-        dye[static_cast<long long>(pos[s]) * d + c] = gate[s] * dy[(s / k) * d + c];
+    // Row loop over the slots: one division per slot for its token, none per element.
+    for (long long s = moe::row_start(); s < n; s += moe::row_step()) {
+        const float gs = gate[s];
+        const float* dyr = dy + static_cast<long long>(s / k) * d;
+        float* out = dye + static_cast<long long>(pos[s]) * d;
+        for (int c = threadIdx.x; c < d; c += blockDim.x) out[c] = gs * dyr[c];
     }
     for (long long s = moe::grid_stride_start(); s < n; s += moe::grid_stride_step()) {
         const float* dyr = dy + (s / k) * d;
@@ -419,14 +439,15 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_backward(const floa
 
 // dx[t, c] = dx_router[t, c] + sum_{j ascending} (dxa + dxb)[pos[t*k + j], c].
 extern "C" __global__ void __launch_bounds__(256) moe_unpermute_dx(const float* __restrict__ dx_router, const float* __restrict__ dxa, const float* __restrict__ dxb, const int* __restrict__ pos, float* __restrict__ dx, int T, int d, int k) {
-    const long long total = static_cast<long long>(T) * d;
-    for (long long i = moe::grid_stride_start(); i < total; i += moe::grid_stride_step()) {
-        const long long t = i / d, c = i % d;
-        float acc = dx_router[i];
-        for (int j = 0; j < k; ++j) {
-            const long long at = static_cast<long long>(pos[t * k + j]) * d + c;
-            acc += dxa[at] + dxb[at];
+    for (int t = moe::row_start(); t < T; t += moe::row_step()) {
+        const int kk = k < moe::kMaxK ? k : moe::kMaxK;  // the host's top-k limit; see moe_combine
+        long long rows[moe::kMaxK];
+        for (int j = 0; j < kk; ++j) rows[j] = static_cast<long long>(pos[static_cast<long long>(t) * k + j]) * d;
+        const long long row = static_cast<long long>(t) * d;
+        for (int c = threadIdx.x; c < d; c += blockDim.x) {
+            float acc = dx_router[row + c];
+            for (int j = 0; j < kk; ++j) acc += dxa[rows[j] + c] + dxb[rows[j] + c];
+            dx[row + c] = acc;
         }
-        dx[i] = acc;
     }
 }
