@@ -5,8 +5,10 @@
 //! empty barrier, a missing proxy fence, a wrong swizzle.
 //!
 //! What these tests cannot show: the emulator and kernels/cuda/common/hopper.cuh encode one
-//! reading of the PTX ISA. A misreading shared by both passes here; only a GPU run settles it
-//! (scripts/gpu-check runs the same kernels' CUDA forms where a GPU exists).
+//! reading of the PTX ISA. A misreading shared by both passes here; only a GPU run settles it.
+//! These test kernels are emulator-only (kernels/emu/tests); on a GPU, scripts/gpu-check runs the
+//! Hopper GEMM built from the same helpers (the CUDA tests of kernels/tests/gemm.rs and
+//! gemm_hopper.rs), whose results against the CPU say whether the layouts were read right.
 
 use half::bf16;
 use sluice_kernels::device::Backend;

@@ -6,15 +6,16 @@
 //! (no block barrier in its main loop): a launch with a finding fails the test.
 //!
 //! On a GPU the same kernel runs in scripts/gpu-check (kernels/tests/gemm.rs's CUDA tests take
-//! the wgmma path on sm_90); tensor cores sum a k16 step in their own order, so there it is
-//! compared by norm, and these bits are the emulator's.
+//! the wgmma path on sm_90, and `cuda_wgmma_epilogues_match_the_cpu` below); tensor cores sum a
+//! k16 step in their own order, so there it is compared by norm, and these bits are the
+//! emulator's.
 
 use half::bf16;
 use sluice_kernels::ops::gemm::{
     gemm_batched_with_path, gemm_grouped_with_path, gemm_with_path, GemmPath,
 };
 use sluice_kernels::ops::gemm_hopper::gemm_wgmma_into;
-use sluice_kernels::testing::Rng;
+use sluice_kernels::testing::{rel_norm, Rng, BF16_TOL};
 use sluice_kernels::{Backend, DType, Tensor};
 
 fn bits(t: &Tensor) -> Vec<u32> {
@@ -186,4 +187,57 @@ fn the_hopper_entry_refuses_what_it_cannot_run() {
         e.contains("`c`") || e.contains("c:") || e.contains("tensor c"),
         "{e}"
     );
+}
+
+/// Where a GPU exists: on sm_90 the f32 epilogue is within the bf16 tolerance of the CPU chain
+/// (by relative norm), the bf16 epilogue is exactly the f32 result rounded to nearest even, and
+/// two runs agree bit for bit; on other GPUs the entry refuses, naming sm_90. Skips (saying so)
+/// without a GPU.
+#[test]
+fn cuda_wgmma_epilogues_match_the_cpu() {
+    let Some(gpu) = sluice_kernels::device::cuda_for_tests("gemm_hopper cuda") else {
+        return;
+    };
+    let cpu = Backend::Cpu;
+    let mut rng = Rng::new(36);
+    let (m, n, k) = (300usize, 517usize, 264usize);
+    let a = bf16_tensor(&cpu, &[m, k], &mut rng);
+    let b = bf16_tensor(&cpu, &[n, k], &mut rng);
+    let (ag, bg) = (a.to_backend(&gpu).unwrap(), b.to_backend(&gpu).unwrap());
+    let hopper = gpu
+        .cuda()
+        .is_some_and(|c| c.arch() == sluice_kernels::cuda::PtxArch::Sm90a);
+    let mut c32 = Tensor::poisoned(&gpu, &[m, n], DType::F32).unwrap();
+    if !hopper {
+        let e = gemm_wgmma_into(&gpu, &ag, &bg, &mut c32)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("sm_90"), "{e}");
+        println!("gemm_hopper cuda: not an sm_90 GPU; the refusal was checked");
+        return;
+    }
+    gemm_wgmma_into(&gpu, &ag, &bg, &mut c32).unwrap();
+    let want: Vec<f64> = gemm_with_path(&cpu, &a, &b, GemmPath::Mma)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| *v as f64)
+        .collect();
+    let got = c32.to_vec::<f32>().unwrap();
+    let r = rel_norm(&got, &want);
+    assert!(r < BF16_TOL, "f32 epilogue: relative norm {r:e}");
+    let mut again = Tensor::poisoned(&gpu, &[m, n], DType::F32).unwrap();
+    gemm_wgmma_into(&gpu, &ag, &bg, &mut again).unwrap();
+    assert_eq!(bits(&again), bits(&c32), "two runs");
+    let mut c16 = Tensor::poisoned(&gpu, &[m, n], DType::BF16).unwrap();
+    gemm_wgmma_into(&gpu, &ag, &bg, &mut c16).unwrap();
+    let rounded: Vec<u16> = got.iter().map(|v| bf16::from_f32(*v).to_bits()).collect();
+    let got16: Vec<u16> = c16
+        .to_vec::<bf16>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect();
+    assert_eq!(got16, rounded, "bf16 epilogue = the f32 result rounded");
 }
