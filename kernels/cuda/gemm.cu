@@ -1,7 +1,7 @@
 // gemm: C[M,N] = A[M,K] . B[N,K]^T (row-major; B is the weight in the linear-layer form).
 //
-// Four kernels, each serving the plain, batched and grouped forms (kernels/src/ops/gemm.rs
-// computes the grid and picks the kernel; kernels/src/ops/gemm_epilogue.rs launches the
+// Three kernels, each serving the plain, batched and grouped forms (kernels/src/ops/gemm/ computes
+// the grid and picks the kernel; kernels/src/ops/gemm_epilogue.rs launches the
 // epilogue kernel, batched):
 //   gemm_f32         F32 inputs, true f32 (SIMT FMA; never tf32, never tensor cores).
 //   gemm_bf16_mma    BF16 inputs, mma.sync m16n8k16 + ldmatrix, f32 accumulate (compute_80;

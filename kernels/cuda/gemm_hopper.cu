@@ -225,7 +225,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_bf16_wgmma(
     }
 #else
     // compute_80 PTX: tensor copies, wgmma and mbarrier transactions need sm_90a. The host never
-    // launches this kernel on such a GPU (ops/gemm.rs refuses first); trap if it ever happens.
+    // launches this kernel on such a GPU (ops/gemm/ refuses first); trap if it ever happens.
     (void)map_a; (void)map_b; (void)c; (void)offsets; (void)rows; (void)n; (void)k; (void)groups;
     (void)tiles; (void)b_shared; (void)out_bf16; (void)stride_c;
     __trap();

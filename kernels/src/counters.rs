@@ -120,7 +120,7 @@ mod tests {
     /// anywhere else does not; `download_many` is one sync for any number of tensors.
     #[test]
     fn op_downloads_are_told_by_their_call_site() {
-        assert!(is_op_site("kernels/src/ops/gemm.rs"));
+        assert!(is_op_site("kernels/src/ops/gemm/mod.rs"));
         assert!(is_op_site("/abs/path/kernels/src/ops/moe/device.rs"));
         assert!(!is_op_site("kernels/src/tensor.rs"));
         assert!(!is_op_site("model/src/forward.rs"));
