@@ -332,7 +332,7 @@ void race_barrier(Worker& w) {
 void race_sync_group(Worker& w, const unsigned* threads, unsigned n) {
   if (!w.race || n < 2) return;
   // The join of every participant's acquired clocks and own clock, then given to each.
-  VectorClock join;
+  VectorClock& join = w.sync_join;
   join.c.assign(w.vc_cols, 0);
   join.stamp = w.bar;
   for (unsigned i = 0; i < n; ++i) {

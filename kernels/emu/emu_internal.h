@@ -327,6 +327,7 @@ struct Worker {
   std::vector<uint16_t> clk;
   std::vector<uint16_t> clk_stamp;
   std::vector<VectorClock> acquired;
+  VectorClock sync_join;         // scratch of race_sync_group (kept: no allocation per __syncwarp)
   // Asynchronous copies and mbarriers of the running block.
   std::vector<AsyncOp> async_ops;
   std::vector<unsigned> async_free;

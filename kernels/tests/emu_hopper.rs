@@ -12,11 +12,14 @@
 
 use half::bf16;
 use sluice_kernels::device::Backend;
-use sluice_kernels::emu::{emu_launch_checked, Checks, EmuBuffer, EmuFinding, LaunchOptions};
+use sluice_kernels::emu::{EmuBuffer, EmuFinding};
 use sluice_kernels::launch::Launch;
 use sluice_kernels::tensor::Tensor;
 use sluice_kernels::tensor_map::{Swizzle, TensorMap, TiledMap};
 use std::ffi::c_void;
+
+mod support;
+use support::{checked_launch, planted_line};
 
 fn emu() -> Backend {
     Backend::emu_with_seed(1)
@@ -45,21 +48,7 @@ fn checked(kernel: &str, block: u32, shared: usize, args: &[P<'_>], seed: u64) -
             P::Map(m) => m.as_param().cast_mut(),
         })
         .collect();
-    let opts = LaunchOptions {
-        checks: Checks::Full,
-        race: Some(true),
-        param_names: None,
-    };
-    emu_launch_checked(
-        kernel,
-        [1, 1, 1],
-        [block, 1, 1],
-        shared,
-        &mut params,
-        seed,
-        &opts,
-    )
-    .unwrap_or_else(|e| panic!("{kernel} did not run: {e}"))
+    checked_launch(kernel, 1, block, shared, &mut params, seed)
 }
 
 fn buf(bytes: usize) -> EmuBuffer {
@@ -75,23 +64,6 @@ fn words_f32(b: &EmuBuffer) -> Vec<f32> {
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect()
-}
-
-/// The line of planted.cu holding `marker` (exactly once).
-fn planted_line(marker: &str) -> u32 {
-    let src = include_str!("../emu/tests/planted.cu");
-    let hits: Vec<u32> = src
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| l.contains(marker))
-        .map(|(i, _)| i as u32 + 1)
-        .collect();
-    assert_eq!(
-        hits.len(),
-        1,
-        "marker {marker:?} must occur once in planted.cu"
-    );
-    hits[0]
 }
 
 fn names_line(f: &EmuFinding, line: u32) -> bool {

@@ -9,6 +9,9 @@ use sluice_kernels::emu::{
 };
 use std::ffi::c_void;
 
+mod support;
+use support::{checked_launch, planted_line};
+
 /// Deterministic pseudo-random floats in [-1, 1) (xorshift; no extra dev-dependency).
 fn random_f32(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
@@ -103,38 +106,7 @@ fn checked(
         .iter_mut()
         .map(|s| s as *mut u64 as *mut c_void)
         .collect();
-    let opts = LaunchOptions {
-        checks: Checks::Full,
-        race: Some(true),
-        param_names: None,
-    };
-    emu_launch_checked(
-        kernel,
-        [grid, 1, 1],
-        [block, 1, 1],
-        shared,
-        &mut params,
-        seed,
-        &opts,
-    )
-    .unwrap_or_else(|e| panic!("{kernel} did not run: {e}"))
-}
-
-/// The line of kernels/emu/tests/planted.cu that contains `marker`.
-fn planted_line(marker: &str) -> u32 {
-    let src = include_str!("../emu/tests/planted.cu");
-    let hits: Vec<usize> = src
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| l.contains(marker))
-        .map(|(i, _)| i + 1)
-        .collect();
-    assert_eq!(
-        hits.len(),
-        1,
-        "marker {marker:?} must occur once in planted.cu"
-    );
-    hits[0] as u32
+    checked_launch(kernel, grid, block, shared, &mut params, seed)
 }
 
 /// The single finding of `found`, of kind `kind`, located at planted.cu line `line` (its own
