@@ -9,6 +9,11 @@
 //   gemm_bf16_mma_epilogue  the same main loop with an epilogue: v = fmaf(beta, E, alpha acc)
 //                    written as f32 and/or bf16, as is and/or transposed (newton_schulz's steps;
 //                    gemm::Epilogue below).
+//   gemm_f32_nn, gemm_bf16_mma_nn  the same with B [K,N] row-major, read in place (C = A . B;
+//                    the MoE backward's d(ye) . W2_e and da . W1_e: no transposed weight copies).
+//   gemm_f32_segment_tn, gemm_bf16_mma_segment_tn  out[g] = P_g^T . Q_g over the row segments
+//                    of P and Q (a grouped layer's weight gradient: every group in one launch,
+//                    K = the segment's rows, ragged; own signature, see below).
 // The output is always F32 (the epilogue kernel: as asked). The Hopper kernel of the same family,
 // gemm_bf16_wgmma (tensor-map copies, a producer warp and two consumer warpgroups on wgmma, a
 // persistent grid), lives in kernels/cuda/gemm_hopper.cu.
@@ -95,13 +100,14 @@ __device__ __forceinline__ Tile<T> find_tile(const T* a, const T* b, float* c,
 constexpr int F32_BM = 64, F32_BN = 64, F32_BK = 16, F32_THREADS = 256;
 static_assert(F32_BM * F32_BK == 4 * F32_THREADS, "the f32 loader reads 4 values a thread");
 
-}  // namespace gemm
-
-extern "C" __global__ void __launch_bounds__(256) gemm_f32(
-    const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
-    const int* __restrict__ offsets, int rows, int n, int k, int groups, long long stride_a,
-    long long stride_b, long long stride_c) {
-    using namespace gemm;
+// The body of gemm_f32 (B_KN = false: B is [N,K], the linear-layer form) and gemm_f32_nn
+// (B_KN = true: B is [K,N] row-major, read in place). Only the B loads differ: the same values
+// reach the same fmaf chain, so C has the same bits as gemm_f32 on B transposed.
+template <bool B_KN>
+__device__ __forceinline__ void f32_gemm(const float* __restrict__ a, const float* __restrict__ b,
+                                         float* __restrict__ c, const int* __restrict__ offsets,
+                                         int rows, int n, int k, int groups, long long stride_a,
+                                         long long stride_b, long long stride_c) {
     const Tile<float> tile =
         find_tile(a, b, c, offsets, rows, groups, stride_a, stride_b, stride_c, F32_BM);
     if (!tile.valid) return;  // uniform across the block, before any barrier
@@ -131,8 +137,9 @@ extern "C" __global__ void __launch_bounds__(256) gemm_f32(
             as[lk + e][lr] = (ar < tile.row_end && kk < k)
                                  ? tile.a[static_cast<long long>(ar) * k + kk]
                                  : 0.0f;
-            bs[lk + e][lr] =
-                (bc < n && kk < k) ? tile.b[static_cast<long long>(bc) * k + kk] : 0.0f;
+            const long long b_at = B_KN ? static_cast<long long>(kk) * n + bc
+                                        : static_cast<long long>(bc) * k + kk;
+            bs[lk + e][lr] = (bc < n && kk < k) ? tile.b[b_at] : 0.0f;
         }
         __syncthreads();
         for (int kk = 0; kk < F32_BK; ++kk) {
@@ -158,6 +165,23 @@ extern "C" __global__ void __launch_bounds__(256) gemm_f32(
             if (col < n) tile.c[static_cast<long long>(r) * n + col] = acc[i][j];
         }
     }
+}
+
+}  // namespace gemm
+
+extern "C" __global__ void __launch_bounds__(256) gemm_f32(
+    const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
+    const int* __restrict__ offsets, int rows, int n, int k, int groups, long long stride_a,
+    long long stride_b, long long stride_c) {
+    gemm::f32_gemm<false>(a, b, c, offsets, rows, n, k, groups, stride_a, stride_b, stride_c);
+}
+
+// gemm_f32 with B [K,N] row-major (per batch entry or group): C = A . B.
+extern "C" __global__ void __launch_bounds__(256) gemm_f32_nn(
+    const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
+    const int* __restrict__ offsets, int rows, int n, int k, int groups, long long stride_a,
+    long long stride_b, long long stride_c) {
+    gemm::f32_gemm<true>(a, b, c, offsets, rows, n, k, groups, stride_a, stride_b, stride_c);
 }
 
 namespace gemm {
@@ -293,8 +317,12 @@ __device__ __forceinline__ void epilogue_store(const float (&acc)[4][4][4], floa
 
 // The body of gemm_bf16_mma (EPI = false: the plain GEMM's direct f32 stores, unchanged) and
 // gemm_bf16_mma_epilogue (EPI = true: epilogue_store). A compile-time flag, not a runtime
-// branch, so the plain kernel's code is what it was.
-template <bool EPI>
+// branch, so the plain kernel's code is what it was. B_KN (gemm_bf16_mma_nn): B is [K,N]
+// row-major, staged as [32 k][128 n] rows (padded to 136 bf16 = 272 bytes, so the 8 row
+// addresses of an ldmatrix fall in distinct banks) and read with ldmatrix .trans, which hands
+// each lane the same B fragment the [N,K] layout gives: the same mma instructions on the same
+// values, so C has the bits of gemm_bf16_mma on B transposed.
+template <bool EPI, bool B_KN = false>
 __device__ __forceinline__ void mma_gemm(const __nv_bfloat16* __restrict__ a,
                                          const __nv_bfloat16* __restrict__ b,
                                          float* __restrict__ c, const int* __restrict__ offsets,
@@ -307,25 +335,31 @@ __device__ __forceinline__ void mma_gemm(const __nv_bfloat16* __restrict__ a,
     const int col0 = static_cast<int>(blockIdx.y) * MMA_BN;
 
     __align__(16) __shared__ __nv_bfloat16 as[2][MMA_BM][MMA_LD];
-    __align__(16) __shared__ __nv_bfloat16 bs[2][MMA_BN][MMA_LD];
+    constexpr int B_ROWS = B_KN ? MMA_BK : MMA_BN, B_LD = B_KN ? MMA_BN + 8 : MMA_LD;
+    __align__(16) __shared__ __nv_bfloat16 bs[2][B_ROWS][B_LD];
 
     const int tid = threadIdx.x;
     const int warp = tid / 32, lane = tid % 32;
     const int wm = warp / 4, wn = warp % 4;  // warp tile: rows 64*wm.., columns 32*wn..
     // 16-byte loads need every row start 16-byte aligned.
-    const bool vec_ok = (k % 8 == 0) && (reinterpret_cast<uintptr_t>(tile.a) % 16 == 0) &&
-                        (reinterpret_cast<uintptr_t>(tile.b) % 16 == 0);
+    const bool vec_a = (k % 8 == 0) && (reinterpret_cast<uintptr_t>(tile.a) % 16 == 0);
+    const bool vec_b = ((B_KN ? n : k) % 8 == 0) && (reinterpret_cast<uintptr_t>(tile.b) % 16 == 0);
 
     // Loader: 128 rows x 4 chunks of 8 bf16 per matrix = 512 chunks; thread tid takes chunks
-    // tid and tid + 256 (row q/4, chunk q%4).
+    // tid and tid + 256 (row q/4, chunk q%4). B_KN: 32 k rows x 16 chunks of 8 n (row q/16,
+    // chunk q%16).
     uint4 ra[2], rb[2];
     auto load_regs = [&](int k0) {
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int q = tid + 256 * h;
             const int r = q / 4, kk = k0 + (q % 4) * 8;
-            ra[h] = load8(tile.a, tile.row_begin + r, tile.row_end, kk, k, vec_ok);
-            rb[h] = load8(tile.b, col0 + r, n, kk, k, vec_ok);
+            ra[h] = load8(tile.a, tile.row_begin + r, tile.row_end, kk, k, vec_a);
+            if constexpr (B_KN) {
+                rb[h] = load8(tile.b, k0 + q / 16, k, col0 + (q % 16) * 8, n, vec_b);
+            } else {
+                rb[h] = load8(tile.b, col0 + r, n, kk, k, vec_b);
+            }
         }
     };
     auto store_regs = [&](int s) {
@@ -334,7 +368,11 @@ __device__ __forceinline__ void mma_gemm(const __nv_bfloat16* __restrict__ a,
             const int q = tid + 256 * h;
             const int r = q / 4, kc = (q % 4) * 8;
             *reinterpret_cast<uint4*>(&as[s][r][kc]) = ra[h];
-            *reinterpret_cast<uint4*>(&bs[s][r][kc]) = rb[h];
+            if constexpr (B_KN) {
+                *reinterpret_cast<uint4*>(&bs[s][q / 16][(q % 16) * 8]) = rb[h];
+            } else {
+                *reinterpret_cast<uint4*>(&bs[s][r][kc]) = rb[h];
+            }
         }
     };
 
@@ -369,9 +407,17 @@ __device__ __forceinline__ void mma_gemm(const __nv_bfloat16* __restrict__ a,
             for (int jj = 0; jj < 2; ++jj) {
                 // One x4 covers two n8 tiles: matrices (n 0-7, k lo), (n 0-7, k hi),
                 // (n 8-15, k lo), (n 8-15, k hi).
-                const int nr = wn * 32 + jj * 16 + (lane / 16) * 8 + (lane % 8);
                 uint32_t r4[4];
-                sluice::ldmatrix_x4(r4, &bs[s][nr][ks + ((lane / 8) % 2) * 8]);
+                if constexpr (B_KN) {
+                    // The same four matrices from [k][n] rows: lanes 8i..8i+7 address k rows
+                    // ks + 8 (i % 2) + 0..7 at column n0 + 8 (i / 2); .trans transposes each.
+                    const int kr = ks + ((lane / 8) % 2) * 8 + (lane % 8);
+                    const int nc = wn * 32 + jj * 16 + (lane / 16) * 8;
+                    sluice::ldmatrix_x4_trans(r4, &bs[s][kr][nc]);
+                } else {
+                    const int nr = wn * 32 + jj * 16 + (lane / 16) * 8 + (lane % 8);
+                    sluice::ldmatrix_x4(r4, &bs[s][nr][ks + ((lane / 8) % 2) * 8]);
+                }
                 bf[2 * jj][0] = r4[0];
                 bf[2 * jj][1] = r4[1];
                 bf[2 * jj + 1][0] = r4[2];
@@ -419,6 +465,230 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16_mma(
     long long stride_a, long long stride_b, long long stride_c) {
     gemm::mma_gemm<false>(a, b, c, offsets, rows, n, k, groups, stride_a, stride_b, stride_c,
                           gemm::Epilogue{nullptr, nullptr, nullptr, nullptr, 1.0f, 0.0f});
+}
+
+// gemm_bf16_mma with B [K,N] row-major (per batch entry or group): C = A . B.
+extern "C" __global__ void __launch_bounds__(256) gemm_bf16_mma_nn(
+    const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
+    float* __restrict__ c, const int* __restrict__ offsets, int rows, int n, int k, int groups,
+    long long stride_a, long long stride_b, long long stride_c) {
+    gemm::mma_gemm<false, true>(a, b, c, offsets, rows, n, k, groups, stride_a, stride_b,
+                                stride_c,
+                                gemm::Epilogue{nullptr, nullptr, nullptr, nullptr, 1.0f, 0.0f});
+}
+
+// gemm_f32_segment_tn: out[g, i, j] = sum_{r in segment g, ascending} P[r, i] * Q[r, j] for
+// P [rows, p], Q [rows, q] f32, segment g = rows offsets[g]..offsets[g+1] (clamped to
+// [0, rows], non-decreasing); blockIdx.z = g. The f32 form of gemm_bf16_mma_segment_tn (until
+// 2026-12-02 the moe family's moe_segment_wgrad). This is the weight gradient of a
+// grouped linear layer (dW_e = dOut_e^T · In_e) without atomics and without a split over rows:
+// each element is one chain over its segment's rows in ascending order, so its bits depend on
+// the segment alone. An empty segment gives zeros. The chain is written as explicit fmaf (what
+// nvcc makes of `acc += a * b` anyway), so the emulator, whose host compiler does not contract,
+// sums it the same way and the CPU reference (an FMA chain, gemm_chain) gives the same bits.
+//
+// Version 2 (version 1, commit 0ddafc8: a 16x16 tile, one output per thread): a 64x64 tile of
+// out per 256-thread block, 4x4 outputs per thread (rows ty + 16a, columns tx + 16b, so a warp's
+// shared-memory reads are broadcasts or conflict-free), 16 rows of P and Q at a time through
+// shared memory with coalesced loads along the columns. 16 FMAs per 8 shared loads instead of
+// 1 per 2: predicted ~4x on the GPU. Same summation order as version 1, so the same bits.
+namespace gemm {
+constexpr int WG_TILE = 64, WG_ROWS = 16, WG_THREADS = 256;
+}  // namespace gemm
+
+extern "C" __global__ void __launch_bounds__(256) gemm_f32_segment_tn(
+    const float* __restrict__ P, const float* __restrict__ Q, const int* __restrict__ offsets,
+    float* __restrict__ out, int rows, int p, int q) {
+    using namespace gemm;
+    __shared__ float ps[WG_ROWS][WG_TILE];
+    __shared__ float qs[WG_ROWS][WG_TILE];
+    const int g = blockIdx.z;
+    int r0 = offsets[g];
+    r0 = r0 < 0 ? 0 : (r0 > rows ? rows : r0);
+    int r1 = offsets[g + 1];
+    r1 = r1 < r0 ? r0 : (r1 > rows ? rows : r1);
+    const int i0 = blockIdx.y * WG_TILE, j0 = blockIdx.x * WG_TILE;
+    const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+    float acc[4][4];
+    #pragma unroll
+    for (int a = 0; a < 4; ++a)
+        #pragma unroll
+        for (int b = 0; b < 4; ++b) acc[a][b] = 0.0f;
+    for (int base = r0; base < r1; base += WG_ROWS) {
+        // 16 rows x 64 columns of P and of Q: 4 values of each per thread, consecutive threads
+        // on consecutive columns.
+        #pragma unroll
+        for (int m = 0; m < (WG_ROWS * WG_TILE) / WG_THREADS; ++m) {
+            const int at = tid + m * WG_THREADS;
+            const int rr = at / WG_TILE, cc = at % WG_TILE;
+            const int r = base + rr;
+            const bool row_ok = r < r1;
+            ps[rr][cc] = (row_ok && i0 + cc < p) ? P[static_cast<long long>(r) * p + i0 + cc] : 0.0f;
+            qs[rr][cc] = (row_ok && j0 + cc < q) ? Q[static_cast<long long>(r) * q + j0 + cc] : 0.0f;
+        }
+        __syncthreads();
+        const int rows = r1 - base < WG_ROWS ? r1 - base : WG_ROWS;
+        for (int rr = 0; rr < rows; ++rr) {
+            float av[4], bv[4];
+            #pragma unroll
+            for (int a = 0; a < 4; ++a) av[a] = ps[rr][ty + 16 * a];
+            #pragma unroll
+            for (int b = 0; b < 4; ++b) bv[b] = qs[rr][tx + 16 * b];
+            #pragma unroll
+            for (int a = 0; a < 4; ++a)
+                #pragma unroll
+                for (int b = 0; b < 4; ++b) acc[a][b] = fmaf(av[a], bv[b], acc[a][b]);
+        }
+        __syncthreads();
+    }
+    #pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        const int i = i0 + ty + 16 * a;
+        if (i >= p) continue;
+        #pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const int j = j0 + tx + 16 * b;
+            if (j < q) out[(static_cast<long long>(g) * p + i) * q + j] = acc[a][b];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// gemm_bf16_mma_segment_tn: out[g] = P_g^T . Q_g for the row segments g of P [rows, p] and
+// Q [rows, q] (segment g = rows offsets[g]..offsets[g+1]), out [groups, p, q] f32: the weight
+// gradient of a grouped linear layer, all groups in one launch, reading the segments in place.
+// Grid (ceil(q/128), ceil(p/128), groups): a 128x128 tile of out[g] per block, the mma_gemm
+// warp layout; K is the segment's rows, 32 at a time from its first row, rows past its end
+// loaded as zeros (a ragged K needs no scalar path: rows are whole 16-byte chunks when p and q
+// are multiples of 8). Both operands are staged as they lie, [32 rows][128 columns] (padded to
+// 136 bf16), and read with ldmatrix .trans: P's as the A fragment (m = P's column), Q's as the
+// B fragment. No split over rows and no atomics: element (i, j) is one chain of mma steps over
+// the segment's rows in ascending order, k16 by k16, so its bits depend on the segment alone,
+// and equal those of gemm_bf16_mma on the segment's transposed rows (P_g^T [p, n_g] times
+// (Q_g^T)^T), which the per-expert path ran before. An empty segment writes zeros.
+// ---------------------------------------------------------------------------------------------
+namespace gemm {
+
+constexpr int SEG_LD = MMA_BN + 8;
+
+__device__ __forceinline__ void mma_segment_tn(const __nv_bfloat16* __restrict__ pm,
+                                               const __nv_bfloat16* __restrict__ qm,
+                                               const int* __restrict__ offsets,
+                                               float* __restrict__ out, int rows, int p, int q) {
+    const int g = static_cast<int>(blockIdx.z);
+    // Clamped to [0, rows] and non-decreasing from this segment's start, so no bad offset can
+    // send a load outside P or Q.
+    int r_begin = offsets[g];
+    r_begin = r_begin < 0 ? 0 : (r_begin > rows ? rows : r_begin);
+    int r_end = offsets[g + 1];
+    r_end = r_end < r_begin ? r_begin : (r_end > rows ? rows : r_end);
+    const int m0 = static_cast<int>(blockIdx.y) * MMA_BM;  // columns of P: rows of out[g]
+    const int n0 = static_cast<int>(blockIdx.x) * MMA_BN;  // columns of Q: columns of out[g]
+
+    __align__(16) __shared__ __nv_bfloat16 ps[2][MMA_BK][SEG_LD];
+    __align__(16) __shared__ __nv_bfloat16 qs[2][MMA_BK][SEG_LD];
+
+    const int tid = threadIdx.x;
+    const int warp = tid / 32, lane = tid % 32;
+    const int wm = warp / 4, wn = warp % 4;  // warp tile: rows 64*wm.., columns 32*wn..
+    const bool vec_p = (p % 8 == 0) && (reinterpret_cast<uintptr_t>(pm) % 16 == 0);
+    const bool vec_q = (q % 8 == 0) && (reinterpret_cast<uintptr_t>(qm) % 16 == 0);
+
+    // Loader: 32 rows x 16 chunks of 8 bf16 per operand = 512 chunks; thread tid takes chunks
+    // tid and tid + 256 (row c/16, chunk c%16): a warp reads two whole 256-byte row pieces.
+    uint4 rp[2], rq[2];
+    auto load_regs = [&](int r0) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int c = tid + 256 * h;
+            const int r = r0 + c / 16, col = (c % 16) * 8;
+            rp[h] = load8(pm, r, r_end, m0 + col, p, vec_p);
+            rq[h] = load8(qm, r, r_end, n0 + col, q, vec_q);
+        }
+    };
+    auto store_regs = [&](int s) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int c = tid + 256 * h;
+            *reinterpret_cast<uint4*>(&ps[s][c / 16][(c % 16) * 8]) = rp[h];
+            *reinterpret_cast<uint4*>(&qs[s][c / 16][(c % 16) * 8]) = rq[h];
+        }
+    };
+
+    float acc[4][4][4];
+    #pragma unroll
+    for (int i = 0; i < 4; ++i)
+        #pragma unroll
+        for (int j = 0; j < 4; ++j)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+    const int ktiles = (r_end - r_begin + MMA_BK - 1) / MMA_BK;
+    if (ktiles > 0) {
+        load_regs(r_begin);
+        store_regs(0);
+    }
+    __syncthreads();
+    for (int kt = 0; kt < ktiles; ++kt) {
+        const int s = kt & 1;
+        if (kt + 1 < ktiles) load_regs(r_begin + (kt + 1) * MMA_BK);
+        #pragma unroll
+        for (int ks = 0; ks < MMA_BK; ks += 16) {
+            uint32_t af[4][4], bf[4][2];
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                // A (16 m x 16 k) from [k][m] rows: matrices (k lo, m lo), (k lo, m hi),
+                // (k hi, m lo), (k hi, m hi) are a0..a3; lanes 8i..8i+7 address matrix i's rows.
+                const int kr = ks + (lane / 16) * 8 + (lane % 8);
+                const int mc = wm * 64 + i * 16 + ((lane / 8) % 2) * 8;
+                sluice::ldmatrix_x4_trans(af[i], &ps[s][kr][mc]);
+            }
+            #pragma unroll
+            for (int jj = 0; jj < 2; ++jj) {
+                // Two n8 tiles of B from [k][n] rows, as gemm_bf16_mma_nn reads them.
+                const int kr = ks + ((lane / 8) % 2) * 8 + (lane % 8);
+                const int nc = wn * 32 + jj * 16 + (lane / 16) * 8;
+                uint32_t r4[4];
+                sluice::ldmatrix_x4_trans(r4, &qs[s][kr][nc]);
+                bf[2 * jj][0] = r4[0];
+                bf[2 * jj][1] = r4[1];
+                bf[2 * jj + 1][0] = r4[2];
+                bf[2 * jj + 1][1] = r4[3];
+            }
+            #pragma unroll
+            for (int i = 0; i < 4; ++i)
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) sluice::mma_m16n8k16_bf16(acc[i][j], af[i], bf[j]);
+        }
+        if (kt + 1 < ktiles) store_regs(s ^ 1);
+        __syncthreads();
+    }
+
+    float* o = out + static_cast<long long>(g) * p * q;
+    const int gr = lane / 4, t = lane % 4;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int col = n0 + wn * 32 + j * 8 + 2 * t;
+            #pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const int r = m0 + wm * 64 + i * 16 + gr + 8 * hr;
+                if (r >= p) continue;
+                float* row = o + static_cast<long long>(r) * q;
+                if (col < q) row[col] = acc[i][j][2 * hr];
+                if (col + 1 < q) row[col + 1] = acc[i][j][2 * hr + 1];
+            }
+        }
+    }
+}
+
+}  // namespace gemm
+
+extern "C" __global__ void __launch_bounds__(256) gemm_bf16_mma_segment_tn(
+    const __nv_bfloat16* __restrict__ pm, const __nv_bfloat16* __restrict__ qm,
+    const int* __restrict__ offsets, float* __restrict__ out, int rows, int p, int q) {
+    gemm::mma_segment_tn(pm, qm, offsets, out, rows, p, q);
 }
 
 // gemm_bf16_mma with the epilogue (gemm::Epilogue above): the common signature, then E, c_t,

@@ -4,9 +4,9 @@
 // Forward:   moe_sigmoid (score_fn=sigmoid; softmax is the elementwise family's), moe_gates,
 //            moe_sort_count -> moe_sort_scan -> moe_sort_scatter (stable counting sort of the
 //            T*k token-slots by expert), moe_gather_rows, moe_combine.
-// Backward:  moe_combine_backward, moe_transpose (weights for the transposed-operand grouped
-//            GEMMs), moe_segment_wgrad (per-expert weight gradients), moe_router_backward,
-//            moe_unpermute_dx. moe_widen_bf16 / moe_narrow_bf16 convert between f32 and the
+// Backward:  moe_combine_backward, moe_router_backward, moe_unpermute_dx (the expert GEMMs,
+//            activation and weight gradients, are the gemm family's grouped forms, reading
+//            the segments and the weights in place). moe_widen_bf16 / moe_narrow_bf16 convert between f32 and the
 //            BF16 operands of the tensor-core expert GEMMs (BF16 inputs).
 //
 // Determinism: no atomics anywhere. Every output element is written by one thread that sums
@@ -14,7 +14,8 @@
 //  - the sort: thread c owns row c of counts/bases [chunks,E] and walks its chunk's slots in
 //    ascending order, so the sort is stable and needs no atomic counters (the usual GPU
 //    histogram + atomic scatter would give an order that changes run to run);
-//  - combine and unpermute: k ascending;
+//  - combine and unpermute: k ascending; dgate: a warp's 32 lane-strided fmaf chains, then its
+//    xor butterfly;
 //  - weight gradients: one thread per output element walks its expert's contiguous segment of
 //    rows in ascending order (no split over rows, so the order depends on the segment alone).
 // Batch invariance: every per-token kernel reads and writes its own token's rows only.
@@ -220,8 +221,12 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* __res
 // Backward
 // ---------------------------------------------------------------------------------------------
 
-// dye[pos[s], c] = gate[s] * dy[s / k, c] for every slot s; dgate[s] = sum_{c ascending}
-// dy[s / k, c] * ye[pos[s], c] (one thread per slot; d is at most a few thousand).
+// dye[pos[s], c] = gate[s] * dy[s / k, c] for every slot s (a block per slot row, threads over
+// c); dgate[s] = dy[s / k] . ye[pos[s]] by one warp per slot: lane l sums c = l, l + 32, ... as
+// one fmaf chain (written out, so nvcc, the emulator and the CPU reference all fuse), then the
+// warp's xor butterfly (masks 16, 8, 4, 2, 1). Each warp-wide load reads 128 consecutive bytes
+// of both rows; before (2026-12-02), one thread per slot walked its two 2048-long rows, 4.35x
+// the ideal sectors at the doc shape. The order changed, so dgate's bits did.
 extern "C" __global__ void __launch_bounds__(256) moe_combine_backward(const float* __restrict__ dy, const float* __restrict__ ye, const float* __restrict__ gate, const int* __restrict__ pos, float* __restrict__ dye, float* __restrict__ dgate, int T, int d, int k) {
     const long long n = static_cast<long long>(T) * k;
     // Row loop over the slots: one division per slot for its token, none per element.
@@ -231,145 +236,17 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine_backward(const flo
         float* out = dye + static_cast<long long>(pos[s]) * d;
         for (int c = threadIdx.x; c < d; c += blockDim.x) out[c] = gs * dyr[c];
     }
-    for (long long s = moe::grid_stride_start(); s < n; s += moe::grid_stride_step()) {
+    // Warp loop over the slots (the bound is uniform across a warp, as the shuffles need).
+    const int lane = threadIdx.x % 32;
+    const long long warps_per_block = blockDim.x / 32;
+    const long long first = static_cast<long long>(blockIdx.x) * warps_per_block + threadIdx.x / 32;
+    for (long long s = first; s < n; s += static_cast<long long>(gridDim.x) * warps_per_block) {
         const float* dyr = dy + (s / k) * d;
         const float* yer = ye + static_cast<long long>(pos[s]) * d;
-        float dot = 0.0f;
-        for (int c = 0; c < d; ++c) dot += dyr[c] * yer[c];
-        dgate[s] = dot;
-    }
-}
-
-namespace moe {
-// dst[b] = src[b]^T for src [B, rows, cols] -> dst [B, cols, rows]; blockIdx.z = b. 32x32 tiles
-// through shared memory (+1 column of padding against bank conflicts), block 32x8.
-template <typename T>
-__device__ __forceinline__ void transpose(const T* __restrict__ src, T* __restrict__ dst, int rows, int cols) {
-    __shared__ T tile[32][33];
-    const long long plane = static_cast<long long>(rows) * cols;
-    const T* s = src + blockIdx.z * plane;
-    T* o = dst + blockIdx.z * plane;
-    const int r0 = blockIdx.y * 32, c0 = blockIdx.x * 32;
-    for (int i = threadIdx.y; i < 32; i += 8) {
-        const int r = r0 + i, c = c0 + threadIdx.x;
-        if (r < rows && c < cols) tile[i][threadIdx.x] = s[static_cast<long long>(r) * cols + c];
-    }
-    __syncthreads();
-    for (int i = threadIdx.y; i < 32; i += 8) {
-        const int c = c0 + i, r = r0 + threadIdx.x;
-        if (r < rows && c < cols) o[static_cast<long long>(c) * rows + r] = tile[threadIdx.x][i];
-    }
-}
-}  // namespace moe
-
-extern "C" __global__ void __launch_bounds__(256) moe_transpose(const float* __restrict__ src, float* __restrict__ dst, int rows, int cols) {
-    moe::transpose(src, dst, rows, cols);
-}
-extern "C" __global__ void __launch_bounds__(256) moe_transpose_bf16(const __nv_bfloat16* __restrict__ src, __nv_bfloat16* __restrict__ dst, int rows, int cols) {
-    moe::transpose(src, dst, rows, cols);
-}
-
-namespace moe {
-// dst [cols, n] (BF16) = rows r0..r0+n of src [N, cols], transposed and rounded to BF16 (the
-// operands of a per-expert tensor-core weight-gradient GEMM). 32x32 tiles, block 32x8.
-template <typename T>
-__device__ __forceinline__ void transpose_rows(const T* __restrict__ src, __nv_bfloat16* __restrict__ dst, int r0, int n, int cols) {
-    __shared__ float tile[32][33];
-    const int rb = blockIdx.y * 32, cb = blockIdx.x * 32;
-    for (int i = threadIdx.y; i < 32; i += 8) {
-        const int r = rb + i, c = cb + threadIdx.x;
-        if (r < n && c < cols)
-            tile[i][threadIdx.x] = static_cast<float>(src[static_cast<long long>(r0 + r) * cols + c]);
-    }
-    __syncthreads();
-    for (int i = threadIdx.y; i < 32; i += 8) {
-        const int c = cb + i, r = rb + threadIdx.x;
-        if (r < n && c < cols)
-            dst[static_cast<long long>(c) * n + r] = __float2bfloat16_rn(tile[threadIdx.x][i]);
-    }
-}
-}  // namespace moe
-
-extern "C" __global__ void __launch_bounds__(256) moe_transpose_rows_f32_bf16(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, int r0, int n, int cols) {
-    moe::transpose_rows(src, dst, r0, n, cols);
-}
-extern "C" __global__ void __launch_bounds__(256) moe_transpose_rows_bf16(const __nv_bfloat16* __restrict__ src, __nv_bfloat16* __restrict__ dst, int r0, int n, int cols) {
-    moe::transpose_rows(src, dst, r0, n, cols);
-}
-
-// dst[offset + i] = src[i] for i < n.
-extern "C" __global__ void __launch_bounds__(256) moe_copy(const float* __restrict__ src, float* __restrict__ dst, long long offset, long long n) {
-    for (long long i = moe::grid_stride_start(); i < n; i += moe::grid_stride_step()) dst[offset + i] = src[i];
-}
-
-// out[g, i, j] = sum_{r in segment g, ascending} P[r, i] * Q[r, j] for P [N, p], Q [N, q],
-// segment g = rows offsets[g]..offsets[g+1]; blockIdx.z = g. This is the weight gradient of a
-// grouped linear layer (dW_e = dOut_e^T · In_e) without atomics and without a split over rows:
-// each element is one chain over its segment's rows in ascending order, so its bits depend on
-// the segment alone. An empty segment gives zeros. The chain is written as explicit fmaf (what
-// nvcc makes of `acc += a * b` anyway), so the emulator, whose host compiler does not contract,
-// sums it the same way and the CPU reference (an FMA chain, gemm_chain) gives the same bits.
-//
-// Version 2 (version 1, commit 0ddafc8: a 16x16 tile, one output per thread): a 64x64 tile of
-// out per 256-thread block, 4x4 outputs per thread (rows ty + 16a, columns tx + 16b, so a warp's
-// shared-memory reads are broadcasts or conflict-free), 16 rows of P and Q at a time through
-// shared memory with coalesced loads along the columns. 16 FMAs per 8 shared loads instead of
-// 1 per 2: predicted ~4x on the GPU. Same summation order as version 1, so the same bits.
-namespace moe {
-constexpr int WG_TILE = 64, WG_ROWS = 16, WG_THREADS = 256;
-}  // namespace moe
-
-extern "C" __global__ void __launch_bounds__(256) moe_segment_wgrad(const float* __restrict__ P, const float* __restrict__ Q, const int* __restrict__ offsets, float* __restrict__ out, int p, int q) {
-    using namespace moe;
-    __shared__ float ps[WG_ROWS][WG_TILE];
-    __shared__ float qs[WG_ROWS][WG_TILE];
-    const int g = blockIdx.z;
-    const int r0 = offsets[g];
-    int r1 = offsets[g + 1];
-    if (r1 < r0) r1 = r0;
-    const int i0 = blockIdx.y * WG_TILE, j0 = blockIdx.x * WG_TILE;
-    const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
-    float acc[4][4];
-    #pragma unroll
-    for (int a = 0; a < 4; ++a)
-        #pragma unroll
-        for (int b = 0; b < 4; ++b) acc[a][b] = 0.0f;
-    for (int base = r0; base < r1; base += WG_ROWS) {
-        // 16 rows x 64 columns of P and of Q: 4 values of each per thread, consecutive threads
-        // on consecutive columns.
-        #pragma unroll
-        for (int m = 0; m < (WG_ROWS * WG_TILE) / WG_THREADS; ++m) {
-            const int at = tid + m * WG_THREADS;
-            const int rr = at / WG_TILE, cc = at % WG_TILE;
-            const int r = base + rr;
-            const bool row_ok = r < r1;
-            ps[rr][cc] = (row_ok && i0 + cc < p) ? P[static_cast<long long>(r) * p + i0 + cc] : 0.0f;
-            qs[rr][cc] = (row_ok && j0 + cc < q) ? Q[static_cast<long long>(r) * q + j0 + cc] : 0.0f;
-        }
-        __syncthreads();
-        const int rows = r1 - base < WG_ROWS ? r1 - base : WG_ROWS;
-        for (int rr = 0; rr < rows; ++rr) {
-            float av[4], bv[4];
-            #pragma unroll
-            for (int a = 0; a < 4; ++a) av[a] = ps[rr][ty + 16 * a];
-            #pragma unroll
-            for (int b = 0; b < 4; ++b) bv[b] = qs[rr][tx + 16 * b];
-            #pragma unroll
-            for (int a = 0; a < 4; ++a)
-                #pragma unroll
-                for (int b = 0; b < 4; ++b) acc[a][b] = fmaf(av[a], bv[b], acc[a][b]);
-        }
-        __syncthreads();
-    }
-    #pragma unroll
-    for (int a = 0; a < 4; ++a) {
-        const int i = i0 + ty + 16 * a;
-        if (i >= p) continue;
-        #pragma unroll
-        for (int b = 0; b < 4; ++b) {
-            const int j = j0 + tx + 16 * b;
-            if (j < q) out[(static_cast<long long>(g) * p + i) * q + j] = acc[a][b];
-        }
+        float part = 0.0f;
+        for (int c = lane; c < d; c += 32) part = fmaf(dyr[c], yer[c], part);
+        for (int mask = 16; mask > 0; mask /= 2) part += __shfl_xor_sync(0xffffffffu, part, mask);
+        if (lane == 0) dgate[s] = part;
     }
 }
 

@@ -10,15 +10,14 @@ use sluice_kernels::launch::Launch;
 use sluice_kernels::tensor::{pool_release, PoolScope, POISON_BYTE};
 use sluice_kernels::{debug, Backend, DType, Tensor};
 
-/// `moe_copy` writes out[off + i] = src[i] for i < m: a real kernel that writes only part of an
-/// output (the first `m` of `n` elements), as a buggy op would.
+/// `moe_widen_bf16` writes out[i] = src[i] widened for i < m: a real kernel that writes only part
+/// of an output (the first `m` of `n` elements), as a buggy op would.
 fn partial_write(b: &Backend, out: &Tensor, m: usize) {
-    let src = Tensor::from_slice(b, &[m], &vec![2.5f32; m]).unwrap();
+    let src = Tensor::from_slice(b, &[m], &vec![half::bf16::from_f32(2.5); m]).unwrap();
     b.launch(
-        &Launch::new("moe_copy", [1, 1, 1], [256, 1, 1])
+        &Launch::new("moe_widen_bf16", [1, 1, 1], [256, 1, 1])
             .arg_tensor(&src)
             .arg_tensor(out)
-            .arg_i64(0)
             .arg_i64(m as i64),
     )
     .unwrap();

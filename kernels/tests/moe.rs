@@ -4,9 +4,9 @@
 
 use sluice_kernels::device::cuda_for_tests;
 use sluice_kernels::ops::moe::{
-    moe_backward, moe_backward_bounded, moe_backward_reference, moe_backward_saved, moe_forward,
-    moe_forward_reference, moe_forward_saved, moe_route_reference, moe_sort, moe_sort_reference,
-    MoeConfig, MoeDims, MoeGradTensors, MoeOutput, ScoreFn,
+    moe_backward, moe_backward_reference, moe_backward_saved, moe_forward, moe_forward_reference,
+    moe_forward_saved, moe_route_reference, moe_sort, moe_sort_reference, MoeConfig, MoeDims,
+    MoeGradTensors, MoeOutput, ScoreFn,
 };
 use sluice_kernels::testing::{lost_outputs, rel_norm, Rng, BF16_TOL, F32_TOL};
 use sluice_kernels::{Backend, DType, Error, Tensor};
@@ -719,40 +719,92 @@ fn cpu_packed_decode_path_equals_the_large_batch_path() {
     }
 }
 
+/// The gradients' bits, output by output.
+fn grad_bits(g: &MoeGradTensors) -> Vec<Vec<u32>> {
+    [&g.dx, &g.dw_router, &g.dw1, &g.dw3, &g.dw2]
+        .iter()
+        .map(|t| {
+            t.to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect()
+        })
+        .collect()
+}
+
 #[test]
-fn cpu_backward_from_saved_state_equals_recomputed() {
-    // The learner's cpu backward takes the forward's state instead of recomputing it: the same
-    // gradients bit for bit, and a state of other sizes is an error, not wrong gradients.
+fn backward_from_saved_state_equals_recomputed() {
+    // The learner's backward takes the forward's state instead of recomputing it: the same
+    // gradients bit for bit on cpu and emu, F32 and BF16, and a state of other sizes or from
+    // another device is an error, not wrong gradients.
     let c = case(70, 16, 12, 6, cfg(2, ScoreFn::Softmax, true), 20);
-    let b = Backend::Cpu;
-    let u = upload(&b, &c, DType::F32);
-    let (_, saved) = moe_forward_saved(&b, &u.x, &u.wr, &u.w1, &u.w3, &u.w2, c.cfg).unwrap();
-    assert!(saved.is_some(), "the cpu forward keeps its state");
-    let from_saved =
-        moe_backward_saved(&b, &u.x, &u.wr, &u.w1, &u.w3, &u.w2, &u.dy, c.cfg, saved).unwrap();
-    let recomputed = moe_backward(&b, &u.x, &u.wr, &u.w1, &u.w3, &u.w2, &u.dy, c.cfg).unwrap();
-    let v = |t: &Tensor| -> Vec<u32> {
-        t.to_vec::<f32>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits())
-            .collect()
-    };
-    assert_eq!(v(&from_saved.dx), v(&recomputed.dx), "dx");
-    assert_eq!(
-        v(&from_saved.dw_router),
-        v(&recomputed.dw_router),
-        "dw_router"
-    );
-    assert_eq!(v(&from_saved.dw1), v(&recomputed.dw1), "dw1");
-    assert_eq!(v(&from_saved.dw3), v(&recomputed.dw3), "dw3");
-    assert_eq!(v(&from_saved.dw2), v(&recomputed.dw2), "dw2");
-    // A state from a call of another size.
     let small = case(5, 16, 12, 6, cfg(2, ScoreFn::Softmax, true), 21);
-    let us = upload(&b, &small, DType::F32);
-    let (_, other) = moe_forward_saved(&b, &us.x, &us.wr, &us.w1, &us.w3, &us.w2, c.cfg).unwrap();
-    let err = moe_backward_saved(&b, &u.x, &u.wr, &u.w1, &u.w3, &u.w2, &u.dy, c.cfg, other);
-    assert!(matches!(err, Err(Error::Invalid(m)) if m.contains("saved forward state")));
+    let emu = Backend::emu_with_seed(2);
+    let mut compared = 0;
+    for b in [&Backend::Cpu, &emu] {
+        for dtype in [DType::F32, DType::BF16] {
+            let u = upload(b, &c, dtype);
+            let (_, saved) = moe_forward_saved(b, &u.x, &u.wr, &u.w1, &u.w3, &u.w2, c.cfg).unwrap();
+            let from_saved = moe_backward_saved(
+                b,
+                &u.x,
+                &u.wr,
+                &u.w1,
+                &u.w3,
+                &u.w2,
+                &u.dy,
+                c.cfg,
+                Some(saved),
+            )
+            .unwrap();
+            let recomputed =
+                moe_backward(b, &u.x, &u.wr, &u.w1, &u.w3, &u.w2, &u.dy, c.cfg).unwrap();
+            assert_eq!(
+                grad_bits(&from_saved),
+                grad_bits(&recomputed),
+                "{} {dtype}",
+                b.device()
+            );
+            compared += 1;
+            // A state from a call of another size.
+            let us = upload(b, &small, dtype);
+            let (_, other) =
+                moe_forward_saved(b, &us.x, &us.wr, &us.w1, &us.w3, &us.w2, c.cfg).unwrap();
+            let err = moe_backward_saved(
+                b,
+                &u.x,
+                &u.wr,
+                &u.w1,
+                &u.w3,
+                &u.w2,
+                &u.dy,
+                c.cfg,
+                Some(other),
+            );
+            assert!(matches!(err, Err(Error::Invalid(m)) if m.contains("saved forward state")));
+        }
+    }
+    assert_eq!(compared, 4);
+    // A cpu state on emu.
+    let (uc, ue) = (
+        upload(&Backend::Cpu, &c, DType::F32),
+        upload(&emu, &c, DType::F32),
+    );
+    let (_, cpu_state) =
+        moe_forward_saved(&Backend::Cpu, &uc.x, &uc.wr, &uc.w1, &uc.w3, &uc.w2, c.cfg).unwrap();
+    let err = moe_backward_saved(
+        &emu,
+        &ue.x,
+        &ue.wr,
+        &ue.w1,
+        &ue.w3,
+        &ue.w2,
+        &ue.dy,
+        c.cfg,
+        Some(cpu_state),
+    );
+    assert!(matches!(err, Err(Error::Invalid(m)) if m.contains("another device")));
 }
 
 #[test]
@@ -859,57 +911,4 @@ fn bad_input_is_an_error_naming_the_tensor() {
     let emu = Backend::emu_with_seed(1);
     let ex = Tensor::zeros(&emu, &[4, 8], DType::F32).unwrap();
     assert!(moe_forward(&emu, &ex, &u.wr, &u.w1, &u.w3, &u.w2, c.cfg).is_err());
-}
-
-/// The backward's host bounds: the forward's offsets give the same bits as the op's own copy;
-/// in debug mode (on in tests) bounds that are not the routing's are an error naming `bounds`.
-#[test]
-fn caller_bounds_give_the_same_gradients_and_wrong_ones_are_named() {
-    let b = Backend::emu_with_seed(1);
-    let (t, d, f, e) = (7, 8, 6, 4);
-    let cfg = MoeConfig::new(2);
-    let mut rng = Rng::new(5);
-    let mut up = |shape: &[usize]| {
-        let n = shape.iter().product();
-        Tensor::from_f32_as(&b, shape, DType::BF16, &rng.normal_vec(n, 0.5)).unwrap()
-    };
-    let (x, wr, w1, w3, w2, dy) = (
-        up(&[t, d]),
-        up(&[e, d]),
-        up(&[e, f, d]),
-        up(&[e, f, d]),
-        up(&[e, d, f]),
-        up(&[t, d]),
-    );
-    let bounds = moe_forward(&b, &x, &wr, &w1, &w3, &w2, cfg)
-        .unwrap()
-        .offsets
-        .to_vec::<i32>()
-        .unwrap();
-    let bits = |g: MoeGradTensors| -> Vec<Vec<u32>> {
-        [g.dx, g.dw_router, g.dw1, g.dw3, g.dw2]
-            .iter()
-            .map(|t| {
-                t.to_vec::<f32>()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.to_bits())
-                    .collect()
-            })
-            .collect()
-    };
-    let own = bits(moe_backward(&b, &x, &wr, &w1, &w3, &w2, &dy, cfg).unwrap());
-    let given = bits(
-        moe_backward_bounded(&b, &x, &wr, &w1, &w3, &w2, &dy, cfg, None, Some(&bounds)).unwrap(),
-    );
-    assert_eq!(own, given);
-    let mut wrong = bounds.clone();
-    wrong[1] += 1;
-    for bad in [&wrong[..], &bounds[..e]] {
-        let err = moe_backward_bounded(&b, &x, &wr, &w1, &w3, &w2, &dy, cfg, None, Some(bad))
-            .err()
-            .expect("wrong bounds are an error")
-            .to_string();
-        assert!(err.contains("`bounds`"), "{err}");
-    }
 }

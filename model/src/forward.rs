@@ -23,7 +23,7 @@ use crate::batch::PackedBatch;
 use crate::config::ModelConfig;
 use crate::layers::{
     embed, embed_backward, head, head_backward, layer, layer_backward, BatchTensors, Dims,
-    FfnSaved, LayerSaved, ModelWeights,
+    LayerSaved, ModelWeights,
 };
 use crate::Model;
 use sluice_kernels::ops::is_gate_loss::{
@@ -188,36 +188,6 @@ fn lm_loss(
     Ok((out.loss, dlogits))
 }
 
-/// Copies `results` and every MoE layer's expert bounds (where its backward needs them on the
-/// host: bf16 experts on a device) to the host in ONE download (one host sync), puts the bounds
-/// into the layers' saved state for the backward, and returns the bytes of `results` in order.
-/// This is the training step's first of its two host syncs (the optimizer's gradient norm is
-/// the second).
-fn fetch_with_routing(fwd: &mut Forward, results: &[&Tensor]) -> Result<Vec<Vec<u8>>> {
-    let mut offsets: Vec<(usize, Tensor)> = Vec::new();
-    for (i, l) in fwd.layers.iter_mut().enumerate() {
-        if let FfnSaved::Moe(m) = &mut l.ffn.ffn {
-            if let Some(o) = m.take_offsets() {
-                offsets.push((i, o));
-            }
-        }
-    }
-    let mut all: Vec<&Tensor> = results.to_vec();
-    all.extend(offsets.iter().map(|(_, t)| t));
-    let mut got = Tensor::download_many(&all)?;
-    let bounds = got.split_off(results.len());
-    for ((i, _), b) in offsets.iter().zip(bounds) {
-        if let FfnSaved::Moe(m) = &mut fwd.layers[*i].ffn.ffn {
-            m.bounds = Some(
-                b.chunks_exact(4)
-                    .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-            );
-        }
-    }
-    Ok(got)
-}
-
 fn f32s(bytes: &[u8]) -> Vec<f32> {
     bytes
         .chunks_exact(4)
@@ -298,7 +268,7 @@ pub fn loss_and_grad_on(
 ) -> Result<f32> {
     let dims = Dims::new(&model.config)?;
     let w = ModelWeights::from_arena(backend, model.compute_weights())?;
-    let mut fwd = {
+    let fwd = {
         let _stage = nvtx::range_on(backend, "forward");
         forward_all(backend, &dims, &w, batch)?
     };
@@ -306,7 +276,8 @@ pub fn loss_and_grad_on(
         let _stage = nvtx::range_on(backend, "loss");
         lm_loss(backend, &fwd.logits, targets, mask)?
     };
-    let loss = fetch_with_routing(&mut fwd, &[&loss])?;
+    // The step's first host sync (the optimizer's gradient norm is the second).
+    let loss = Tensor::download_many(&[&loss])?;
     let _stage = nvtx::range_on(backend, "backward");
     backward(backend, &dims, &w, fwd, &dlogits, &mut model.grads)?;
     first_f32(&loss[0])
@@ -336,7 +307,7 @@ pub fn policy_loss_and_grad_on(
 ) -> Result<GateReference> {
     let dims = Dims::new(&model.config)?;
     let w = ModelWeights::from_arena(backend, model.compute_weights())?;
-    let mut fwd = {
+    let fwd = {
         let _stage = nvtx::range_on(backend, "forward");
         forward_all(backend, &dims, &w, batch)?
     };
@@ -344,16 +315,14 @@ pub fn policy_loss_and_grad_on(
         let _stage = nvtx::range_on(backend, "is_gate_loss");
         gate_objective(backend, &fwd.logits, inputs, params)?
     };
-    let got = fetch_with_routing(
-        &mut fwd,
-        &[
-            &out.loss,
-            &out.counters,
-            &out.logp,
-            &out.ratio,
-            &out.accepted,
-        ],
-    )?;
+    // The step's first host sync (the optimizer's gradient norm is the second).
+    let got = Tensor::download_many(&[
+        &out.loss,
+        &out.counters,
+        &out.logp,
+        &out.ratio,
+        &out.accepted,
+    ])?;
     drop(out);
     {
         let _stage = nvtx::range_on(backend, "backward");

@@ -39,7 +39,7 @@ use sluice_kernels::ops::elementwise::{residual_add, transpose};
 use sluice_kernels::ops::embedding::{embedding, embedding_backward_host};
 use sluice_kernels::ops::gemm::gemm;
 use sluice_kernels::ops::moe::{
-    moe_backward_bounded, moe_forward_saved, MoeConfig, MoeSaved, ScoreFn as MoeScoreFn,
+    moe_backward_saved, moe_forward_saved, MoeConfig, MoeSaved, ScoreFn as MoeScoreFn,
 };
 use sluice_kernels::ops::optim::cast_bf16_into;
 use sluice_kernels::ops::rmsnorm::{rmsnorm, rmsnorm_backward};
@@ -638,25 +638,12 @@ pub fn swiglu_ffn_backward(
     ))
 }
 
-/// What an MoE FFN keeps for the backward: the shared expert's state, and (on `cpu`) the
-/// routed experts' forward state, which saves the backward recomputing it (on `emu` and
-/// `cuda` the moe family's backward recomputes the forward, and `routed` is `None`).
+/// What an MoE FFN keeps for the backward: the shared expert's state and the routed experts'
+/// forward state (routing, expert-sorted rows, activations), so the backward recomputes
+/// nothing and needs nothing on the host.
 pub struct MoeFfnSaved {
     pub shared: Option<SwigluSaved>,
-    pub routed: Option<MoeSaved>,
-    /// On a device with bf16 experts: the routing's expert segment bounds `[E+1]` I32, which
-    /// the backward needs on the host (it shapes one tensor-core GEMM per expert). The caller
-    /// brings them down with the step's other results in one copy and puts them in `bounds`
-    /// ([`MoeFfnSaved::take_offsets`]); without them the backward reads them back itself.
-    pub offsets: Option<Tensor>,
-    pub bounds: Option<Vec<i32>>,
-}
-
-impl MoeFfnSaved {
-    /// The device offsets the backward wants on the host, if any (see `offsets`).
-    pub fn take_offsets(&mut self) -> Option<Tensor> {
-        self.offsets.take()
-    }
+    pub routed: MoeSaved,
 }
 
 /// The routed experts (the moe family: router, top-k gates, stable expert sort, grouped SwiGLU,
@@ -672,8 +659,6 @@ pub fn moe_ffn(
     let h = as_dtype(backend, h, w.w1.dtype())?;
     let (out, routed_saved) =
         moe_forward_saved(backend, &h, &w.router, &w.w1, &w.w3, &w.w2, dims.moe)?;
-    let offsets =
-        (!matches!(backend, Backend::Cpu) && w.w1.dtype() == DType::BF16).then_some(out.offsets);
     let routed = out.y;
     match &w.shared {
         Some(sw) => {
@@ -683,8 +668,6 @@ pub fn moe_ffn(
                 MoeFfnSaved {
                     shared: Some(saved),
                     routed: routed_saved,
-                    offsets,
-                    bounds: None,
                 },
                 y,
             ))
@@ -693,8 +676,6 @@ pub fn moe_ffn(
             MoeFfnSaved {
                 shared: None,
                 routed: routed_saved,
-                offsets,
-                bounds: None,
             },
             routed,
         )),
@@ -712,14 +693,9 @@ pub fn moe_ffn_backward(
     saved: MoeFfnSaved,
     dy: &Tensor,
 ) -> Result<(Tensor, MoeWeights)> {
-    let MoeFfnSaved {
-        shared,
-        routed,
-        bounds,
-        ..
-    } = saved;
+    let MoeFfnSaved { shared, routed } = saved;
     let h = as_dtype(backend, h, w.w1.dtype())?;
-    let g = moe_backward_bounded(
+    let g = moe_backward_saved(
         backend,
         &h,
         &w.router,
@@ -728,8 +704,7 @@ pub fn moe_ffn_backward(
         &w.w2,
         dy,
         dims.moe,
-        routed,
-        bounds.as_deref(),
+        Some(routed),
     )?;
     let (dh, shared_grads) = match (&w.shared, shared, h_t) {
         (Some(sw), Some(saved), Some(h_t)) => {

@@ -270,6 +270,8 @@ struct Pending {
 struct Active {
     sampling: Sampling,
     launches: Vec<Pending>,
+    /// Launches run (sampled as usual) but are not kept: an op's setup (see [`Unrecorded`]).
+    paused: bool,
 }
 
 thread_local! {
@@ -293,6 +295,7 @@ impl Recording {
             *a = Some(Active {
                 sampling,
                 launches: Vec::new(),
+                paused: false,
             });
             Ok(Recording {
                 _not_send: std::marker::PhantomData,
@@ -324,6 +327,39 @@ impl Recording {
 impl Drop for Recording {
     fn drop(&mut self) {
         ACTIVE.with(|a| a.borrow_mut().take());
+    }
+}
+
+/// While alive, this thread's launches still run sampled (so a setup at a doc shape stays as
+/// fast as the profiled part) but are left out of the active recording, if any: what an op
+/// runs only to build its inputs (the MoE backward's row runs the forward for its saved state).
+pub struct Unrecorded {
+    previous: bool,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Unrecorded {
+    pub fn start() -> Unrecorded {
+        let previous = ACTIVE.with(|a| {
+            a.borrow_mut()
+                .as_mut()
+                .map(|a| std::mem::replace(&mut a.paused, true))
+                .unwrap_or(false)
+        });
+        Unrecorded {
+            previous,
+            _not_send: std::marker::PhantomData,
+        }
+    }
+}
+
+impl Drop for Unrecorded {
+    fn drop(&mut self) {
+        ACTIVE.with(|a| {
+            if let Some(a) = a.borrow_mut().as_mut() {
+                a.paused = self.previous;
+            }
+        });
     }
 }
 
@@ -491,7 +527,7 @@ pub(crate) fn record(
 ) {
     let Some(raw) = req.raw else { return };
     ACTIVE.with(|a| {
-        if let Some(active) = a.borrow_mut().as_mut() {
+        if let Some(active) = a.borrow_mut().as_mut().filter(|a| !a.paused) {
             active.launches.push(Pending {
                 raw,
                 kernel: kernel.to_string(),

@@ -39,19 +39,56 @@ pub fn block_sum(n: usize, term: impl Fn(usize) -> f32) -> f32 {
 /// is thread `l`'s value), as `block_sum<8>` on the device adds them. For kernels whose lanes
 /// accumulate in their own way (newton_schulz's sum of squares: groups of 8 elements, FMA).
 #[inline]
-pub fn reduce_lanes(mut lanes: [f32; BLOCK_THREADS]) -> f32 {
+pub fn reduce_lanes(lanes: [f32; BLOCK_THREADS]) -> f32 {
     let mut total = 0.0f32;
-    for warp in lanes.chunks_exact_mut(WARP) {
-        let mut stride = WARP / 2;
-        while stride > 0 {
-            for i in 0..stride {
-                warp[i] += warp[i + stride];
-            }
-            stride /= 2;
-        }
-        total += warp[0];
+    for warp in lanes.chunks_exact(WARP) {
+        let mut w = [0.0f32; WARP];
+        w.copy_from_slice(warp);
+        total += reduce_warp(w);
     }
     total
+}
+
+/// Step 2 of the order above for one warp: its 32 lane values summed by the xor butterfly
+/// (masks 16, 8, 4, 2, 1), as lane 0 (and every lane) of `__shfl_xor_sync` reductions ends.
+#[inline(always)]
+pub fn reduce_warp(mut warp: [f32; WARP]) -> f32 {
+    let mut stride = WARP / 2;
+    while stride > 0 {
+        for i in 0..stride {
+            warp[i] += warp[i + stride];
+        }
+        stride /= 2;
+    }
+    warp[0]
+}
+
+/// A warp's dot product (moe.cu's dgate): lane `l` takes the terms `l, l + 32, ...` in
+/// increasing order as one FMA chain from +0 (`fmaf`, written out in the kernel so nvcc, the
+/// emulator's host compiler and this function all fuse), then [`reduce_warp`]. With hardware
+/// FMA where the CPU has it (the same bits: a fused multiply-add rounds once either way).
+pub fn warp_dot_fma(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "fma")]
+        fn fast(a: &[f32], b: &[f32]) -> f32 {
+            warp_dot_body(a, b)
+        }
+        if std::is_x86_feature_detected!("fma") {
+            // SAFETY: `fast` only needs FMA instructions, and the CPU has them.
+            return unsafe { fast(a, b) };
+        }
+    }
+    warp_dot_body(a, b)
+}
+
+#[inline(always)]
+fn warp_dot_body(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; WARP];
+    for (c, (&x, &y)) in a.iter().zip(b).enumerate() {
+        lanes[c % WARP] = x.mul_add(y, lanes[c % WARP]);
+    }
+    reduce_warp(lanes)
 }
 
 /// The maximum of `term(0), ..., term(n - 1)` (`block_max`; NaN terms are skipped as fmaxf
@@ -105,5 +142,31 @@ mod tests {
         assert_eq!(block_sum(0, |_| 1.0).to_bits(), 0.0f32.to_bits());
         assert_eq!(block_max(3, |j| [1.0, f32::NAN, 3.0][j]), 3.0);
         assert_eq!(block_max(0, |_| 1.0), f32::NEG_INFINITY);
+    }
+
+    #[test]
+    fn warp_dot_is_the_lane_strided_fma_chains_then_the_butterfly() {
+        let mut rng = Rng::new(12);
+        let mut differs = 0;
+        for n in [1usize, 17, 32, 127, 300, 1000, 2048, 4099] {
+            let a: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+            let b: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+            let mut lanes = vec![0.0f32; WARP];
+            for j in 0..n {
+                lanes[j % WARP] = a[j].mul_add(b[j], lanes[j % WARP]);
+            }
+            for m in [16, 8, 4, 2, 1] {
+                lanes = (0..WARP).map(|i| lanes[i] + lanes[i ^ m]).collect();
+            }
+            let got = warp_dot_fma(&a, &b);
+            assert_eq!(got.to_bits(), lanes[0].to_bits(), "n = {n}");
+            let chain = a.iter().zip(&b).fold(0.0f32, |s, (&x, &y)| x.mul_add(y, s));
+            differs += usize::from(got.to_bits() != chain.to_bits());
+        }
+        // The order is not one chain (if it were, the reference would not need the lanes).
+        assert!(
+            differs >= 4,
+            "only {differs} of 8 dots differ from one chain"
+        );
     }
 }

@@ -21,6 +21,9 @@
 //!   used only when `SLUICE_GEMM_PATH=wgmma` is set (or [`GemmPath::Wgmma`] is asked for);
 //!   scripts/gpu-check tests it so the first GPU run can verify it and decide the sm_90 default.
 //!
+//! The grouped forms of a grouped layer's backward (B stored [K,N]; per-segment P^T · Q, the
+//! weight gradient) are in `segments` ([`gemm_grouped_nn`], [`gemm_segment_tn`]).
+//!
 //! The batched bf16 form with an epilogue (alpha, beta, E; f32 / bf16 outputs, as is or
 //! transposed) is [`super::gemm_epilogue`].
 
@@ -36,12 +39,14 @@ use crate::tensor::Tensor;
 use super::gemm_hopper;
 
 mod reference;
+mod segments;
 use reference::check_offsets;
 pub(crate) use reference::strided_operands_checked;
 pub use reference::{
     gemm_batched_reference, gemm_grouped_reference, gemm_reference, gemm_reference_bf16,
     gemm_reference_into, gemm_strided_into, small_rows_rhs, BF16_PACKED_MAX_K, SMALL_M,
 };
+pub use segments::{gemm_grouped_nn, gemm_nn, gemm_segment_tn, gemm_segment_tn_reference};
 
 // ---------------------------------------------------------------------------------------------
 // Device entry points

@@ -1,13 +1,16 @@
 //! The MoE layer on emu/cuda: the inputs widened or narrowed for the GEMMs, the forward's and
-//! backward's launches, the stable sort, the transposes and the per-expert weight gradients.
+//! backward's launches and the stable sort. The backward starts from the forward's saved state
+//! ([`DeviceForward`]); its expert GEMMs are the gemm family's grouped forms reading the
+//! segments and the weights in place (`gemm_grouped_nn`: d(ye) · W2_e, da · W1_e, db · W3_e;
+//! `gemm_segment_tn`: every expert's weight gradient in one launch).
 
 use super::{Inputs, MoeConfig, MoeDims, MoeGradTensors, ScoreFn};
 use crate::device::Backend;
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::launch::{blocks_for, Launch};
 use crate::ops::elementwise::softmax;
-use crate::ops::gemm::{gemm, gemm_grouped};
+use crate::ops::gemm::{gemm, gemm_grouped, gemm_grouped_nn, gemm_nn, gemm_segment_tn};
 use crate::ops::swiglu::{swiglu, swiglu_backward};
 use crate::ops::topk::topk;
 use crate::tensor::Tensor;
@@ -46,6 +49,22 @@ impl<'a> Widened<'a> {
             w3: inp.w3,
             w2: inp.w2,
         })
+    }
+    /// The widened copies, for the saved state (the backward reads them again).
+    pub(super) fn into_widened(self) -> (Option<Tensor>, Option<Tensor>) {
+        (self.x32, self.wr32)
+    }
+    /// The inputs with the widened copies a forward of the same inputs made.
+    pub(super) fn from_saved(inp: &Inputs<'a>, x32: Option<Tensor>, wr32: Option<Tensor>) -> Self {
+        Widened {
+            x32,
+            wr32,
+            x: inp.x,
+            w_router: inp.w_router,
+            w1: inp.w1,
+            w3: inp.w3,
+            w2: inp.w2,
+        }
     }
     /// x as F32.
     fn x(&self) -> &Tensor {
@@ -95,22 +114,47 @@ pub(super) fn widen(backend: &Backend, t: &Tensor) -> Result<Option<Tensor>> {
     Ok(Some(out))
 }
 
-/// The forward's device intermediates (kept for the backward).
-pub(super) struct DeviceForward {
+/// The forward's device intermediates, kept for the backward (`y` and the outputs the caller
+/// takes are moved out by [`super::moe_forward_saved`]; what is left is the saved state).
+pub(crate) struct DeviceForward {
     probs: Tensor,
     kept: Tensor,
     pub(super) idx: Tensor,
     pub(super) gate: Tensor,
     pub(super) offsets: Tensor,
     pos: Tensor,
+    /// x's rows in expert order, in the GEMM dtype.
     xs: Tensor,
+    /// The up-projections x W1^T and x W3^T (f32), SwiGLU's inputs.
     a: Tensor,
     b: Tensor,
+    /// h = silu(a) * b (f32) and, for BF16 inputs, h rounded to BF16 (the W2 GEMM's operand and
+    /// dW2's).
     h: Tensor,
+    h_g: Option<Tensor>,
     ye: Tensor,
     pub(super) y: Tensor,
     pub(super) aux_loss: Tensor,
     aux_coef: Tensor,
+}
+
+impl DeviceForward {
+    /// The caller's [`super::MoeOutput`]: y and the aux loss moved out (the backward reads
+    /// neither), the routing (top-k indices and gates, the segment bounds) copied device to
+    /// device (no launch, no host sync), since the backward reads the state's own.
+    pub(super) fn outputs(&mut self, backend: &Backend) -> Result<super::MoeOutput> {
+        let copy = |t: &Tensor| t.copy_range(backend, 0, t.shape());
+        Ok(super::MoeOutput {
+            y: std::mem::replace(&mut self.y, Tensor::zeros(backend, &[0], DType::F32)?),
+            aux_loss: std::mem::replace(
+                &mut self.aux_loss,
+                Tensor::zeros(backend, &[0], DType::F32)?,
+            ),
+            topk_idx: copy(&self.idx)?,
+            topk_gate: copy(&self.gate)?,
+            offsets: copy(&self.offsets)?,
+        })
+    }
 }
 
 pub(super) fn device_forward(
@@ -224,6 +268,7 @@ pub(super) fn device_forward(
         a,
         b,
         h,
+        h_g,
         ye,
         y,
         aux_loss,
@@ -279,155 +324,18 @@ pub(super) fn device_sort(
     Ok((offsets, perm, pos))
 }
 
-/// The expert segment bounds on the host: the caller's copy (checked against the device's in
-/// debug mode), else a copy of `offsets` (a host sync inside the op).
-fn host_bounds(offsets: &Tensor, given: Option<&[i32]>) -> Result<Vec<i32>> {
-    match given {
-        Some(b) => {
-            if crate::debug::enabled() {
-                let device = offsets.to_vec::<i32>()?;
-                if device != b {
-                    return Err(Error::Invalid(format!(
-                        "`bounds`: the caller's expert segment bounds {b:?} are not the \
-                         routing's {device:?}; pass the offsets of the forward of the same inputs"
-                    )));
-                }
-            }
-            Ok(b.to_vec())
-        }
-        None => offsets.to_vec::<i32>(),
-    }
-}
-
-/// `[batch, rows, cols]` -> `[batch, cols, rows]` on the device (moe_transpose).
-fn device_transpose(
-    backend: &Backend,
-    src: &Tensor,
-    batch: usize,
-    rows: usize,
-    cols: usize,
-) -> Result<Tensor> {
-    let dst = Tensor::poisoned(backend, &[batch, cols, rows], src.dtype())?;
-    let kernel = if src.dtype() == DType::F32 {
-        "moe_transpose"
-    } else {
-        "moe_transpose_bf16"
-    };
-    // 32x32 tiles through shared memory; blockIdx.z is the batch entry (<= E <= 512, or 1).
-    backend.launch(
-        &Launch::new(
-            kernel,
-            [blocks_for(cols, 32), blocks_for(rows, 32), batch as u32],
-            [32, 8, 1],
-        )
-        .arg_tensor(src)
-        .arg_tensor(&dst)
-        .arg_i32(rows as i32)
-        .arg_i32(cols as i32),
-    )?;
-    Ok(dst)
-}
-
-/// out[g] = P_g^T · Q_g per segment (P [N,p], Q [N,q], offsets [G+1]) -> [G,p,q].
-/// [`device_wgrad`] on tensor cores, for BF16 inputs: per expert with tokens, the segment's rows
-/// of P and Q are transposed (and rounded to BF16) into Pt [p,n_e] and Qt [q,n_e]
-/// (`moe_transpose_rows_bf16`), `gemm` gives Pt · Qt^T = P_e^T Q_e [p,q] with K = n_e ascending
-/// in the gemm family's fixed order (no split-K), and `moe_copy` puts it at out[e]. Experts
-/// without tokens get zeros. `bounds` is the host copy of the offsets (E+1 entries).
-fn device_wgrad_mma(
-    backend: &Backend,
-    pm: &Tensor,
-    qm: &Tensor,
-    bounds: &[i32],
-    p: usize,
-    q: usize,
-) -> Result<Tensor> {
-    let groups = bounds.len() - 1;
-    let out = Tensor::zeros(backend, &[groups, p, q], DType::F32)?;
-    let seg_t = |src: &Tensor, cols: usize, r0: usize, n: usize| -> Result<Tensor> {
-        let dst = Tensor::poisoned(backend, &[cols, n], DType::BF16)?;
-        let kernel = if src.dtype() == DType::F32 {
-            "moe_transpose_rows_f32_bf16"
-        } else {
-            "moe_transpose_rows_bf16"
-        };
-        // Rows r0..r0+n of src [N,cols] (within N: the offsets bound them) -> dst [cols,n].
-        backend.launch(
-            &Launch::new(
-                kernel,
-                [blocks_for(cols, 32), blocks_for(n, 32), 1],
-                [32, 8, 1],
-            )
-            .arg_tensor(src)
-            .arg_tensor(&dst)
-            .arg_i32(r0 as i32)
-            .arg_i32(n as i32)
-            .arg_i32(cols as i32),
-        )?;
-        Ok(dst)
-    };
-    for g in 0..groups {
-        let (r0, r1) = (bounds[g] as usize, bounds[g + 1] as usize);
-        if r1 <= r0 {
-            continue;
-        }
-        let pt = seg_t(pm, p, r0, r1 - r0)?;
-        let qt = seg_t(qm, q, r0, r1 - r0)?;
-        let c = gemm(backend, &pt, &qt)?;
-        let m = p * q;
-        // Grid-stride: out[g*m + i] = c[i] for i < m (out holds groups*m elements).
-        backend.launch(
-            &Launch::new("moe_copy", [ew_blocks(m), 1, 1], [THREADS, 1, 1])
-                .arg_tensor(&c)
-                .arg_tensor(&out)
-                .arg_i64((g * m) as i64)
-                .arg_i64(m as i64),
-        )?;
-    }
-    Ok(out)
-}
-
-fn device_wgrad(
-    backend: &Backend,
-    pm: &Tensor,
-    qm: &Tensor,
-    offsets: &Tensor,
-    groups: usize,
-    p: usize,
-    q: usize,
-) -> Result<Tensor> {
-    let out = Tensor::poisoned(backend, &[groups, p, q], DType::F32)?;
-    // 64x64 outputs per 256-thread block, each summed over its segment's rows in ascending
-    // order; blockIdx.z is the segment (<= E). Reads rows offsets[g]..offsets[g+1] (within N,
-    // by construction of offsets) and writes out[g] only.
-    backend.launch(
-        &Launch::new(
-            "moe_segment_wgrad",
-            [blocks_for(q, 64), blocks_for(p, 64), groups as u32],
-            [THREADS, 1, 1],
-        )
-        .arg_tensor(pm)
-        .arg_tensor(qm)
-        .arg_tensor(offsets)
-        .arg_tensor(&out)
-        .arg_i32(p as i32)
-        .arg_i32(q as i32),
-    )?;
-    Ok(out)
-}
-
+/// The backward from the forward's saved state `s` (of the same inputs: the caller checks).
 pub(super) fn device_backward(
     backend: &Backend,
     w: &Widened<'_>,
+    s: &DeviceForward,
     dy: &Tensor,
     dims: MoeDims,
     cfg: MoeConfig,
-    bounds: Option<&[i32]>,
 ) -> Result<MoeGradTensors> {
-    let MoeDims { t, d, f, e } = dims;
+    let MoeDims { t, d, e, .. } = dims;
     let k = cfg.k;
     let n = t * k;
-    let s = device_forward(backend, w, dims, cfg)?;
 
     // Combine backward: dye [N,d] and dgate [T,k].
     let dye = Tensor::poisoned(backend, &[n, d], DType::F32)?;
@@ -451,33 +359,22 @@ pub(super) fn device_backward(
         .arg_i32(k as i32),
     )?;
 
-    // Expert FFN backward.
     // Expert FFN backward: the GEMM operands in the GEMM dtype (d(ye), da, db rounded to BF16
-    // for BF16 inputs), the weight gradients from the f32 activations.
+    // for BF16 inputs), the weights read in place as [K,N] (W2_e [d,f], W1_e and W3_e [f,d]),
+    // the weight gradients over each expert's segment of rows, all experts in one launch each.
     let gd = w.gemm_dtype();
-    let w2t = device_transpose(backend, w.w2, e, d, f)?; // [E,f,d]
     let dye_g = narrow(backend, &dye, gd)?;
-    let dh = gemm_grouped(backend, dye_g.as_ref().unwrap_or(&dye), &w2t, &s.offsets)?;
+    let dye_g = dye_g.as_ref().unwrap_or(&dye);
+    let dh = gemm_grouped_nn(backend, dye_g, w.w2, &s.offsets)?;
     let (da, db) = swiglu_backward(backend, &s.a, &s.b, &dh)?;
-    let w1t = device_transpose(backend, w.w1, e, f, d)?; // [E,d,f]
-    let w3t = device_transpose(backend, w.w3, e, f, d)?;
     let (da_g, db_g) = (narrow(backend, &da, gd)?, narrow(backend, &db, gd)?);
-    let dxa = gemm_grouped(backend, da_g.as_ref().unwrap_or(&da), &w1t, &s.offsets)?;
-    let dxb = gemm_grouped(backend, db_g.as_ref().unwrap_or(&db), &w3t, &s.offsets)?;
-    let (dw2, dw1, dw3) = if gd == DType::F32 {
-        (
-            device_wgrad(backend, &dye, &s.h, &s.offsets, e, d, f)?,
-            device_wgrad(backend, &da, &s.xs, &s.offsets, e, f, d)?,
-            device_wgrad(backend, &db, &s.xs, &s.offsets, e, f, d)?,
-        )
-    } else {
-        let bounds = host_bounds(&s.offsets, bounds)?;
-        (
-            device_wgrad_mma(backend, &dye, &s.h, &bounds, d, f)?,
-            device_wgrad_mma(backend, &da, &s.xs, &bounds, f, d)?,
-            device_wgrad_mma(backend, &db, &s.xs, &bounds, f, d)?,
-        )
-    };
+    let (da_g, db_g) = (da_g.as_ref().unwrap_or(&da), db_g.as_ref().unwrap_or(&db));
+    let dxa = gemm_grouped_nn(backend, da_g, w.w1, &s.offsets)?;
+    let dxb = gemm_grouped_nn(backend, db_g, w.w3, &s.offsets)?;
+    let h_g = s.h_g.as_ref().unwrap_or(&s.h);
+    let dw2 = gemm_segment_tn(backend, dye_g, h_g, &s.offsets)?;
+    let dw1 = gemm_segment_tn(backend, da_g, &s.xs, &s.offsets)?;
+    let dw3 = gemm_segment_tn(backend, db_g, &s.xs, &s.offsets)?;
 
     // Router backward.
     let dlogits = Tensor::poisoned(backend, &[t, e], DType::F32)?;
@@ -504,10 +401,10 @@ pub(super) fn device_backward(
         })
         .arg_i32((cfg.aux_alpha != 0.0) as i32),
     )?;
-    let wrt = device_transpose(backend, w.w_router(), 1, e, d)?.reshape(&[d, e])?;
-    let dx_router = gemm(backend, &dlogits, &wrt)?;
+    // dx_router = dlogits · W_r and dW_r = dlogits^T x: one group of all T rows, in f32.
+    let dx_router = gemm_nn(backend, &dlogits, w.w_router())?;
     let whole = Tensor::from_slice(backend, &[2], &[0i32, t as i32])?;
-    let dw_router = device_wgrad(backend, &dlogits, w.x(), &whole, 1, e, d)?.reshape(&[e, d])?;
+    let dw_router = gemm_segment_tn(backend, &dlogits, w.x(), &whole)?.reshape(&[e, d])?;
 
     let dx = Tensor::poisoned(backend, &[t, d], DType::F32)?;
     // Grid-stride over t*d: dx[t,c] = dx_router[t,c] + sum_j (dxa + dxb)[pos[t,j], c].

@@ -69,7 +69,7 @@ use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-use device::{device_backward, device_forward, device_sort, widen, Widened};
+use device::{device_backward, device_forward, device_sort, widen, DeviceForward, Widened};
 use reference::{backward_with_state, forward_state, ForwardState};
 
 // ---------------------------------------------------------------------------------------------
@@ -280,9 +280,7 @@ pub struct MoeOutput {
     /// [1] F32: the load-balancing loss (0 when `aux_alpha` is 0).
     pub aux_loss: Tensor,
     /// [E+1] I32: the expert segment bounds of the stable sort (expert e owns sorted slots
-    /// offsets[e]..offsets[e+1]). The bf16 backward on a device needs them on the host; a
-    /// caller that copies them down with its own results passes them to
-    /// [`moe_backward_bounded`], so the op makes no copy of its own.
+    /// offsets[e]..offsets[e+1]).
     pub offsets: Tensor,
 }
 
@@ -295,15 +293,29 @@ pub struct MoeGradTensors {
     pub dw2: Tensor,
 }
 
-/// What the CPU forward computed (routing, the expert-sorted rows, every expert activation),
-/// kept by [`moe_forward_saved`] so that [`moe_backward_saved`] need not recompute it: the
-/// backward's recomputation of the forward was about a sixth of a training step's FLOPs.
-/// Opaque; only the `cpu` device makes one.
+/// What the forward computed (routing, the expert-sorted rows, every expert activation), kept
+/// by [`moe_forward_saved`] so that [`moe_backward_saved`] need not recompute it: the
+/// backward's recomputation of the forward was a third of the backward's FLOPs. Opaque; it
+/// lives on the device that made it.
 pub struct MoeSaved {
-    /// Boxed: the state is a dozen vectors, and the model keeps one per layer in an enum.
-    state: Box<ForwardState>,
+    state: SavedState,
     dims: MoeDims,
     cfg: MoeConfig,
+    /// Whether the expert GEMMs' operands were BF16.
+    bf16: bool,
+}
+
+/// Boxed: the state is a dozen vectors or tensors, and the model keeps one per layer.
+enum SavedState {
+    Cpu(Box<ForwardState>),
+    Device(Box<DeviceSaved>),
+}
+
+/// The device intermediates, and x and W_r widened to F32 where they were BF16.
+struct DeviceSaved {
+    fwd: DeviceForward,
+    x32: Option<Tensor>,
+    wr32: Option<Tensor>,
 }
 
 /// The MoE layer forward on any device (see the module documentation).
@@ -317,10 +329,23 @@ pub fn moe_forward(
     w2: &Tensor,
     cfg: MoeConfig,
 ) -> Result<MoeOutput> {
-    Ok(moe_forward_saved(backend, x, w_router, w1, w3, w2, cfg)?.0)
+    if let Backend::Cpu = backend {
+        return Ok(moe_forward_saved(backend, x, w_router, w1, w3, w2, cfg)?.0);
+    }
+    // No state kept: the outputs are moved out of the intermediates, nothing copied.
+    let inp = check_inputs(backend, x, w_router, w1, w3, w2, None, cfg)?;
+    let w = Widened::new(backend, &inp)?;
+    let s = device_forward(backend, &w, inp.dims, cfg)?;
+    Ok(MoeOutput {
+        y: s.y,
+        topk_idx: s.idx,
+        topk_gate: s.gate,
+        aux_loss: s.aux_loss,
+        offsets: s.offsets,
+    })
 }
 
-/// [`moe_forward`], also returning (on `cpu`) the state [`moe_backward_saved`] takes.
+/// [`moe_forward`], also returning the state [`moe_backward_saved`] takes.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_forward_saved(
     backend: &Backend,
@@ -330,7 +355,7 @@ pub fn moe_forward_saved(
     w3: &Tensor,
     w2: &Tensor,
     cfg: MoeConfig,
-) -> Result<(MoeOutput, Option<MoeSaved>)> {
+) -> Result<(MoeOutput, MoeSaved)> {
     let inp = check_inputs(backend, x, w_router, w1, w3, w2, None, cfg)?;
     let MoeDims { t, d, .. } = inp.dims;
     let k = cfg.k;
@@ -369,28 +394,31 @@ pub fn moe_forward_saved(
             offsets: Tensor::from_slice(backend, &[r.offsets.len()], &r.offsets)?,
         };
         let saved = MoeSaved {
-            state: Box::new(state),
+            state: SavedState::Cpu(Box::new(state)),
             dims: inp.dims,
             cfg,
+            bf16,
         };
-        return Ok((out, Some(saved)));
+        return Ok((out, saved));
     }
     let w = Widened::new(backend, &inp)?;
-    let s = device_forward(backend, &w, inp.dims, cfg)?;
+    let mut s = device_forward(backend, &w, inp.dims, cfg)?;
+    let out = s.outputs(backend)?;
+    let (x32, wr32) = w.into_widened();
     Ok((
-        MoeOutput {
-            y: s.y,
-            topk_idx: s.idx,
-            topk_gate: s.gate,
-            aux_loss: s.aux_loss,
-            offsets: s.offsets,
+        out,
+        MoeSaved {
+            state: SavedState::Device(Box::new(DeviceSaved { fwd: s, x32, wr32 })),
+            dims: inp.dims,
+            cfg,
+            bf16: x.dtype() == DType::BF16,
         },
-        None,
     ))
 }
 
 /// The MoE layer backward on any device: gradients of sum(dy * y) with respect to x and the
-/// weights (see the module documentation). Recomputes the forward.
+/// weights (see the module documentation). Recomputes the forward: a caller that ran it keeps
+/// its state and calls [`moe_backward_saved`].
 #[allow(clippy::too_many_arguments)]
 pub fn moe_backward(
     backend: &Backend,
@@ -406,9 +434,10 @@ pub fn moe_backward(
 }
 
 /// [`moe_backward`] from the state of the forward of the SAME inputs (`saved`, from
-/// [`moe_forward_saved`] on `cpu`) instead of recomputing it; the gradients are the same bits
-/// (the forward is deterministic). A state of other sizes or parameters is an error; `None`
-/// recomputes.
+/// [`moe_forward_saved`] on the same device) instead of recomputing it; the gradients are the
+/// same bits (the forward is deterministic). A state of other sizes, parameters, dtype or
+/// device is an error; `None` recomputes. The state holds the forward's activations, not the
+/// inputs: the caller must pass the inputs it ran the forward on.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_backward_saved(
     backend: &Backend,
@@ -421,40 +450,27 @@ pub fn moe_backward_saved(
     cfg: MoeConfig,
     saved: Option<MoeSaved>,
 ) -> Result<MoeGradTensors> {
-    moe_backward_bounded(backend, x, w_router, w1, w3, w2, dy, cfg, saved, None)
-}
-
-/// [`moe_backward_saved`] with the routing's expert segment bounds in host memory (`bounds`:
-/// the [`MoeOutput::offsets`] of the forward of the same inputs, copied down by the caller),
-/// which the bf16 backward on a device needs to shape its per-expert weight-gradient GEMMs;
-/// with `None` it copies them down itself (a host sync). In debug mode ([`crate::debug`]) the
-/// given bounds are checked against the device's (an error names `bounds`); otherwise they are
-/// trusted. Ignored on `cpu` and for F32 inputs, which need no host copy.
-#[allow(clippy::too_many_arguments)]
-pub fn moe_backward_bounded(
-    backend: &Backend,
-    x: &Tensor,
-    w_router: &Tensor,
-    w1: &Tensor,
-    w3: &Tensor,
-    w2: &Tensor,
-    dy: &Tensor,
-    cfg: MoeConfig,
-    saved: Option<MoeSaved>,
-    bounds: Option<&[i32]>,
-) -> Result<MoeGradTensors> {
     let inp = check_inputs(backend, x, w_router, w1, w3, w2, Some(dy), cfg)?;
     let MoeDims { t, d, f, e } = inp.dims;
+    let bf16 = x.dtype() == DType::BF16;
     if let Some(s) = &saved {
-        if s.dims != inp.dims || s.cfg != cfg || s.state.bf16 != (x.dtype() == DType::BF16) {
+        if s.dims != inp.dims || s.cfg != cfg || s.bf16 != bf16 {
             return Err(Error::Invalid(format!(
                 "moe_backward_saved: the saved forward state is of {:?} / {:?} (bf16 operands: \
                  {}), the call of {:?} / {cfg:?} with {} inputs",
                 s.dims,
                 s.cfg,
-                s.state.bf16,
+                s.bf16,
                 inp.dims,
                 x.dtype()
+            )));
+        }
+        let on_cpu = matches!(backend, Backend::Cpu);
+        if on_cpu != matches!(s.state, SavedState::Cpu(_)) {
+            return Err(Error::Invalid(format!(
+                "moe_backward_saved: the saved forward state was made on another device than \
+                 {}; run the forward and the backward on the same device",
+                backend.device()
             )));
         }
     }
@@ -467,18 +483,10 @@ pub fn moe_backward_bounded(
             w2.f32_data()?,
             dy.f32_data()?,
         );
-        let state = match saved {
-            Some(s) => s.state,
-            None => Box::new(forward_state(
-                &xs,
-                &wr,
-                &w1s,
-                &w3s,
-                &w2s,
-                inp.dims,
-                cfg,
-                None,
-                x.dtype() == DType::BF16,
+        let state = match saved.map(|s| s.state) {
+            Some(SavedState::Cpu(state)) => state,
+            _ => Box::new(forward_state(
+                &xs, &wr, &w1s, &w3s, &w2s, inp.dims, cfg, None, bf16,
             )),
         };
         let g = backward_with_state(&state, &xs, &wr, &w1s, &w3s, &w2s, &dys, inp.dims, cfg);
@@ -490,19 +498,20 @@ pub fn moe_backward_bounded(
             dw2: Tensor::from_f32_vec(backend, &[e, d, f], g.dw2)?,
         });
     }
-    let w = Widened::new(backend, &inp)?;
+    let (w, state) = match saved.map(|s| s.state) {
+        Some(SavedState::Device(saved)) => {
+            let DeviceSaved { fwd, x32, wr32 } = *saved;
+            (Widened::from_saved(&inp, x32, wr32), fwd)
+        }
+        _ => {
+            let w = Widened::new(backend, &inp)?;
+            let fwd = device_forward(backend, &w, inp.dims, cfg)?;
+            (w, fwd)
+        }
+    };
     let dyw = widen(backend, dy)?;
     let dy = dyw.as_ref().unwrap_or(dy);
-    if let Some(b) = bounds {
-        if b.len() != e + 1 {
-            return Err(Error::Invalid(format!(
-                "`bounds`: {} entries given; the routing of E = {e} experts has E+1 = {}",
-                b.len(),
-                e + 1
-            )));
-        }
-    }
-    device_backward(backend, &w, dy, inp.dims, cfg, bounds)
+    device_backward(backend, &w, &state, dy, inp.dims, cfg)
 }
 /// The stable counting sort of token-slots by expert on any device: `idx` [T,k] I32 with every
 /// entry in [0, E) -> (offsets [E+1], perm [T*k], pos [T*k]), all I32, as

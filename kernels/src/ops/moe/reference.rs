@@ -4,6 +4,7 @@
 
 use super::routing::{route, router_backward, MoeRouting};
 use super::{Inputs, MoeConfig, MoeDims};
+use crate::ops::block_reduce::warp_dot_fma;
 use crate::ops::gemm::{
     gemm_chain_into, gemm_chain_strided_into, gemm_packed_into, gemm_reference_into,
     gemm_strided_into, small_rows_rhs, PackedB, BF16_PACKED_MAX_K,
@@ -395,7 +396,8 @@ pub(super) fn backward_with_state(
     let r = &s.routing;
 
     // Combine backward: d(ye)[pos] = gate * dy[t]; dgate[t,j] = dy[t] . ye[pos] (by sorted
-    // position, then scattered to the slots).
+    // position, then scattered to the slots), in the kernel's order: 32 lane-strided FMA
+    // chains, then the warp's xor butterfly.
     let mut dye = vec![0.0f32; n * d];
     let mut dgate_sorted = vec![0.0f32; n];
     par::rows2_mut(
@@ -409,12 +411,11 @@ pub(super) fn backward_with_state(
             let tok = slot / k;
             let g = r.gate[slot];
             let dyr = &dy[tok * d..(tok + 1) * d];
-            let mut dot = 0.0f32;
-            for ((o, &dv), &yv) in dyer.iter_mut().zip(dyr).zip(&s.ye[p * d..(p + 1) * d]) {
+            for (o, &dv) in dyer.iter_mut().zip(dyr) {
                 *o = g * dv;
-                dot += dv * yv;
             }
-            dg[0] = dot;
+            // moe_combine_backward's warp-per-slot dot.
+            dg[0] = warp_dot_fma(dyr, &s.ye[p * d..(p + 1) * d]);
         },
     );
     let mut dgate = vec![0.0f32; n];

@@ -128,10 +128,11 @@ fn moe_strata(kernel: &str) -> Strata {
     ];
     if FULL.iter().any(|p| kernel.starts_with(p)) {
         Strata::Full
+    } else if kernel.ends_with("segment_tn") {
+        // The weight gradients: blockIdx.z is the expert, whose K is its token count.
+        Strata::Axis(2)
     } else if kernel.starts_with("gemm_") {
         Strata::Axis(0)
-    } else if kernel == "moe_segment_wgrad" {
-        Strata::Axis(2)
     } else {
         Strata::Uniform
     }
