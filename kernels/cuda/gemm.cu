@@ -9,6 +9,7 @@
 //   gemm_bf16_mma_epilogue  the same main loop with an epilogue: v = fmaf(beta, E, alpha acc)
 //                    written as f32 and/or bf16, as is and/or transposed (newton_schulz's steps;
 //                    gemm::Epilogue below).
+//   gemm_bf16_mma_swiglu  the same with the SwiGLU epilogue: b f32 and bf16(silu(a) * b).
 //   gemm_f32_nn, gemm_bf16_mma_nn  the same with B [K,N] row-major, read in place (C = A . B;
 //                    the MoE backward's d(ye) . W2_e and da . W1_e: no transposed weight copies).
 //   gemm_f32_segment_tn, gemm_bf16_mma_segment_tn  out[g] = P_g^T . Q_g over the row segments
@@ -32,6 +33,7 @@
 // and wherever its row sits; rows outside the matrix and k past K are loaded as zeros, and the
 // zero padding of K depends on K alone. So row i of C is bit-identical for any M.
 
+#include <math.h>
 #include <stdint.h>
 #include <cuda_bf16.h>
 
@@ -228,6 +230,12 @@ __device__ __forceinline__ uint4 load8(const __nv_bfloat16* base, int r, int r_e
 // by stride_c per batch entry, c_t and c_bt too (they hold the same M*N elements transposed).
 // The default (alpha 1, beta 0, no E, c only) is the plain GEMM's result, but the plain kernel
 // keeps its own direct stores: `Epilogue` is only instantiated for the epilogue kernel.
+//
+// The SwiGLU form (gemm_bf16_mma_swiglu, the MoE forward's second up-projection): with
+// swiglu_a set, v is b = the product, and h_b[idx] = bf16(silu(a) * b) with a = swiglu_a[idx]
+// (f32, the first up-projection), computed as swiglu.cu computes it (s = 1 / (1 + expf(-a)),
+// a * s * b) and rounded as moe_narrow_bf16 rounds: the bits of GEMM, swiglu and narrowing run
+// one after the other, without h's f32 round trip through memory.
 struct Epilogue {
     const float* e;
     float* c_t;
@@ -235,6 +243,8 @@ struct Epilogue {
     __nv_bfloat16* c_bt;
     float alpha;
     float beta;
+    const float* swiglu_a;
+    __nv_bfloat16* h_b;
 };
 
 // The epilogue's staging slab: 32 rows of the 128x128 tile in f32 (16 KB, reusing the A stages'
@@ -297,6 +307,11 @@ __device__ __forceinline__ void epilogue_store(const float (&acc)[4][4][4], floa
             if (ep.e != nullptr) v = fmaf(ep.beta, ep.e[idx], v);
             if (c != nullptr) c[idx] = v;
             if (ep.c_b != nullptr) ep.c_b[idx] = __float2bfloat16_rn(v);
+            if (ep.swiglu_a != nullptr) {
+                const float av = ep.swiglu_a[idx];
+                const float s = 1.0f / (1.0f + expf(-av));
+                ep.h_b[idx] = __float2bfloat16_rn(av * s * v);
+            }
             if (transposed) slab[slab_at(lr, lc)] = v;  // for the transposed pass
         }
         if (transposed) {  // uniform across the block
@@ -464,7 +479,7 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16_mma(
     float* __restrict__ c, const int* __restrict__ offsets, int rows, int n, int k, int groups,
     long long stride_a, long long stride_b, long long stride_c) {
     gemm::mma_gemm<false>(a, b, c, offsets, rows, n, k, groups, stride_a, stride_b, stride_c,
-                          gemm::Epilogue{nullptr, nullptr, nullptr, nullptr, 1.0f, 0.0f});
+                          gemm::Epilogue{nullptr, nullptr, nullptr, nullptr, 1.0f, 0.0f, nullptr, nullptr});
 }
 
 // gemm_bf16_mma with B [K,N] row-major (per batch entry or group): C = A . B.
@@ -474,7 +489,7 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16_mma_nn(
     long long stride_a, long long stride_b, long long stride_c) {
     gemm::mma_gemm<false, true>(a, b, c, offsets, rows, n, k, groups, stride_a, stride_b,
                                 stride_c,
-                                gemm::Epilogue{nullptr, nullptr, nullptr, nullptr, 1.0f, 0.0f});
+                                gemm::Epilogue{nullptr, nullptr, nullptr, nullptr, 1.0f, 0.0f, nullptr, nullptr});
 }
 
 // gemm_f32_segment_tn: out[g, i, j] = sum_{r in segment g, ascending} P[r, i] * Q[r, j] for
@@ -700,5 +715,18 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16_mma_epilogue(
     float* __restrict__ c_t, __nv_bfloat16* __restrict__ c_b, __nv_bfloat16* __restrict__ c_bt,
     float alpha, float beta) {
     gemm::mma_gemm<true>(a, b, c, offsets, rows, n, k, groups, stride_a, stride_b, stride_c,
-                         gemm::Epilogue{e, c_t, c_b, c_bt, alpha, beta});
+                         gemm::Epilogue{e, c_t, c_b, c_bt, alpha, beta, nullptr, nullptr});
+}
+
+// gemm_bf16_mma with the SwiGLU epilogue (gemm::Epilogue above): the common signature, then
+// swiglu_a (f32, as c) and h_b (bf16, as c). `c` (b in f32, which the backward keeps) may be
+// null. Outputs must not overlap the inputs.
+extern "C" __global__ void __launch_bounds__(256) gemm_bf16_mma_swiglu(
+    const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
+    float* __restrict__ c, const int* __restrict__ offsets, int rows, int n, int k, int groups,
+    long long stride_a, long long stride_b, long long stride_c,
+    const float* __restrict__ swiglu_a, __nv_bfloat16* __restrict__ h_b) {
+    gemm::mma_gemm<true>(a, b, c, offsets, rows, n, k, groups, stride_a, stride_b, stride_c,
+                         gemm::Epilogue{nullptr, nullptr, nullptr, nullptr, 1.0f, 0.0f,
+                                        swiglu_a, h_b});
 }

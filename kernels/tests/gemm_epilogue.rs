@@ -7,20 +7,25 @@
 //! - emu against the unfused composition on emu (the plain `gemm_batched`, then the combine
 //!   formula on the host): the bits the removed `newton_schulz_combine_bf16` produced;
 //! - the identity epilogue against the plain GEMM, bit for bit;
+//! - the grouped SwiGLU form (`gemm_grouped_swiglu`): emu against cpu and against the unfused
+//!   grouped GEMM, `swiglu` and rounding on emu, bit for bit, ragged segments;
 //! - bad input.
 //!
 //! Outputs are allocated poisoned (NaN) and every element is compared, so a missed element
 //! fails.
 
 use half::bf16;
-use sluice_kernels::ops::gemm::{gemm_batched_with_path, GemmPath};
+use sluice_kernels::ops::gemm::{gemm_batched_with_path, gemm_grouped_with_path, GemmPath};
+use sluice_kernels::ops::swiglu::swiglu;
 
 /// The plain GEMM on the path the epilogue kernel shares its main loop with (mma.sync), whatever
 /// `SLUICE_GEMM_PATH` says.
 fn gemm_batched(backend: &Backend, a: &Tensor, b: &Tensor) -> sluice_kernels::Result<Tensor> {
     gemm_batched_with_path(backend, a, b, GemmPath::Mma)
 }
-use sluice_kernels::ops::gemm_epilogue::{gemm_batched_epilogue, GemmEpilogue};
+use sluice_kernels::ops::gemm_epilogue::{
+    gemm_batched_epilogue, gemm_grouped_swiglu, GemmEpilogue,
+};
 use sluice_kernels::testing::Rng;
 use sluice_kernels::{Backend, DType, Error, Tensor};
 
@@ -298,4 +303,99 @@ fn cuda_matches_cpu_and_repeats() {
         bits(&plain),
         "cuda identity"
     );
+}
+
+#[test]
+fn the_swiglu_epilogue_has_the_unfused_bits_on_emu_and_cpu() {
+    let emu = Backend::emu_with_seed(3);
+    let mut rng = Rng::new(61);
+    let mut checked = 0;
+    // (T, K, N, offsets): ragged segments, an empty one, partial tiles and 32-row slabs.
+    for (t, k, n, off) in [
+        (1usize, 16usize, 17usize, vec![0, 1]),
+        (17, 40, 24, vec![0, 0, 9, 17]),
+        (130, 24, 127, vec![0, 127, 127, 130]),
+    ] {
+        let g = off.len() - 1;
+        let av: Vec<f32> = rng.normal_vec(t * k, 1.0);
+        let bv: Vec<f32> = rng.normal_vec(g * n * k, 0.3);
+        let gate: Vec<f32> = rng.normal_vec(t * n, 2.0);
+        let mut outs = Vec::new();
+        for b in [&Backend::Cpu, &emu] {
+            let a = Tensor::from_f32_as(b, &[t, k], DType::BF16, &av).unwrap();
+            let w = Tensor::from_f32_as(b, &[g, n, k], DType::BF16, &bv).unwrap();
+            let o = Tensor::from_slice(b, &[g + 1], &off).unwrap();
+            let gt = Tensor::from_slice(b, &[t, n], &gate).unwrap();
+            let (prod, h) = gemm_grouped_swiglu(b, &a, &w, &o, &gt).unwrap();
+            let (prod, h) = (prod.to_vec::<f32>().unwrap(), h.to_vec::<bf16>().unwrap());
+            // The unfused chain on the same device: grouped GEMM (mma.sync), swiglu, rounding.
+            let plain = gemm_grouped_with_path(b, &a, &w, &o, GemmPath::Mma).unwrap();
+            let h32 = swiglu(b, &gt, &plain).unwrap().to_vec::<f32>().unwrap();
+            let want_h: Vec<u16> = h32.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
+            let label = format!("{} T {t} K {k} N {n} {off:?}", b.device());
+            assert_eq!(
+                bits(&prod),
+                bits(&plain.to_vec::<f32>().unwrap()),
+                "{label}: b"
+            );
+            let got_h: Vec<u16> = h.iter().map(|x| x.to_bits()).collect();
+            assert_eq!(got_h, want_h, "{label}: h");
+            assert!(got_h.iter().any(|&x| x != 0), "{label}: h is all zeros");
+            outs.push((bits(&prod), got_h));
+        }
+        assert_eq!(outs[0], outs[1], "T {t} K {k} N {n}: emu != cpu");
+        checked += 1;
+    }
+    assert_eq!(checked, 3);
+    // Bad input names the tensor.
+    let cpu = Backend::Cpu;
+    let a = Tensor::zeros(&cpu, &[4, 8], DType::BF16).unwrap();
+    let w = Tensor::zeros(&cpu, &[1, 5, 8], DType::BF16).unwrap();
+    let o = Tensor::from_slice(&cpu, &[2], &[0i32, 4]).unwrap();
+    let bad_gate = Tensor::zeros(&cpu, &[4, 6], DType::F32).unwrap();
+    let Err(e) = gemm_grouped_swiglu(&cpu, &a, &w, &o, &bad_gate) else {
+        panic!("a gate of the wrong shape is an error")
+    };
+    assert!(e.to_string().contains("gate"), "{e}");
+}
+
+/// Where a GPU exists: the SwiGLU form against the cpu by relative norm (tensor cores sum a k16
+/// step in their own order), and two runs with the same bits. Says it skipped without one.
+#[test]
+fn cuda_swiglu_epilogue_matches_cpu_and_repeats() {
+    let Some(gpu) = sluice_kernels::device::cuda_for_tests("gemm_epilogue::cuda_swiglu") else {
+        return;
+    };
+    use sluice_kernels::testing::{rel_norm, BF16_TOL};
+    let mut rng = Rng::new(67);
+    let (t, k, n, off) = (700usize, 264usize, 136usize, [0i32, 1, 1, 517, 700]);
+    let av = rng.normal_vec(t * k, 1.0);
+    let bv = rng.normal_vec(4 * n * k, 0.1);
+    let gate = rng.normal_vec(t * n, 2.0);
+    let run = |b: &Backend| {
+        let a = Tensor::from_f32_as(b, &[t, k], DType::BF16, &av).unwrap();
+        let w = Tensor::from_f32_as(b, &[4, n, k], DType::BF16, &bv).unwrap();
+        let o = Tensor::from_slice(b, &[5], &off).unwrap();
+        let gt = Tensor::from_slice(b, &[t, n], &gate).unwrap();
+        let (prod, h) = gemm_grouped_swiglu(b, &a, &w, &o, &gt).unwrap();
+        let h: Vec<f32> = h
+            .to_vec::<bf16>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_f32())
+            .collect();
+        (prod.to_vec::<f32>().unwrap(), h)
+    };
+    let want = run(&Backend::Cpu);
+    let got = run(&gpu);
+    let again = run(&gpu);
+    for (name, g, a, w) in [
+        ("b", &got.0, &again.0, &want.0),
+        ("h", &got.1, &again.1, &want.1),
+    ] {
+        let w64: Vec<f64> = w.iter().map(|&v| v as f64).collect();
+        let err = rel_norm(g, &w64);
+        assert!(err < BF16_TOL, "cuda {name}: relative norm {err:e}");
+        assert_eq!(bits(g), bits(a), "cuda {name}: two runs");
+    }
 }

@@ -17,12 +17,17 @@
 //! `cpu` runs the bf16 chain ([`gemm_chain_into`], the emulated mma.sync's order) and the same
 //! formula, so cpu and emu agree bit for bit.
 //!
+//! [`gemm_grouped_swiglu`] is the grouped form with the SwiGLU epilogue (the MoE forward's
+//! second up-projection): b = A · W3_g^T in f32 and h = bf16(silu(a) * b) for a given f32 `a`,
+//! with the bits of `gemm_grouped`, `swiglu` and the bf16 narrowing run one after the other.
+//!
 //! Bits: `acc` is the value the plain GEMM writes (same main loop), and the formula is the one
 //! the removed `newton_schulz_combine_bf16` kernel applied to it, so a fused result has the bits
 //! of the GEMM followed by that combine. [`GemmEpilogue::identity`] gives the plain GEMM's bits
 //! (1 * acc is acc); plain callers keep `gemm_bf16_mma` and its launch as they were.
 
-use super::gemm::{check_grid_y, gemm_chain_into};
+use super::gemm::{check_grid_y, gemm_chain_into, gemm_grouped_with_path, GemmPath};
+use super::swiglu::swiglu_reference_into;
 use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -200,6 +205,97 @@ pub fn gemm_batched_epilogue(
         };
     }
     backend.launch(&launch.arg_f32(ep.alpha).arg_f32(ep.beta))
+}
+
+/// Grouped (the MoE form, as [`super::gemm::gemm_grouped`]: rows `offsets[g]..offsets[g+1]`
+/// of `a` [T,K] times `b_stack[g]` [N,K]^T, both BF16) with the SwiGLU epilogue: returns
+/// (b [T,N] F32, h [T,N] BF16) where b is the product and h = bf16(silu(gate) * b) for `gate`
+/// [T,N] F32 (silu(x) = x / (1 + e^-x) as the swiglu family computes it). One launch of
+/// `gemm_bf16_mma_swiglu` on emu/cuda (mma.sync whatever `SLUICE_GEMM_PATH` says: the wgmma
+/// kernel has no epilogue); on cpu the grouped GEMM, the swiglu reference and the rounding, which
+/// is what the kernel's bits are (tested: kernels/tests/gemm_epilogue.rs).
+pub fn gemm_grouped_swiglu(
+    backend: &Backend,
+    a: &Tensor,
+    b_stack: &Tensor,
+    offsets: &Tensor,
+    gate: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    a.expect_dtype("a", DType::BF16)?;
+    b_stack.expect_dtype("b_stack", DType::BF16)?;
+    a.expect_rank("a", 2, "[T,K]")?;
+    let (rows, k) = (a.shape()[0], a.shape()[1]);
+    let n = match b_stack.shape() {
+        [_, n, bk] if *bk == k => *n,
+        other => {
+            return Err(Error::shape(
+                "b_stack",
+                format!("[G,N,{k}] (K from `a`)"),
+                other,
+            ))
+        }
+    };
+    gate.expect_dtype("gate", DType::F32)?;
+    if gate.shape() != [rows, n] {
+        return Err(Error::shape(
+            "gate",
+            format!("[{rows},{n}] (T from `a`, N from `b_stack`)"),
+            gate.shape(),
+        ));
+    }
+    if let Backend::Cpu = backend {
+        let b = gemm_grouped_with_path(backend, a, b_stack, offsets, GemmPath::Mma)?;
+        let mut h = vec![0.0f32; rows * n];
+        swiglu_reference_into(&gate.f32_data()?, &b.f32_data()?, &mut h)?;
+        let h: Vec<bf16> = h.iter().map(|&x| bf16::from_f32(x)).collect();
+        return Ok((b, Tensor::from_slice(backend, &[rows, n], &h)?));
+    }
+    // The offsets' checks and the grid are gemm_grouped's; a zero-row call returns at once.
+    offsets.expect_dtype("offsets", DType::I32)?;
+    offsets.expect_rank("offsets", 1, "[G+1]")?;
+    let groups = offsets.shape()[0].saturating_sub(1);
+    if b_stack.shape()[0] != groups {
+        return Err(Error::shape(
+            "b_stack",
+            format!("[{groups},N,{k}] (G from `offsets`)"),
+            b_stack.shape(),
+        ));
+    }
+    if crate::debug::reads_back(offsets) {
+        super::gemm::check_grouped_offsets(&offsets.to_vec::<i32>()?, rows)?;
+    }
+    let b = Tensor::poisoned(backend, &[rows, n], DType::F32)?;
+    let h = Tensor::poisoned(backend, &[rows, n], DType::BF16)?;
+    if rows * n == 0 {
+        return Ok((b, h));
+    }
+    let row_tiles = rows.div_ceil(BLOCK_M) + groups;
+    if row_tiles > i32::MAX as usize || [rows, n, k].iter().any(|&v| v > i32::MAX as usize) {
+        return Err(Error::Invalid(format!(
+            "gemm_grouped_swiglu: T = {rows}, N = {n}, K = {k} exceed the kernel's 32-bit ranges"
+        )));
+    }
+    let grid = [row_tiles as u32, blocks_for(n, BLOCK_N), 1];
+    check_grid_y(grid[1], n)?;
+    // Row tiles of every segment in order (the surplus blocks exit), as gemm_grouped; each
+    // block writes its tile's rows of b and h, reading the same elements of gate.
+    backend.launch(
+        &Launch::new("gemm_bf16_mma_swiglu", grid, [THREADS, 1, 1])
+            .arg_tensor(a)
+            .arg_tensor(b_stack)
+            .arg_tensor(&b)
+            .arg_tensor(offsets)
+            .arg_i32(rows as i32)
+            .arg_i32(n as i32)
+            .arg_i32(k as i32)
+            .arg_i32(groups as i32)
+            .arg_i64(0)
+            .arg_i64((n * k) as i64)
+            .arg_i64(0)
+            .arg_tensor(gate)
+            .arg_tensor(&h),
+    )?;
+    Ok((b, h))
 }
 
 /// The cpu device: the bf16 chain per batch entry, then the epilogue element by element.

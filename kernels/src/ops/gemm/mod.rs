@@ -479,6 +479,12 @@ pub fn gemm_grouped_with_path(
     }
 }
 
+/// The grouped offsets' checks (0 first, non-decreasing, `rows` last) for the family's other
+/// grouped entry points (gemm_epilogue's SwiGLU form).
+pub(crate) fn check_grouped_offsets(offsets: &[i32], rows: usize) -> Result<Vec<usize>> {
+    check_offsets(offsets, Some(rows))
+}
+
 pub(crate) fn check_grid_y(y: u32, n: usize) -> Result<()> {
     if y > 65535 {
         return Err(Error::Invalid(format!(

@@ -11,6 +11,7 @@ use crate::error::Result;
 use crate::launch::{blocks_for, Launch};
 use crate::ops::elementwise::softmax;
 use crate::ops::gemm::{gemm, gemm_grouped, gemm_grouped_nn, gemm_nn, gemm_segment_tn};
+use crate::ops::gemm_epilogue::gemm_grouped_swiglu;
 use crate::ops::swiglu::{swiglu, swiglu_backward};
 use crate::ops::topk::topk;
 use crate::tensor::Tensor;
@@ -128,9 +129,9 @@ pub(crate) struct DeviceForward {
     /// The up-projections x W1^T and x W3^T (f32), SwiGLU's inputs.
     a: Tensor,
     b: Tensor,
-    /// h = silu(a) * b (f32) and, for BF16 inputs, h rounded to BF16 (the W2 GEMM's operand and
-    /// dW2's).
-    h: Tensor,
+    /// h = silu(a) * b: in f32 for F32 inputs (`h`), rounded to BF16 for BF16 inputs (`h_g`,
+    /// written by the second up-projection's epilogue). The W2 GEMM's operand and dW2's.
+    h: Option<Tensor>,
     h_g: Option<Tensor>,
     ye: Tensor,
     pub(super) y: Tensor,
@@ -239,10 +240,20 @@ pub(super) fn device_forward(
             .arg_i32(k as i32),
     )?;
     let a = gemm_grouped(backend, &xs, w.w1, &offsets)?;
-    let b = gemm_grouped(backend, &xs, w.w3, &offsets)?;
-    let h = swiglu(backend, &a, &b)?;
-    let h_g = narrow(backend, &h, gd)?;
-    let ye = gemm_grouped(backend, h_g.as_ref().unwrap_or(&h), w.w2, &offsets)?;
+    // BF16: SwiGLU and the rounding of h in the second up-projection's epilogue (h never exists
+    // in f32); F32: the plain GEMM and the swiglu kernel.
+    let (b, h, h_g) = if gd == DType::F32 {
+        let b = gemm_grouped(backend, &xs, w.w3, &offsets)?;
+        let h = swiglu(backend, &a, &b)?;
+        (b, Some(h), None)
+    } else {
+        let (b, h_g) = gemm_grouped_swiglu(backend, &xs, w.w3, &offsets, &a)?;
+        (b, None, Some(h_g))
+    };
+    let h_op = h_g.as_ref().or(h.as_ref()).ok_or_else(|| {
+        crate::error::Error::Invalid("moe: internal: no hidden state after SwiGLU".into())
+    })?;
+    let ye = gemm_grouped(backend, h_op, w.w2, &offsets)?;
 
     // 4. Combine, k ascending.
     let y = Tensor::poisoned(backend, &[t, d], DType::F32)?;
@@ -371,8 +382,10 @@ pub(super) fn device_backward(
     let (da_g, db_g) = (da_g.as_ref().unwrap_or(&da), db_g.as_ref().unwrap_or(&db));
     let dxa = gemm_grouped_nn(backend, da_g, w.w1, &s.offsets)?;
     let dxb = gemm_grouped_nn(backend, db_g, w.w3, &s.offsets)?;
-    let h_g = s.h_g.as_ref().unwrap_or(&s.h);
-    let dw2 = gemm_segment_tn(backend, dye_g, h_g, &s.offsets)?;
+    let h_op = s.h_g.as_ref().or(s.h.as_ref()).ok_or_else(|| {
+        crate::error::Error::Invalid("moe: internal: the saved state has no hidden state".into())
+    })?;
+    let dw2 = gemm_segment_tn(backend, dye_g, h_op, &s.offsets)?;
     let dw1 = gemm_segment_tn(backend, da_g, &s.xs, &s.offsets)?;
     let dw3 = gemm_segment_tn(backend, db_g, &s.xs, &s.offsets)?;
 
