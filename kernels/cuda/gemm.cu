@@ -9,7 +9,7 @@
 //   gemm_bf16_mma_epilogue  the same main loop with an epilogue: v = fmaf(beta, E, alpha acc)
 //                    written as f32 and/or bf16, as is and/or transposed (newton_schulz's steps;
 //                    gemm::Epilogue below).
-//   gemm_bf16_mma_swiglu  the same with the SwiGLU epilogue: b f32 and bf16(silu(a) * b).
+//   gemm_bf16_mma_swiglu  the same with the SwiGLU epilogue: bf16(silu(a) * b), bf16(a), bf16(b).
 //   gemm_f32_nn, gemm_bf16_mma_nn  the same with B [K,N] row-major, read in place (C = A . B;
 //                    the MoE backward's d(ye) . W2_e and da . W1_e: no transposed weight copies).
 //   gemm_f32_segment_tn, gemm_bf16_mma_segment_tn  out[g] = P_g^T . Q_g over the row segments
@@ -235,7 +235,8 @@ __device__ __forceinline__ uint4 load8(const __nv_bfloat16* base, int r, int r_e
 // swiglu_a set, v is b = the product, and h_b[idx] = bf16(silu(a) * b) with a = swiglu_a[idx]
 // (f32, the first up-projection), computed as swiglu.cu computes it (s = 1 / (1 + expf(-a)),
 // a * s * b) and rounded as moe_narrow_bf16 rounds: the bits of GEMM, swiglu and narrowing run
-// one after the other, without h's f32 round trip through memory.
+// one after the other, without h's f32 round trip through memory. a_b (if set) gets bf16(a),
+// and c_b bf16(b): what the backward keeps.
 struct Epilogue {
     const float* e;
     float* c_t;
@@ -245,6 +246,7 @@ struct Epilogue {
     float beta;
     const float* swiglu_a;
     __nv_bfloat16* h_b;
+    __nv_bfloat16* a_b;
 };
 
 // The epilogue's staging slab: 32 rows of the 128x128 tile in f32 (16 KB, reusing the A stages'
@@ -311,6 +313,7 @@ __device__ __forceinline__ void epilogue_store(const float (&acc)[4][4][4], floa
                 const float av = ep.swiglu_a[idx];
                 const float s = 1.0f / (1.0f + expf(-av));
                 ep.h_b[idx] = __float2bfloat16_rn(av * s * v);
+                if (ep.a_b != nullptr) ep.a_b[idx] = __float2bfloat16_rn(av);
             }
             if (transposed) slab[slab_at(lr, lc)] = v;  // for the transposed pass
         }
@@ -479,7 +482,7 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16_mma(
     float* __restrict__ c, const int* __restrict__ offsets, int rows, int n, int k, int groups,
     long long stride_a, long long stride_b, long long stride_c) {
     gemm::mma_gemm<false>(a, b, c, offsets, rows, n, k, groups, stride_a, stride_b, stride_c,
-                          gemm::Epilogue{nullptr, nullptr, nullptr, nullptr, 1.0f, 0.0f, nullptr, nullptr});
+                          gemm::Epilogue{nullptr, nullptr, nullptr, nullptr, 1.0f, 0.0f, nullptr, nullptr, nullptr});
 }
 
 // gemm_bf16_mma with B [K,N] row-major (per batch entry or group): C = A . B.
@@ -489,7 +492,7 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16_mma_nn(
     long long stride_a, long long stride_b, long long stride_c) {
     gemm::mma_gemm<false, true>(a, b, c, offsets, rows, n, k, groups, stride_a, stride_b,
                                 stride_c,
-                                gemm::Epilogue{nullptr, nullptr, nullptr, nullptr, 1.0f, 0.0f, nullptr, nullptr});
+                                gemm::Epilogue{nullptr, nullptr, nullptr, nullptr, 1.0f, 0.0f, nullptr, nullptr, nullptr});
 }
 
 // gemm_f32_segment_tn: out[g, i, j] = sum_{r in segment g, ascending} P[r, i] * Q[r, j] for
@@ -715,18 +718,19 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16_mma_epilogue(
     float* __restrict__ c_t, __nv_bfloat16* __restrict__ c_b, __nv_bfloat16* __restrict__ c_bt,
     float alpha, float beta) {
     gemm::mma_gemm<true>(a, b, c, offsets, rows, n, k, groups, stride_a, stride_b, stride_c,
-                         gemm::Epilogue{e, c_t, c_b, c_bt, alpha, beta, nullptr, nullptr});
+                         gemm::Epilogue{e, c_t, c_b, c_bt, alpha, beta, nullptr, nullptr, nullptr});
 }
 
 // gemm_bf16_mma with the SwiGLU epilogue (gemm::Epilogue above): the common signature, then
-// swiglu_a (f32, as c) and h_b (bf16, as c). `c` (b in f32, which the backward keeps) may be
+// swiglu_a (f32), b_b, h_b and a_b (bf16), all shaped as c. `c` (b in f32), b_b and a_b may be
 // null. Outputs must not overlap the inputs.
 extern "C" __global__ void __launch_bounds__(256) gemm_bf16_mma_swiglu(
     const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
     float* __restrict__ c, const int* __restrict__ offsets, int rows, int n, int k, int groups,
     long long stride_a, long long stride_b, long long stride_c,
-    const float* __restrict__ swiglu_a, __nv_bfloat16* __restrict__ h_b) {
+    const float* __restrict__ swiglu_a, __nv_bfloat16* __restrict__ b_b,
+    __nv_bfloat16* __restrict__ h_b, __nv_bfloat16* __restrict__ a_b) {
     gemm::mma_gemm<true>(a, b, c, offsets, rows, n, k, groups, stride_a, stride_b, stride_c,
-                         gemm::Epilogue{nullptr, nullptr, nullptr, nullptr, 1.0f, 0.0f,
-                                        swiglu_a, h_b});
+                         gemm::Epilogue{nullptr, nullptr, b_b, nullptr, 1.0f, 0.0f, swiglu_a,
+                                        h_b, a_b});
 }

@@ -1,7 +1,7 @@
 // SwiGLU gate: h = silu(a) * b elementwise over a[T,f], b[T,f], silu(a) = a * sigmoid(a),
 // sigmoid(a) = 1 / (1 + expf(-a)). Backward, with s = sigmoid(a):
 //   da = dh * b * (s * (1 + a * (1 - s)))      db = dh * (a * s)
-// Inputs F32 or BF16 (widened exactly); math and outputs f32. Grid-stride, one thread per
+// Inputs F32 or BF16 (widened exactly; dh may be F32 with BF16 a and b); math and outputs f32. Grid-stride, one thread per
 // element; no reductions (deterministic and batch-invariant by construction).
 
 #include <cuda_bf16.h>
@@ -23,9 +23,9 @@ __device__ __forceinline__ void forward(const T* __restrict__ a, const T* __rest
     }
 }
 
-template <typename T>
+template <typename T, typename G>
 __device__ __forceinline__ void backward(const T* __restrict__ a, const T* __restrict__ b,
-                                         const T* __restrict__ dh, float* __restrict__ da,
+                                         const G* __restrict__ dh, float* __restrict__ da,
                                          float* __restrict__ db, long long n) {
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
@@ -53,5 +53,10 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_backward_f32(const floa
 }
 
 extern "C" __global__ void __launch_bounds__(256) swiglu_backward_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b, const __nv_bfloat16* __restrict__ dh, float* __restrict__ da, float* __restrict__ db, long long n) {
+    swiglu_impl::backward(a, b, dh, da, db, n);
+}
+
+// BF16 a and b (saved activations) with an F32 dh (a gradient in f32): the MoE backward's form.
+extern "C" __global__ void __launch_bounds__(256) swiglu_backward_bf16_f32dh(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b, const float* __restrict__ dh, float* __restrict__ da, float* __restrict__ db, long long n) {
     swiglu_impl::backward(a, b, dh, da, db, n);
 }

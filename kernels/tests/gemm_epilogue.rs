@@ -326,22 +326,31 @@ fn the_swiglu_epilogue_has_the_unfused_bits_on_emu_and_cpu() {
             let w = Tensor::from_f32_as(b, &[g, n, k], DType::BF16, &bv).unwrap();
             let o = Tensor::from_slice(b, &[g + 1], &off).unwrap();
             let gt = Tensor::from_slice(b, &[t, n], &gate).unwrap();
-            let (prod, h) = gemm_grouped_swiglu(b, &a, &w, &o, &gt).unwrap();
-            let (prod, h) = (prod.to_vec::<f32>().unwrap(), h.to_vec::<bf16>().unwrap());
+            let p = gemm_grouped_swiglu(b, &a, &w, &o, &gt).unwrap();
+            let b16 = |t: &Tensor| -> Vec<u16> {
+                t.to_vec::<bf16>()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect()
+            };
+            let rounded = |v: &[f32]| -> Vec<u16> {
+                v.iter().map(|&x| bf16::from_f32(x).to_bits()).collect()
+            };
             // The unfused chain on the same device: grouped GEMM (mma.sync), swiglu, rounding.
             let plain = gemm_grouped_with_path(b, &a, &w, &o, GemmPath::Mma).unwrap();
             let h32 = swiglu(b, &gt, &plain).unwrap().to_vec::<f32>().unwrap();
-            let want_h: Vec<u16> = h32.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
             let label = format!("{} T {t} K {k} N {n} {off:?}", b.device());
+            let got = (b16(&p.h), b16(&p.gate), b16(&p.b));
+            assert_eq!(got.0, rounded(&h32), "{label}: h");
+            assert_eq!(got.1, rounded(&gate), "{label}: gate");
             assert_eq!(
-                bits(&prod),
-                bits(&plain.to_vec::<f32>().unwrap()),
+                got.2,
+                rounded(&plain.to_vec::<f32>().unwrap()),
                 "{label}: b"
             );
-            let got_h: Vec<u16> = h.iter().map(|x| x.to_bits()).collect();
-            assert_eq!(got_h, want_h, "{label}: h");
-            assert!(got_h.iter().any(|&x| x != 0), "{label}: h is all zeros");
-            outs.push((bits(&prod), got_h));
+            assert!(got.0.iter().any(|&x| x != 0), "{label}: h is all zeros");
+            outs.push(got);
         }
         assert_eq!(outs[0], outs[1], "T {t} K {k} N {n}: emu != cpu");
         checked += 1;
@@ -377,14 +386,15 @@ fn cuda_swiglu_epilogue_matches_cpu_and_repeats() {
         let w = Tensor::from_f32_as(b, &[4, n, k], DType::BF16, &bv).unwrap();
         let o = Tensor::from_slice(b, &[5], &off).unwrap();
         let gt = Tensor::from_slice(b, &[t, n], &gate).unwrap();
-        let (prod, h) = gemm_grouped_swiglu(b, &a, &w, &o, &gt).unwrap();
-        let h: Vec<f32> = h
-            .to_vec::<bf16>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_f32())
-            .collect();
-        (prod.to_vec::<f32>().unwrap(), h)
+        let p = gemm_grouped_swiglu(b, &a, &w, &o, &gt).unwrap();
+        let f = |t: &Tensor| -> Vec<f32> {
+            t.to_vec::<bf16>()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_f32())
+                .collect()
+        };
+        (f(&p.b), f(&p.h))
     };
     let want = run(&Backend::Cpu);
     let got = run(&gpu);

@@ -154,15 +154,49 @@ fn check_device(backend: &Backend, shapes: &[(usize, usize)]) {
     }
 }
 
+/// The backward's mixed form: BF16 a and b (saved activations) with an F32 dh, against the
+/// reference on the rounded a, b and the unrounded dh; deterministic; the count of shapes run.
+fn check_mixed(backend: &Backend, shapes: &[(usize, usize)]) -> usize {
+    let mut checked = 0;
+    for &(t, f) in shapes {
+        let (a, b, dh) = inputs(5, t * f);
+        let r = |v: &[f32]| -> Vec<f32> {
+            v.iter()
+                .map(|&x| half::bf16::from_f32(x).to_f32())
+                .collect()
+        };
+        let (ar, br) = (r(&a), r(&b));
+        let (want_da, want_db) = swiglu_backward_reference(&ar, &br, &dh).unwrap();
+        let run = || {
+            let at = Tensor::from_f32_as(backend, &[t, f], DType::BF16, &a).unwrap();
+            let bt = Tensor::from_f32_as(backend, &[t, f], DType::BF16, &b).unwrap();
+            let dht = Tensor::from_slice(backend, &[t, f], &dh).unwrap();
+            let (da, db) = swiglu_backward(backend, &at, &bt, &dht).unwrap();
+            (da.to_f32_vec().unwrap(), db.to_f32_vec().unwrap())
+        };
+        let (da, db) = run();
+        for (name, g, w) in [("da", &da, &want_da), ("db", &db, &want_db)] {
+            let err = rel_norm(g, &f64s(w));
+            assert!(err <= F32_TOL, "{backend:?} mixed {t}x{f} {name}: {err}");
+        }
+        let again = run();
+        assert_eq!((bits(&da), bits(&db)), (bits(&again.0), bits(&again.1)));
+        checked += 1;
+    }
+    checked
+}
+
 #[test]
 fn cpu_device_matches_reference_and_is_deterministic() {
     check_device(&Backend::Cpu, SHAPES);
+    assert_eq!(check_mixed(&Backend::Cpu, SHAPES), SHAPES.len());
 }
 
 #[test]
 fn emu_matches_reference_and_seeds_agree() {
     let (e1, e2) = (Backend::emu_with_seed(1), Backend::emu_with_seed(2));
     check_device(&e1, EMU_SHAPES);
+    assert_eq!(check_mixed(&e1, EMU_SHAPES), EMU_SHAPES.len());
     for &dtype in &[DType::F32, DType::BF16] {
         for &(t, f) in EMU_SHAPES {
             let a = run_device(&e1, dtype, t, f, 4);
@@ -181,6 +215,7 @@ fn cuda_matches_reference() {
     if let Some(gpu) = sluice_kernels::device::cuda_for_tests("swiglu") {
         check_device(&gpu, SHAPES);
         check_device(&gpu, &[(4096, 1024)]);
+        assert_eq!(check_mixed(&gpu, SHAPES), SHAPES.len());
     }
 }
 

@@ -18,8 +18,9 @@
 //! formula, so cpu and emu agree bit for bit.
 //!
 //! [`gemm_grouped_swiglu`] is the grouped form with the SwiGLU epilogue (the MoE forward's
-//! second up-projection): b = A · W3_g^T in f32 and h = bf16(silu(a) * b) for a given f32 `a`,
-//! with the bits of `gemm_grouped`, `swiglu` and the bf16 narrowing run one after the other.
+//! second up-projection): b = A · W3_g^T and h = silu(a) * b for a given f32 `a`, written as
+//! BF16 h, a and b, with the bits of `gemm_grouped`, `swiglu` and the bf16 rounding run one
+//! after the other.
 //!
 //! Bits: `acc` is the value the plain GEMM writes (same main loop), and the formula is the one
 //! the removed `newton_schulz_combine_bf16` kernel applied to it, so a fused result has the bits
@@ -207,20 +208,31 @@ pub fn gemm_batched_epilogue(
     backend.launch(&launch.arg_f32(ep.alpha).arg_f32(ep.beta))
 }
 
+/// The outputs of [`gemm_grouped_swiglu`], all BF16 [T,N] (round-to-nearest-even of f32 values).
+pub struct SwigluProducts {
+    /// silu(gate) * b: the next GEMM's operand.
+    pub h: Tensor,
+    /// The gate input, rounded.
+    pub gate: Tensor,
+    /// The product, rounded.
+    pub b: Tensor,
+}
+
 /// Grouped (the MoE form, as [`super::gemm::gemm_grouped`]: rows `offsets[g]..offsets[g+1]`
-/// of `a` [T,K] times `b_stack[g]` [N,K]^T, both BF16) with the SwiGLU epilogue: returns
-/// (b [T,N] F32, h [T,N] BF16) where b is the product and h = bf16(silu(gate) * b) for `gate`
-/// [T,N] F32 (silu(x) = x / (1 + e^-x) as the swiglu family computes it). One launch of
-/// `gemm_bf16_mma_swiglu` on emu/cuda (mma.sync whatever `SLUICE_GEMM_PATH` says: the wgmma
-/// kernel has no epilogue); on cpu the grouped GEMM, the swiglu reference and the rounding, which
-/// is what the kernel's bits are (tested: kernels/tests/gemm_epilogue.rs).
+/// of `a` [T,K] times `b_stack[g]` [N,K]^T, both BF16) with the SwiGLU epilogue: for the
+/// product b and `gate` [T,N] F32, h = silu(gate) * b (silu(x) = x / (1 + e^-x) as the swiglu
+/// family computes it), then h, gate and b rounded to BF16 ([`SwigluProducts`]; the MoE keeps
+/// gate and b for SwiGLU's backward). One launch of `gemm_bf16_mma_swiglu` on emu/cuda
+/// (mma.sync whatever `SLUICE_GEMM_PATH` says: the wgmma kernel has no epilogue); on cpu the
+/// grouped GEMM, the swiglu reference and the rounding, which is what the kernel's bits are
+/// (tested: kernels/tests/gemm_epilogue.rs).
 pub fn gemm_grouped_swiglu(
     backend: &Backend,
     a: &Tensor,
     b_stack: &Tensor,
     offsets: &Tensor,
     gate: &Tensor,
-) -> Result<(Tensor, Tensor)> {
+) -> Result<SwigluProducts> {
     a.expect_dtype("a", DType::BF16)?;
     b_stack.expect_dtype("b_stack", DType::BF16)?;
     a.expect_rank("a", 2, "[T,K]")?;
@@ -245,10 +257,18 @@ pub fn gemm_grouped_swiglu(
     }
     if let Backend::Cpu = backend {
         let b = gemm_grouped_with_path(backend, a, b_stack, offsets, GemmPath::Mma)?;
+        let (b, gate) = (b.f32_data()?, gate.f32_data()?);
         let mut h = vec![0.0f32; rows * n];
-        swiglu_reference_into(&gate.f32_data()?, &b.f32_data()?, &mut h)?;
-        let h: Vec<bf16> = h.iter().map(|&x| bf16::from_f32(x)).collect();
-        return Ok((b, Tensor::from_slice(backend, &[rows, n], &h)?));
+        swiglu_reference_into(&gate, &b, &mut h)?;
+        let rounded = |v: &[f32]| -> Result<Tensor> {
+            let r: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
+            Tensor::from_slice(backend, &[rows, n], &r)
+        };
+        return Ok(SwigluProducts {
+            h: rounded(&h)?,
+            gate: rounded(&gate)?,
+            b: rounded(&b)?,
+        });
     }
     // The offsets' checks and the grid are gemm_grouped's; a zero-row call returns at once.
     offsets.expect_dtype("offsets", DType::I32)?;
@@ -264,10 +284,13 @@ pub fn gemm_grouped_swiglu(
     if crate::debug::reads_back(offsets) {
         super::gemm::check_grouped_offsets(&offsets.to_vec::<i32>()?, rows)?;
     }
-    let b = Tensor::poisoned(backend, &[rows, n], DType::F32)?;
-    let h = Tensor::poisoned(backend, &[rows, n], DType::BF16)?;
+    let out = SwigluProducts {
+        h: Tensor::poisoned(backend, &[rows, n], DType::BF16)?,
+        gate: Tensor::poisoned(backend, &[rows, n], DType::BF16)?,
+        b: Tensor::poisoned(backend, &[rows, n], DType::BF16)?,
+    };
     if rows * n == 0 {
-        return Ok((b, h));
+        return Ok(out);
     }
     let row_tiles = rows.div_ceil(BLOCK_M) + groups;
     if row_tiles > i32::MAX as usize || [rows, n, k].iter().any(|&v| v > i32::MAX as usize) {
@@ -278,12 +301,12 @@ pub fn gemm_grouped_swiglu(
     let grid = [row_tiles as u32, blocks_for(n, BLOCK_N), 1];
     check_grid_y(grid[1], n)?;
     // Row tiles of every segment in order (the surplus blocks exit), as gemm_grouped; each
-    // block writes its tile's rows of b and h, reading the same elements of gate.
+    // block writes its tile's rows of h, gate and b (BF16), reading the same elements of gate.
     backend.launch(
         &Launch::new("gemm_bf16_mma_swiglu", grid, [THREADS, 1, 1])
             .arg_tensor(a)
             .arg_tensor(b_stack)
-            .arg_tensor(&b)
+            .arg_u64(0) // c: no f32 product
             .arg_tensor(offsets)
             .arg_i32(rows as i32)
             .arg_i32(n as i32)
@@ -293,9 +316,11 @@ pub fn gemm_grouped_swiglu(
             .arg_i64((n * k) as i64)
             .arg_i64(0)
             .arg_tensor(gate)
-            .arg_tensor(&h),
+            .arg_tensor(&out.b)
+            .arg_tensor(&out.h)
+            .arg_tensor(&out.gate),
     )?;
-    Ok((b, h))
+    Ok(out)
 }
 
 /// The cpu device: the bf16 chain per batch entry, then the epilogue element by element.

@@ -2,7 +2,8 @@
 //!
 //! s = sigmoid(a) = 1 / (1 + exp(-a)); h = (a * s) * b.
 //! Backward: da = dh * b * (s * (1 + a * (1 - s))), db = dh * (a * s).
-//! Inputs F32 or BF16 (shared by a call's float inputs); math and outputs f32. Elementwise:
+//! Inputs F32 or BF16 (shared by a call's float inputs; the backward's dh may also be F32 with
+//! BF16 a and b: saved BF16 activations and an f32 gradient); math and outputs f32. Elementwise:
 //! deterministic and batch-invariant. Any shape is accepted as long as a, b (and dh) agree;
 //! [T,f] is the model's use.
 
@@ -86,14 +87,20 @@ pub fn swiglu(backend: &Backend, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     Ok(h)
 }
 
-/// SwiGLU backward on any device: (da, db), both F32.
+/// SwiGLU backward on any device: (da, db), both F32. `dh` has the dtype of `a` and `b`, or is
+/// F32 with BF16 `a` and `b`.
 pub fn swiglu_backward(
     backend: &Backend,
     a: &Tensor,
     b: &Tensor,
     dh: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
-    let dtype = float_dtype(&[("a", a), ("b", b), ("dh", dh)])?;
+    let mixed = a.dtype() == DType::BF16 && dh.dtype() == DType::F32;
+    let dtype = if mixed {
+        float_dtype(&[("a", a), ("b", b)])?
+    } else {
+        float_dtype(&[("a", a), ("b", b), ("dh", dh)])?
+    };
     expect_shape("b", b, a.shape(), "[T,f], the shape of `a`")?;
     expect_shape("dh", dh, a.shape(), "[T,f], the shape of `a`")?;
     if let Backend::Cpu = backend {
@@ -109,7 +116,11 @@ pub fn swiglu_backward(
     if n > 0 {
         backend.launch(
             &Launch::new(
-                by_dtype(dtype, "swiglu_backward_f32", "swiglu_backward_bf16"),
+                if mixed {
+                    "swiglu_backward_bf16_f32dh"
+                } else {
+                    by_dtype(dtype, "swiglu_backward_f32", "swiglu_backward_bf16")
+                },
                 [ew_blocks(n), 1, 1],
                 [EW_THREADS, 1, 1],
             )
@@ -184,7 +195,7 @@ pub static BACKWARD_SPEC: OpSpec = OpSpec {
         TensorSpec {
             name: "dh",
             shape: "[T,f]",
-            dtypes: FLOAT,
+            dtypes: "F32|BF16 (as a, or F32 with BF16 a and b)",
         },
     ],
     params: &[],

@@ -126,7 +126,8 @@ pub(crate) struct DeviceForward {
     pos: Tensor,
     /// x's rows in expert order, in the GEMM dtype.
     xs: Tensor,
-    /// The up-projections x W1^T and x W3^T (f32), SwiGLU's inputs.
+    /// The up-projections x W1^T and x W3^T, SwiGLU's inputs: f32 for F32 inputs, rounded to
+    /// BF16 for BF16 inputs (what SwiGLU's backward reads).
     a: Tensor,
     b: Tensor,
     /// h = silu(a) * b: in f32 for F32 inputs (`h`), rounded to BF16 for BF16 inputs (`h_g`,
@@ -240,15 +241,16 @@ pub(super) fn device_forward(
             .arg_i32(k as i32),
     )?;
     let a = gemm_grouped(backend, &xs, w.w1, &offsets)?;
-    // BF16: SwiGLU and the rounding of h in the second up-projection's epilogue (h never exists
-    // in f32); F32: the plain GEMM and the swiglu kernel.
-    let (b, h, h_g) = if gd == DType::F32 {
+    // BF16: SwiGLU and the rounding of h, a and b in the second up-projection's epilogue (h
+    // never exists in f32; a's f32 copy lives until then); F32: the plain GEMM and the swiglu
+    // kernel.
+    let (a, b, h, h_g) = if gd == DType::F32 {
         let b = gemm_grouped(backend, &xs, w.w3, &offsets)?;
         let h = swiglu(backend, &a, &b)?;
-        (b, Some(h), None)
+        (a, b, Some(h), None)
     } else {
-        let (b, h_g) = gemm_grouped_swiglu(backend, &xs, w.w3, &offsets, &a)?;
-        (b, None, Some(h_g))
+        let p = gemm_grouped_swiglu(backend, &xs, w.w3, &offsets, &a)?;
+        (p.gate, p.b, None, Some(p.h))
     };
     let h_op = h_g.as_ref().or(h.as_ref()).ok_or_else(|| {
         crate::error::Error::Invalid("moe: internal: no hidden state after SwiGLU".into())

@@ -430,7 +430,26 @@ pub(super) fn backward_with_state(
     // Expert FFN backward.
     // dh = d(ye) W2_e (W2_e [d,f] read as stored), dxs = da W1_e + db W3_e (W1_e, W3_e [f,d]).
     let dh = grouped_kn(&dye, w2, &r.offsets, f, d, s.bf16);
-    let (mut da, mut db) = swiglu_backward_reference(&s.a, &s.b, &dh).expect("moe: [N,f] operands");
+    // The device keeps a and b in BF16 for BF16 inputs (the up-projection's epilogue rounds
+    // them): SwiGLU's backward reads the rounded values.
+    let rounded = |v: &[f32]| -> Vec<f32> {
+        let mut r = v.to_vec();
+        round_bf16(&mut r);
+        r
+    };
+    let (saved_a, saved_b) = if s.bf16 {
+        (
+            std::borrow::Cow::Owned(rounded(&s.a)),
+            std::borrow::Cow::Owned(rounded(&s.b)),
+        )
+    } else {
+        (
+            std::borrow::Cow::Borrowed(&s.a[..]),
+            std::borrow::Cow::Borrowed(&s.b[..]),
+        )
+    };
+    let (mut da, mut db) =
+        swiglu_backward_reference(&saved_a, &saved_b, &dh).expect("moe: [N,f] operands");
     if s.bf16 {
         // da and db are BF16 operands of the dx GEMMs and of dW1 / dW3 on the device.
         round_bf16(&mut da);
