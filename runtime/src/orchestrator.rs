@@ -669,6 +669,18 @@ impl Orchestrator {
             &spec.faults,
             spec.timeout.0 as f64 / 1000.0,
         );
+        if plan.fault.is_none() {
+            // The call will be made: an external environment starts it now.
+            spec.task.prefetch(
+                CallKey {
+                    session: &key,
+                    turn: mem.turn,
+                    attempt: mem.attempt,
+                },
+                &g.problem,
+                &mem.generated,
+            );
+        }
         let call = EnvCall {
             member: m,
             turn: mem.turn,
@@ -739,8 +751,8 @@ impl Orchestrator {
             Some(fault) => Err(fault.as_str()),
             None => spec
                 .task
-                .respond(&g.problem, call.turn, &mem.generated)
-                .map_err(|_| "error"),
+                .call(ckey, &g.problem, &mem.generated)
+                .map_err(|e| e.kind()),
         };
         let multi = spec.task.multi_turn();
         // A reply the run cannot use is a failed call.
