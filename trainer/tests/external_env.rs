@@ -7,7 +7,6 @@
 mod support;
 
 use sluice_kernels::testing::Rng;
-use sluice_runtime::env::external::record::ReplayKey;
 use sluice_runtime::env::faults::{CallFault, CallKey};
 use sluice_runtime::env::{CallError, Problem, Reply, Split, Task};
 use sluice_runtime::trajectory::{TerminalReason, TokenId};
@@ -106,6 +105,14 @@ fn protocol_round_trip_with_replies_out_of_order() {
         };
         assert_eq!(r, want, "session {s}");
     }
+    // A session name used again for another turn (a group restarted after a lost replica)
+    // gets the reply to what it sends now, not to the request sent ahead under that name.
+    let t1 = faulty(&["batch", "1"], Duration::from_secs(20));
+    t1.prefetch(key("r#0", 0), &p, &ids("<call>1</call>"));
+    let r = t1
+        .call(key("r#0", 0), &p, &ids("<call>1234</call>"))
+        .unwrap();
+    assert_eq!(r, Reply::Observe(ids("<observation>17<eot><assistant>")));
     // The demonstration continues the prompt; only the model's segment is trained on.
     let d = t.demonstration(&p, &mut Rng::new(1)).unwrap();
     assert_eq!(&d.tokens[..p.prompt.len()], &p.prompt[..]);
@@ -125,8 +132,8 @@ fn a_crashed_process_fails_its_calls_in_flight_and_is_restarted() {
         matches!(r, Err(CallError::Fault(CallFault::Crash, _))),
         "{r:?}"
     );
-    for s in ["b#0", "c#0"] {
-        let r = t.call(key(s, 0), &p, &ids("<call>1</call>"));
+    for (s, text) in [("b#0", "<call>1</call>"), ("c#0", "<call>2</call>")] {
+        let r = t.call(key(s, 0), &p, &ids(text));
         match r {
             Err(CallError::Fault(CallFault::Crash, m)) => {
                 assert!(m.contains("exited") && m.contains("calls in flight"), "{m}")
@@ -530,10 +537,5 @@ fn a_virtual_clock_run_replays_from_its_record_bit_for_bit() {
         err.contains("holds no reply") && err.contains("request hash"),
         "{err}"
     );
-    let _ = ReplayKey {
-        session: String::new(),
-        turn: 0,
-        hash: String::new(),
-    };
     let _ = std::fs::remove_dir_all(&dir);
 }

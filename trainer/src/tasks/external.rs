@@ -461,17 +461,22 @@ impl Task for ExternalTask {
             "step reply to session {}, turn {}, attempt {}",
             key.session, key.turn, key.attempt
         );
+        let fresh = self.step_request(&key, problem, generated);
         let sent = self
             .pending
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&(key.session.to_string(), key.turn, key.attempt));
         let p = match sent {
-            Some(p) => p,
-            None => {
-                let p = self.step_request(&key, problem, generated);
-                self.start(&p);
-                p
+            // The request sent ahead is this one (a session restarted after a lost replica
+            // reuses its name for other turns).
+            Some(p) if p.key == fresh.key => p,
+            other => {
+                if let (Some(old), Some(l)) = (other, &self.link) {
+                    l.forget(old.id);
+                }
+                self.start(&fresh);
+                fresh
             }
         };
         let r = self
@@ -486,8 +491,9 @@ impl Task for ExternalTask {
 
     fn prefetch(&self, key: CallKey<'_>, problem: &Problem, generated: &[TokenId]) {
         let k = (key.session.to_string(), key.turn, key.attempt);
+        let p = self.step_request(&key, problem, generated);
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        if pending.contains_key(&k) {
+        if pending.get(&k).is_some_and(|old| old.key == p.key) {
             return;
         }
         // Calls whose group ended elsewhere (a lost replica) are never collected: drop the
@@ -504,9 +510,10 @@ impl Task for ExternalTask {
                 keep
             });
         }
-        let p = self.step_request(&key, problem, generated);
         self.start(&p);
-        pending.insert(k, p);
+        if let (Some(old), Some(l)) = (pending.insert(k, p), &self.link) {
+            l.forget(old.id);
+        }
     }
 
     fn stop(&self) -> StopConfig {
