@@ -45,6 +45,7 @@ fn faulty(args: &[&str], timeout: Duration) -> ExternalTask {
         64,
         EnvIo {
             timeout,
+            retries: 1,
             ..EnvIo::default()
         },
     )
@@ -319,6 +320,7 @@ fn the_python_port_of_tool_gives_the_builtin_rewards() {
         64,
         EnvIo {
             timeout: Duration::from_secs(20),
+            retries: 1,
             ..EnvIo::default()
         },
     )
@@ -361,6 +363,7 @@ fn the_http_kind_speaks_the_same_messages() {
         64,
         EnvIo {
             timeout: Duration::from_secs(20),
+            retries: 1,
             ..EnvIo::default()
         },
     )
@@ -538,4 +541,27 @@ fn a_virtual_clock_run_replays_from_its_record_bit_for_bit() {
         "{err}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn tasks_export_writes_the_problems_and_refuses_a_bad_split() {
+    let text = run_ok(&["tasks", "export", "tool", "--n", "5"]);
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 5, "{text}");
+    // The evaluation's first held-out problems of the default config, in its order.
+    let (_, problems) = builtin_tool(5);
+    for (l, p) in lines.iter().zip(&problems) {
+        assert_eq!(l["spec"], p.spec.as_str());
+        assert_eq!(l["prompt"]["text"], tokenizer::render(&p.prompt).as_str());
+    }
+    let o = sluice(&["tasks", "export", "tool", "--split", "validation"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--split \"validation\""));
+    let o = sluice(&["tasks", "export", "nope"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no task \"nope\""));
 }

@@ -70,6 +70,10 @@ impl Endpoint {
 #[derive(Clone, Default)]
 pub struct EnvIo {
     pub timeout: Duration,
+    /// Retries of a call that crashed or timed out, for the calls the task makes itself
+    /// (problems, demonstrations, evaluation turns); the orchestrator retries training turns
+    /// within the same budget.
+    pub retries: u32,
     pub recorder: Option<Arc<Recorder>>,
     pub replay: Option<Arc<ReplayBook>>,
 }
@@ -353,11 +357,11 @@ impl ExternalTask {
         }
     }
 
-    /// A request outside any session (`problem`, `demonstration`), with one retry after a
-    /// crash or a hang (the process restarts).
+    /// A request outside any session (`problem`, `demonstration`), retried within the task's
+    /// budget after a crash or a hang (the process restarts).
     fn sessionless(&self, message: &str, body: Map<String, Value>) -> Result<Value, String> {
         let mut last = String::new();
-        for attempt in 0..2u32 {
+        for attempt in 0..=self.io.retries {
             let mut b = body.clone();
             b.insert("attempt".into(), json!(attempt));
             let p = self.request(message, record::NO_SESSION, 0, b);
@@ -433,10 +437,11 @@ impl Task for ExternalTask {
         turn: u32,
         generated: &[TokenId],
     ) -> Result<Reply, TaskError> {
-        // Evaluation calls outside the orchestrator: one session per problem, one retry.
+        // Evaluation calls outside the orchestrator: one session per problem, retried within
+        // the task's budget.
         let session = format!("eval:{}", problem.id);
         let mut last = None;
-        for attempt in 0..2 {
+        for attempt in 0..=self.io.retries {
             let key = CallKey {
                 session: &session,
                 turn,

@@ -108,8 +108,8 @@ impl TaskOptions {
 }
 
 /// Makes the task `name` of `kind` for a model of `vocab` ids. The error names the task and
-/// the kind, option or vocabulary that is wrong. External tasks get a 5 s call timeout and
-/// record nothing (see [`make_with`]).
+/// the kind, option or vocabulary that is wrong. External tasks get a 5 s call timeout, one
+/// retry, and record nothing (see [`make_with`]).
 pub fn make(
     kind: &str,
     name: &str,
@@ -118,6 +118,7 @@ pub fn make(
 ) -> Result<Arc<dyn Task>, String> {
     let io = external::EnvIo {
         timeout: std::time::Duration::from_secs(5),
+        retries: 1,
         ..external::EnvIo::default()
     };
     make_with(kind, name, vocab, options, &io)

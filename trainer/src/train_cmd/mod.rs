@@ -121,6 +121,7 @@ pub fn make_task(
 ) -> Result<Arc<dyn Task>, String> {
     let io = crate::tasks::external::EnvIo {
         timeout: std::time::Duration::from_secs_f64(t.timeout_s),
+        retries: t.retries,
         ..io.clone()
     };
     crate::tasks::make_with(&t.kind, &t.name, vocab, &t.options, &io)
@@ -209,9 +210,9 @@ fn plan(o: &TrainOptions) -> Result<Plan, TrainError> {
     };
     let recorder = Arc::new(Recorder::default());
     let io = crate::tasks::external::EnvIo {
-        timeout: std::time::Duration::from_secs(5),
         recorder: Some(Arc::clone(&recorder)),
         replay,
+        ..crate::tasks::external::EnvIo::default()
     };
     let mut tasks = BTreeMap::new();
     for t in &cfg.tasks {
