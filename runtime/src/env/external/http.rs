@@ -229,3 +229,28 @@ impl Link for HttpLink {
         self.shared.lock().stray
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_checked_before_anything_is_contacted() {
+        let t = Duration::from_secs(1);
+        let l = HttpLink::new("http://127.0.0.1:8000/env", t).unwrap();
+        assert_eq!(
+            (l.host.as_str(), l.port, l.path.as_str()),
+            ("127.0.0.1", 8000, "/env")
+        );
+        let l = HttpLink::new("http://localhost", t).unwrap();
+        assert_eq!((l.port, l.path.as_str()), (80, "/"));
+        for (bad, what) in [
+            ("https://x/", "only plain http://"),
+            ("http://x:http/", "port \"http\""),
+            ("http://:80/", "no host"),
+        ] {
+            let e = HttpLink::new(bad, t).err().unwrap();
+            assert!(e.contains(what), "{bad}: {e}");
+        }
+    }
+}

@@ -204,3 +204,54 @@ impl ReplayBook {
         self.entries.is_empty()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_hash_ignores_the_request_id_only() {
+        let a = json!({"type": "step", "id": 1, "session": "t/0#0", "turn": 0, "text": "1<eot>"});
+        let mut b = a.clone();
+        b["id"] = json!(99);
+        assert_eq!(request_hash(&a), request_hash(&b));
+        assert_eq!(request_hash(&a).len(), 32);
+        b["text"] = json!("2<eot>");
+        assert_ne!(request_hash(&a), request_hash(&b));
+    }
+
+    #[test]
+    fn a_record_replays_replies_and_failures_and_names_a_bad_line() {
+        let dir = std::env::temp_dir().join(format!("sluice-record-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let rec = Recorder::default();
+        rec.open(&dir.join(FILE), false).unwrap();
+        let key = |turn: u32| ReplayKey {
+            session: "t/0#0".into(),
+            turn,
+            hash: format!("h{turn}"),
+        };
+        let ok: Result<Value, LinkError> = Ok(json!({"end": {"reward": 1.0, "reason": "success"}}));
+        let crash: Result<Value, LinkError> = Err(LinkError::Crash("gone".into()));
+        for (turn, reply) in [(0, &ok), (1, &crash)] {
+            rec.write(&Entry {
+                task: "t",
+                message: "step",
+                key: &key(turn),
+                request: &json!({"type": "step"}),
+                reply,
+                latency_ms: 1.5,
+            });
+        }
+        assert_eq!(rec.failure(), None);
+        let book = ReplayBook::load(&dir).unwrap();
+        assert_eq!(book.len(), 2);
+        assert_eq!(book.get(&key(0)), Some(&ok));
+        assert_eq!(book.get(&key(1)), Some(&crash));
+        assert_eq!(book.get(&key(2)), None);
+        std::fs::write(dir.join(FILE), "{\"session\": \"s\", \"turn\": 0}\n").unwrap();
+        let e = ReplayBook::load(&dir).unwrap_err();
+        assert!(e.contains(":1:") && e.contains("hash"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
