@@ -109,7 +109,12 @@ pub fn run_eval(o: &EvalOptions, out: &mut dyn Write) -> Result<(PassRate, PassR
     model
         .set_precision(&backend, precision)
         .map_err(|e| TrainError::Run(e.to_string()))?;
-    let task = make_task(&section, model.config.vocab).map_err(|m| {
+    let task = make_task(
+        &section,
+        model.config.vocab,
+        &crate::tasks::external::EnvIo::default(),
+    )
+    .map_err(|m| {
         TrainError::Config(ConfigError {
             key: format!("tasks.{}.kind", section.name),
             message: m,

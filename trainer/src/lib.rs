@@ -15,4 +15,5 @@ pub mod progress;
 pub mod report;
 pub mod sft_cmd;
 pub mod tasks;
+pub mod tasks_cmd;
 pub mod train_cmd;

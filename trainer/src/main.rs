@@ -24,6 +24,34 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+enum TasksCommand {
+    /// A task's problems as JSON lines ({"id", "spec", "prompt": {"text"}, "ids"}): held-out
+    /// ones are those the run's evaluation draws with the same seed.
+    Export {
+        /// A task name of the config ([tasks.NAME]; the defaults have sort and tool).
+        task: String,
+        /// The config (default: the defaults).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Override one config key (repeatable).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
+        /// train or held_out.
+        #[arg(long, default_value = "held_out")]
+        split: String,
+        /// Distinct problems (fewer when the split has fewer).
+        #[arg(long, default_value_t = 64)]
+        n: usize,
+        /// The run seed (default: run.seed of the config).
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Write to this file instead of stdout.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
 enum Command {
     /// Run one kernel on named tensors from a safetensors file (`--list` shows the ops).
     Kernel {
@@ -118,6 +146,16 @@ enum Command {
         /// Override one config key: --set section.key=value (repeatable).
         #[arg(long = "set", value_name = "KEY=VALUE")]
         sets: Vec<String>,
+        /// Answer external environments (kinds external, http) from RUN_DIR's
+        /// environments.jsonl instead of starting them; a call the record lacks stops the run
+        /// with exit code 2, naming its key.
+        #[arg(long, value_name = "RUN_DIR")]
+        replay_env: Option<PathBuf>,
+    },
+    /// The tasks of a config: `export NAME` writes a task's problems as JSON lines.
+    Tasks {
+        #[command(subcommand)]
+        command: TasksCommand,
     },
     /// The design's reproduction checklist: run one experiment's arms (config overrides of
     /// one RL stage, from a shared warm-up) and write its report (report.md, report.json, an
@@ -432,6 +470,7 @@ fn main() -> ExitCode {
             out,
             resume,
             sets,
+            replay_env,
         } => {
             let opts = sluice_trainer::train_cmd::TrainOptions {
                 config,
@@ -441,6 +480,7 @@ fn main() -> ExitCode {
                 seed,
                 out,
                 resume,
+                replay_env,
             };
             match sluice_trainer::train_cmd::run_train(&opts, &mut std::io::stdout()) {
                 Ok(_) => ExitCode::SUCCESS,
@@ -513,6 +553,35 @@ fn main() -> ExitCode {
                 precision,
             };
             match sluice_trainer::eval_cmd::run_eval(&opts, &mut std::io::stdout()) {
+                Ok(_) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(if e.is_bad_input() { 2 } else { 1 })
+                }
+            }
+        }
+        Command::Tasks {
+            command:
+                TasksCommand::Export {
+                    task,
+                    config,
+                    sets,
+                    split,
+                    n,
+                    seed,
+                    out,
+                },
+        } => {
+            let opts = sluice_trainer::tasks_cmd::ExportOptions {
+                task,
+                config,
+                sets,
+                split,
+                n,
+                seed,
+                out,
+            };
+            match sluice_trainer::tasks_cmd::run_export(&opts, &mut std::io::stdout()) {
                 Ok(_) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("error: {e}");

@@ -561,9 +561,41 @@ fn the_demonstration_mix_sets_tool_use_and_wrong_calls() {
 #[test]
 fn the_registry_makes_every_kind_and_names_what_is_wrong() {
     for kind in KINDS {
-        let t = make(kind, &format!("my-{kind}"), 64, &TaskOptions::default()).unwrap();
+        // External kinds need their endpoint (nothing is started or contacted here).
+        let o = match kind {
+            "external" => TaskOptions {
+                command: Some("python3".into()),
+                ..TaskOptions::default()
+            },
+            "http" => TaskOptions {
+                url: Some("http://127.0.0.1:9/env".into()),
+                ..TaskOptions::default()
+            },
+            _ => TaskOptions::default(),
+        };
+        let t = make(kind, &format!("my-{kind}"), 64, &o).unwrap();
         assert_eq!(t.name(), format!("my-{kind}"));
     }
+    let e = make("external", "x", 64, &TaskOptions::default())
+        .err()
+        .unwrap();
+    assert!(e.contains("needs a command"), "{e}");
+    let e = make("http", "x", 64, &TaskOptions::default())
+        .err()
+        .unwrap();
+    assert!(e.contains("needs a url"), "{e}");
+    let bad_url = TaskOptions {
+        url: Some("https://example.invalid/".into()),
+        ..TaskOptions::default()
+    };
+    let e = make("http", "x", 64, &bad_url).err().unwrap();
+    assert!(e.contains("only plain http://"), "{e}");
+    let url_on_tool = TaskOptions {
+        url: Some("http://127.0.0.1:9/".into()),
+        ..TaskOptions::default()
+    };
+    let e = make("tool", "x", 64, &url_on_tool).err().unwrap();
+    assert!(e.contains("no option url"), "{e}");
     let v = make("tool", "t", 64, &TaskOptions::default())
         .unwrap()
         .versions();

@@ -15,13 +15,20 @@
 //!
 //! Built-in synthetic tasks on token ids ([`synthetic`]): `recall` (single turn, binary reward)
 //! and `lookup` (two turns: the answer is in the environment's observation).
+//!
+//! Environments outside the process ([`external`]): a program speaking JSON lines on its
+//! stdin/stdout, or an HTTP server; the orchestrator reaches them through [`Task::call`], which
+//! knows the call's session and attempt, and [`Task::prefetch`], which sends a call as soon as
+//! it is planned so that many sessions are in flight at once.
 
+pub mod external;
 pub mod faults;
 pub mod latency;
 pub mod synthetic;
 
 use crate::engine::StopConfig;
 use crate::trajectory::{ArtifactVersions, TerminalReason, TokenId};
+use faults::{CallFault, CallKey};
 use sluice_kernels::testing::Rng;
 use std::fmt;
 
@@ -71,6 +78,43 @@ impl fmt::Display for TaskError {
 
 impl std::error::Error for TaskError {}
 
+/// How one environment call of [`Task::call`] failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CallError {
+    /// The environment process crashed or hung (a timeout): transient, so the orchestrator
+    /// retries the call within the task's retry budget, then ends the trajectory as
+    /// `environment`.
+    Fault(CallFault, String),
+    /// The reply broke the protocol (the message names the message, field and session):
+    /// counted as `malformed`, not retried (it would repeat), the trajectory ends as
+    /// `environment`.
+    Malformed(String),
+    /// The task (or the environment, by saying so) failed: counted as `error`, ends as
+    /// `environment`.
+    Task(TaskError),
+}
+
+impl CallError {
+    /// The metric's name for this failure (`crash`, `timeout`, `malformed`, `error`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            CallError::Fault(f, _) => f.as_str(),
+            CallError::Malformed(_) => "malformed",
+            CallError::Task(_) => "error",
+        }
+    }
+}
+
+impl fmt::Display for CallError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CallError::Fault(k, m) => write!(f, "{k}: {m}"),
+            CallError::Malformed(m) => write!(f, "malformed: {m}"),
+            CallError::Task(e) => write!(f, "error: {e}"),
+        }
+    }
+}
+
 /// A family of verifiable problems and its environment (see the module docs).
 pub trait Task: Send + Sync {
     /// The name configs, trajectories and metrics use.
@@ -102,4 +146,22 @@ pub trait Task: Send + Sync {
     fn demonstration(&self, _problem: &Problem, _rng: &mut Rng) -> Option<Demonstration> {
         None
     }
+
+    /// The orchestrator's form of [`Task::respond`]: `key` names the call (session, turn,
+    /// attempt), which an environment outside the process needs; a failure says whether it
+    /// may be retried. The default answers with `respond`.
+    fn call(
+        &self,
+        key: CallKey<'_>,
+        problem: &Problem,
+        generated: &[TokenId],
+    ) -> Result<Reply, CallError> {
+        self.respond(problem, key.turn, generated)
+            .map_err(CallError::Task)
+    }
+
+    /// Called when the call `key` is planned, before its latency timer: an environment
+    /// outside the process sends the request now, so the calls of many sessions are in flight
+    /// together, and [`Task::call`] collects the reply. The default does nothing.
+    fn prefetch(&self, _key: CallKey<'_>, _problem: &Problem, _generated: &[TokenId]) {}
 }

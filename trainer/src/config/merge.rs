@@ -118,6 +118,9 @@ fn task_template(defaults: &Table) -> Table {
                     "tool_fraction",
                     "wrong_call_fraction",
                     "items",
+                    "command",
+                    "args",
+                    "url",
                 ] {
                     t.remove(k);
                 }
@@ -139,6 +142,9 @@ fn task_schema(template: &Table) -> Table {
         ("tool_fraction", Value::Float(0.0)),
         ("wrong_call_fraction", Value::Float(0.0)),
         ("items", Value::Integer(0)),
+        ("command", Value::String(String::new())),
+        ("args", Value::Array(Vec::new())),
+        ("url", Value::String(String::new())),
     ] {
         schema.entry(k).or_insert(v);
     }

@@ -98,7 +98,30 @@ fn task_options(g: &Get<'_>) -> Result<crate::tasks::TaskOptions, ConfigError> {
             )?)),
         }
     };
+    let string = |k: &str| -> Result<Option<String>, ConfigError> {
+        match g.t.get(k) {
+            None => Ok(None),
+            Some(_) => Ok(Some(g.str(k)?.to_string())),
+        }
+    };
+    let args = match g.t.get("args") {
+        None => None,
+        Some(Value::Array(a)) => Some(
+            a.iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    v.as_str()
+                        .map(str::to_string)
+                        .ok_or_else(|| err(&format!("{}[{i}]", g.key("args")), "expected a string"))
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
+        Some(_) => return Err(err(&g.key("args"), "expected an array of strings")),
+    };
     Ok(crate::tasks::TaskOptions {
+        command: string("command")?,
+        args,
+        url: string("url")?,
         digits: int("digits")?,
         min_digits: int("min_digits")?,
         tool_fraction: frac("tool_fraction")?,

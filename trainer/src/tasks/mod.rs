@@ -7,14 +7,18 @@
 //! | `tool`   | 1-4   | a product, with a calculator tool ([`tool`])      | `digits`, `min_digits`, `tool_fraction`, `wrong_call_fraction` |
 //! | `recall` | 1     | raw-id recall (the runtime's synthetic task)      | `items`                  |
 //! | `lookup` | 2     | raw-id lookup through an observation (runtime)    | none                     |
+//! | `external` | any | a program sluice starts, JSON lines ([`external`]) | `command`, `args`       |
+//! | `http`   | any   | a server at a URL, the same messages ([`external`]) | `url`                   |
 //!
-//! `arith`, `sort` and `tool` are text tasks on the character [`tokenizer`] (64 ids) and the chat
+//! `arith`, `sort`, `tool`, `external` and `http` are text tasks on the character [`tokenizer`] (64 ids) and the chat
 //! [`template`]; they need a model vocabulary of at least [`tokenizer::VOCAB_SIZE`] ids.
 //! `recall` and `lookup` work on raw ids of any vocabulary of at least
 //! [`sluice_runtime::env::synthetic::MIN_VOCAB`] ids, for tiny models and tests.
 
 pub mod arith;
 pub mod calc;
+pub mod export;
+pub mod external;
 pub mod sort;
 pub mod template;
 pub mod tokenizer;
@@ -27,7 +31,9 @@ use sluice_runtime::trajectory::TerminalReason;
 use std::sync::Arc;
 
 /// The task kinds [`make`] knows, for configs and error messages.
-pub const KINDS: [&str; 5] = ["arith", "sort", "tool", "recall", "lookup"];
+pub const KINDS: [&str; 7] = [
+    "arith", "sort", "tool", "recall", "lookup", "external", "http",
+];
 
 /// Operand digits of `arith` and `tool` when not set.
 pub const DEFAULT_DIGITS: u32 = 3;
@@ -61,6 +67,12 @@ pub struct TaskOptions {
     pub wrong_call_fraction: Option<f64>,
     /// `recall`: symbols per prompt, >= 1, default [`DEFAULT_ITEMS`].
     pub items: Option<u32>,
+    /// `external`: the program to start (found on PATH, or a path relative to the working
+    /// directory) and its arguments.
+    pub command: Option<String>,
+    pub args: Option<Vec<String>>,
+    /// `http`: the server's URL (`http://host:port/path`).
+    pub url: Option<String>,
 }
 
 impl TaskOptions {
@@ -82,17 +94,43 @@ impl TaskOptions {
         if self.items.is_some() {
             v.push("items");
         }
+        if self.command.is_some() {
+            v.push("command");
+        }
+        if self.args.is_some() {
+            v.push("args");
+        }
+        if self.url.is_some() {
+            v.push("url");
+        }
         v
     }
 }
 
 /// Makes the task `name` of `kind` for a model of `vocab` ids. The error names the task and
-/// the kind, option or vocabulary that is wrong.
+/// the kind, option or vocabulary that is wrong. External tasks get a 5 s call timeout, one
+/// retry, and record nothing (see [`make_with`]).
 pub fn make(
     kind: &str,
     name: &str,
     vocab: usize,
     options: &TaskOptions,
+) -> Result<Arc<dyn Task>, String> {
+    let io = external::EnvIo {
+        timeout: std::time::Duration::from_secs(5),
+        retries: 1,
+        ..external::EnvIo::default()
+    };
+    make_with(kind, name, vocab, options, &io)
+}
+
+/// [`make`] with an external task's call timeout, record and replay.
+pub fn make_with(
+    kind: &str,
+    name: &str,
+    vocab: usize,
+    options: &TaskOptions,
+    io: &external::EnvIo,
 ) -> Result<Arc<dyn Task>, String> {
     let takes: &[&str] = match kind {
         "arith" | "sort" => &["digits"],
@@ -104,6 +142,8 @@ pub fn make(
         ],
         "recall" => &["items"],
         "lookup" => &[],
+        "external" => &["command", "args"],
+        "http" => &["url"],
         _ => {
             return Err(format!(
                 "task {name}: unknown kind {kind:?} (kinds: {})",
@@ -121,7 +161,9 @@ pub fn make(
             }
         ));
     }
-    if matches!(kind, "arith" | "sort" | "tool") && vocab < tokenizer::VOCAB_SIZE {
+    if matches!(kind, "arith" | "sort" | "tool" | "external" | "http")
+        && vocab < tokenizer::VOCAB_SIZE
+    {
         return Err(format!(
             "task {name}: kind {kind} needs a model vocabulary of at least {} ids (tokenizer \
              {}), the model has {vocab}",
@@ -148,6 +190,25 @@ pub fn make(
             )
             .map_err(|e| e.0)?,
         ),
+        "external" => Arc::new(external::ExternalTask::new(
+            name,
+            external::Endpoint::Process {
+                program: options.command.clone().unwrap_or_default(),
+                args: options.args.clone().unwrap_or_default(),
+            },
+            vocab,
+            io.clone(),
+        )?),
+        "http" => Arc::new(external::ExternalTask::new(
+            name,
+            external::Endpoint::Http {
+                url: options.url.clone().ok_or_else(|| {
+                    format!("task {name}: kind http needs a url (http://host:port/path)")
+                })?,
+            },
+            vocab,
+            io.clone(),
+        )?),
         "recall" => Arc::new(
             Recall::new(name, vocab, options.items.unwrap_or(DEFAULT_ITEMS) as usize)
                 .map_err(|e| e.0)?,

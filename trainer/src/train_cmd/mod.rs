@@ -28,6 +28,7 @@ use sluice_model::{Model, ModelConfig, PackedBatch};
 use sluice_runtime::buffer::{BufferConfig, DataBuffer};
 use sluice_runtime::clock::{ClockMode, Micros};
 use sluice_runtime::engine::{Engine, EngineConfig};
+use sluice_runtime::env::external::record::{self, Recorder, ReplayBook};
 use sluice_runtime::env::{Split, Task};
 use sluice_runtime::eval::{pass_rate, PassRate};
 use sluice_runtime::learner::{Learner, LearnerConfig, Mismatch, Publication, StepReport};
@@ -59,6 +60,9 @@ pub struct TrainOptions {
     pub seed: Option<u64>,
     pub out: Option<PathBuf>,
     pub resume: Option<PathBuf>,
+    /// Answer external environments from this run folder's environments.jsonl instead of
+    /// starting them (`--replay-env`).
+    pub replay_env: Option<PathBuf>,
 }
 
 /// Why a run stopped: bad input (exit 2, nothing written) or a failure during the run.
@@ -108,9 +112,24 @@ pub struct TrainSummary {
     pub summary: Value,
 }
 
-/// Builds the task of a config section (the model's vocabulary bounds the token ids).
-pub fn make_task(t: &TaskSection, vocab: usize) -> Result<Arc<dyn Task>, String> {
-    crate::tasks::make(&t.kind, &t.name, vocab, &t.options)
+/// Builds the task of a config section (the model's vocabulary bounds the token ids); an
+/// external task gets the section's call timeout and `io`'s record and replay.
+pub fn make_task(
+    t: &TaskSection,
+    vocab: usize,
+    io: &crate::tasks::external::EnvIo,
+) -> Result<Arc<dyn Task>, String> {
+    let io = crate::tasks::external::EnvIo {
+        timeout: std::time::Duration::from_secs_f64(t.timeout_s),
+        retries: t.retries,
+        ..io.clone()
+    };
+    crate::tasks::make_with(&t.kind, &t.name, vocab, &t.options, &io)
+}
+
+/// Whether a task reaches an environment outside the process.
+fn is_external(t: &TaskSection) -> bool {
+    matches!(t.kind.as_str(), "external" | "http")
 }
 
 /// Everything resolved before anything is written.
@@ -119,6 +138,8 @@ struct Plan {
     model_cfg: ModelConfig,
     tasks: BTreeMap<String, Arc<dyn Task>>,
     out: PathBuf,
+    /// Where external tasks record their replies (opened with the run folder).
+    recorder: Arc<Recorder>,
 }
 
 fn plan(o: &TrainOptions) -> Result<Plan, TrainError> {
@@ -183,9 +204,19 @@ fn plan(o: &TrainOptions) -> Result<Plan, TrainError> {
             }));
         }
     }
+    let replay = match &o.replay_env {
+        Some(dir) => Some(Arc::new(ReplayBook::load(dir).map_err(TrainError::Input)?)),
+        None => None,
+    };
+    let recorder = Arc::new(Recorder::default());
+    let io = crate::tasks::external::EnvIo {
+        recorder: Some(Arc::clone(&recorder)),
+        replay,
+        ..crate::tasks::external::EnvIo::default()
+    };
     let mut tasks = BTreeMap::new();
     for t in &cfg.tasks {
-        let task = make_task(t, model_cfg.vocab).map_err(|m| {
+        let task = make_task(t, model_cfg.vocab, &io).map_err(|m| {
             TrainError::Config(ConfigError {
                 key: format!("tasks.{}.kind", t.name),
                 message: m,
@@ -203,12 +234,14 @@ fn plan(o: &TrainOptions) -> Result<Plan, TrainError> {
         model_cfg,
         tasks,
         out,
+        recorder,
     })
 }
 
 /// The files a run writes (cleared when a run starts in an existing folder).
-const RUN_FILES: [&str; 5] = [
+const RUN_FILES: [&str; 6] = [
     "config.toml",
+    record::FILE,
     "metrics.jsonl",
     "summary.json",
     "trace.json",
@@ -337,6 +370,12 @@ pub fn run_train(o: &TrainOptions, out: &mut dyn Write) -> Result<TrainSummary, 
             )
         }
     };
+    if cfg.tasks.iter().any(is_external) {
+        // A resumed run continues its record; a new one starts it.
+        p.recorder
+            .open(&p.out.join(record::FILE), o.resume.is_some())
+            .map_err(run_err)?;
+    }
     let start = Instant::now();
     let mut model = match (&resume_from, &cfg.model.init) {
         (Some(ck), _) => Model::from_checkpoint(&ck.join("learner.safetensors"), &backend)
@@ -559,6 +598,15 @@ struct RlTotals {
     /// group), and the sum of their completion times (seconds).
     #[serde(default)]
     flow: BTreeMap<String, (u64, u64, f64)>,
+    /// Environment calls, and the failed ones by kind (crash, timeout, garbage, malformed,
+    /// error, submit, refused_observation).
+    #[serde(default)]
+    env_calls: u64,
+    #[serde(default)]
+    env_faults: BTreeMap<String, u64>,
+    /// Finished trajectories by terminal reason.
+    #[serde(default)]
+    by_terminal: BTreeMap<String, u64>,
 }
 
 impl RunContext<'_> {

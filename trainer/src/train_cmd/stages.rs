@@ -410,6 +410,13 @@ impl RunContext<'_> {
         t.stale += report.buffer.stale_dropped;
         t.env += report.buffer.env_dropped;
         t.env_trained += report.buffer.env_trained;
+        t.env_calls += report.rollout.env_calls;
+        for (k, n) in &report.rollout.env_faults {
+            *t.env_faults.entry(k.clone()).or_default() += n;
+        }
+        for (k, n) in &report.rollout.by_terminal {
+            *t.by_terminal.entry(k.clone()).or_default() += n;
+        }
         for (task, m) in buffer.by_turns() {
             for (turns, c) in m {
                 let e = t

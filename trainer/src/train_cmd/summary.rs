@@ -14,6 +14,8 @@ impl RunContext<'_> {
 
     pub(super) fn summary(&self, sha: &str, wall_s: f64) -> Value {
         let t = self.state.rl_totals.as_ref();
+        let none = RlTotals::default();
+        let tt = t.unwrap_or(&none);
         let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
         let total_groups: u64 = t.map_or(0, |t| t.shares.values().map(|s| s.1).sum());
         let mut tasks = serde_json::Map::new();
@@ -52,8 +54,6 @@ impl RunContext<'_> {
         let elapsed = t.map_or(0.0, |t| t.elapsed_s).max(1e-9);
         // Over the whole run: token-weighted means and the max (the metrics lines' keys).
         let mut mismatch = serde_json::Map::new();
-        let none = RlTotals::default();
-        let tt = t.unwrap_or(&none);
         insert_mismatch(&mut mismatch, "mismatch.lag0", &tt.mismatch_lag0);
         insert_mismatch(&mut mismatch, "mismatch.lagpos", &tt.mismatch_lagpos);
         let gated = tt.gated_low + tt.gated_high;
@@ -84,6 +84,11 @@ impl RunContext<'_> {
             "env_drop_rate": t.map_or(0.0, |t| ratio(t.env, t.buffer_in)),
             // Environment-ended trajectories trained as failures (buffer.env_gate = false).
             "env_trained_rate": t.map_or(0.0, |t| ratio(t.env_trained, t.buffer_in)),
+            // RL's environment calls, the failed ones by kind, and trajectories by how they
+            // ended.
+            "env_calls": tt.env_calls,
+            "env_faults": tt.env_faults,
+            "trajectories_by_terminal": tt.by_terminal,
             "group_dup_rate": t.map_or(0.0, |t| ratio(t.dup, t.released)),
             "zero_lag_tokens": t.map_or(0, |t| t.zero_lag),
             "zero_lag_mismatch_tokens": t.map_or(0, |t| t.zero_lag_mismatch),
