@@ -441,24 +441,21 @@ fn attention_backward_case(
     }
 }
 
-/// The MoE layer backward. Off the CPU it recomputes the forward (ops::moe says why), so the
-/// time includes one forward; FLOPs count the backward's GEMMs (twice the forward's) plus that
-/// forward.
+/// The MoE layer backward from the forward's saved state (run once in `prepare`, as the
+/// learner's forward does before its backward); FLOPs count the backward's GEMMs, twice the
+/// forward's.
 fn moe_backward_case(t: usize, d: usize, e: usize, k: usize, f: usize, dtype: DType) -> BenchCase {
     let fwd_flops = 3.0 * 2.0 * (t * k) as f64 * d as f64 * f as f64 + 2.0 * (t * d * e) as f64;
     BenchCase {
         op: "moe_backward",
         pass: Pass::Backward,
-        path: "recompute",
+        path: "saved",
         check: "moe::cuda_matches_reference",
         cuda_only: false,
-        shape: format!(
-            "T={t} d={d} E={e} k={k} f={f} {} (incl. forward)",
-            dtype_name(dtype)
-        ),
+        shape: format!("T={t} d={d} E={e} k={k} f={f} {}", dtype_name(dtype)),
         bytes: (2 * (t * d + e * d + 3 * e * f * d) * dtype.size_bytes()
             + (t * d + e * d + 3 * e * f * d) * 4) as f64,
-        flops: 3.0 * fwd_flops,
+        flops: 2.0 * fwd_flops,
         prepare: Box::new(move |b| {
             let x = random(b, &[t, d], dtype, 15)?;
             let wr = random(b, &[e, d], dtype, 16)?;
@@ -467,8 +464,10 @@ fn moe_backward_case(t: usize, d: usize, e: usize, k: usize, f: usize, dtype: DT
             let w2 = random(b, &[e, d, f], dtype, 19)?;
             let dy = random(b, &[t, d], DType::F32, 24)?;
             let cfg = ops::moe::MoeConfig::new(k);
+            let (_, saved) = ops::moe::moe_forward_saved(b, &x, &wr, &w1, &w3, &w2, cfg)?;
             let run: BenchRun = Box::new(move |b: &Backend| {
-                ops::moe::moe_backward(b, &x, &wr, &w1, &w3, &w2, &dy, cfg).map(|_| ())
+                ops::moe::moe_backward_saved(b, &x, &wr, &w1, &w3, &w2, &dy, cfg, Some(&saved))
+                    .map(|_| ())
             });
             Ok(run)
         }),

@@ -755,7 +755,7 @@ fn backward_from_saved_state_equals_recomputed() {
                 &u.w2,
                 &u.dy,
                 c.cfg,
-                Some(saved),
+                Some(&saved),
             )
             .unwrap();
             let recomputed =
@@ -780,7 +780,7 @@ fn backward_from_saved_state_equals_recomputed() {
                 &u.w2,
                 &u.dy,
                 c.cfg,
-                Some(other),
+                Some(&other),
             );
             assert!(matches!(err, Err(Error::Invalid(m)) if m.contains("saved forward state")));
         }
@@ -802,7 +802,7 @@ fn backward_from_saved_state_equals_recomputed() {
         &ue.w2,
         &ue.dy,
         c.cfg,
-        Some(cpu_state),
+        Some(&cpu_state),
     );
     assert!(matches!(err, Err(Error::Invalid(m)) if m.contains("another device")));
 }

@@ -704,7 +704,7 @@ pub fn moe_ffn_backward(
         &w.w2,
         dy,
         dims.moe,
-        Some(routed),
+        Some(&routed),
     )?;
     let (dh, shared_grads) = match (&w.shared, shared, h_t) {
         (Some(sw), Some(saved), Some(h_t)) => {

@@ -168,7 +168,7 @@ fn launches_of_one_moe_layer() {
         let ((_, saved), fwd) =
             counted(|| moe_forward_saved(&be, &x, &wr, &w1, &w3, &w2, cfg).unwrap());
         let (_, bwd) = counted(|| {
-            moe_backward_saved(&be, &x, &wr, &w1, &w3, &w2, &dy, cfg, Some(saved)).unwrap()
+            moe_backward_saved(&be, &x, &wr, &w1, &w3, &w2, &dy, cfg, Some(&saved)).unwrap()
         });
         let (want_fwd, want_bwd) = match dtype {
             // Forward 14; backward 12 from the forward's saved state, whatever the routing.

@@ -32,6 +32,9 @@ fn ew_blocks(n: usize) -> u32 {
 pub(super) struct Widened<'a> {
     x32: Option<Tensor>,
     wr32: Option<Tensor>,
+    /// The same copies borrowed from a saved forward state (the backward's case).
+    x32_saved: Option<&'a Tensor>,
+    wr32_saved: Option<&'a Tensor>,
     x: &'a Tensor,
     w_router: &'a Tensor,
     w1: &'a Tensor,
@@ -44,6 +47,8 @@ impl<'a> Widened<'a> {
         Ok(Widened {
             x32: widen(backend, inp.x)?,
             wr32: widen(backend, inp.w_router)?,
+            x32_saved: None,
+            wr32_saved: None,
             x: inp.x,
             w_router: inp.w_router,
             w1: inp.w1,
@@ -56,10 +61,16 @@ impl<'a> Widened<'a> {
         (self.x32, self.wr32)
     }
     /// The inputs with the widened copies a forward of the same inputs made.
-    pub(super) fn from_saved(inp: &Inputs<'a>, x32: Option<Tensor>, wr32: Option<Tensor>) -> Self {
+    pub(super) fn from_saved(
+        inp: &Inputs<'a>,
+        x32: Option<&'a Tensor>,
+        wr32: Option<&'a Tensor>,
+    ) -> Self {
         Widened {
-            x32,
-            wr32,
+            x32: None,
+            wr32: None,
+            x32_saved: x32,
+            wr32_saved: wr32,
             x: inp.x,
             w_router: inp.w_router,
             w1: inp.w1,
@@ -69,11 +80,13 @@ impl<'a> Widened<'a> {
     }
     /// x as F32.
     fn x(&self) -> &Tensor {
-        self.x32.as_ref().unwrap_or(self.x)
+        self.x32_saved.or(self.x32.as_ref()).unwrap_or(self.x)
     }
     /// w_router as F32.
     fn w_router(&self) -> &Tensor {
-        self.wr32.as_ref().unwrap_or(self.w_router)
+        self.wr32_saved
+            .or(self.wr32.as_ref())
+            .unwrap_or(self.w_router)
     }
     /// The dtype of the expert GEMMs' operands (the inputs' dtype).
     fn gemm_dtype(&self) -> DType {

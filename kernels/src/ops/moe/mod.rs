@@ -448,7 +448,7 @@ pub fn moe_backward_saved(
     w2: &Tensor,
     dy: &Tensor,
     cfg: MoeConfig,
-    saved: Option<MoeSaved>,
+    saved: Option<&MoeSaved>,
 ) -> Result<MoeGradTensors> {
     let inp = check_inputs(backend, x, w_router, w1, w3, w2, Some(dy), cfg)?;
     let MoeDims { t, d, f, e } = inp.dims;
@@ -483,13 +483,15 @@ pub fn moe_backward_saved(
             w2.f32_data()?,
             dy.f32_data()?,
         );
-        let state = match saved.map(|s| s.state) {
+        let recomputed;
+        let state: &ForwardState = match saved.map(|s| &s.state) {
             Some(SavedState::Cpu(state)) => state,
-            _ => Box::new(forward_state(
-                &xs, &wr, &w1s, &w3s, &w2s, inp.dims, cfg, None, bf16,
-            )),
+            _ => {
+                recomputed = forward_state(&xs, &wr, &w1s, &w3s, &w2s, inp.dims, cfg, None, bf16);
+                &recomputed
+            }
         };
-        let g = backward_with_state(&state, &xs, &wr, &w1s, &w3s, &w2s, &dys, inp.dims, cfg);
+        let g = backward_with_state(state, &xs, &wr, &w1s, &w3s, &w2s, &dys, inp.dims, cfg);
         return Ok(MoeGradTensors {
             dx: Tensor::from_f32_vec(backend, &[t, d], g.dx)?,
             dw_router: Tensor::from_f32_vec(backend, &[e, d], g.dw_router)?,
@@ -498,20 +500,21 @@ pub fn moe_backward_saved(
             dw2: Tensor::from_f32_vec(backend, &[e, d, f], g.dw2)?,
         });
     }
-    let (w, state) = match saved.map(|s| s.state) {
-        Some(SavedState::Device(saved)) => {
-            let DeviceSaved { fwd, x32, wr32 } = *saved;
-            (Widened::from_saved(&inp, x32, wr32), fwd)
-        }
+    let recomputed;
+    let (w, state) = match saved.map(|s| &s.state) {
+        Some(SavedState::Device(saved)) => (
+            Widened::from_saved(&inp, saved.x32.as_ref(), saved.wr32.as_ref()),
+            &saved.fwd,
+        ),
         _ => {
             let w = Widened::new(backend, &inp)?;
-            let fwd = device_forward(backend, &w, inp.dims, cfg)?;
-            (w, fwd)
+            recomputed = device_forward(backend, &w, inp.dims, cfg)?;
+            (w, &recomputed)
         }
     };
     let dyw = widen(backend, dy)?;
     let dy = dyw.as_ref().unwrap_or(dy);
-    device_backward(backend, &w, &state, dy, inp.dims, cfg)
+    device_backward(backend, &w, state, dy, inp.dims, cfg)
 }
 /// The stable counting sort of token-slots by expert on any device: `idx` [T,k] I32 with every
 /// entry in [0, E) -> (offsets [E+1], perm [T*k], pos [T*k]), all I32, as

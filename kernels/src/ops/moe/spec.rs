@@ -57,7 +57,7 @@ fn run_backward(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
         w2,
         call.tensor("dy")?,
         cfg,
-        Some(saved),
+        Some(&saved),
     )?;
     Ok(vec![
         ("dx", g.dx),
