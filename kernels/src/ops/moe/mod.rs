@@ -9,30 +9,33 @@
 //!    STABLE counting sort: per-chunk counts [chunks,E], a fixed-order exclusive scan, and an
 //!    ordered scatter (inside an expert's segment the slots keep ascending order, so tokens keep
 //!    their order). No atomics: every count is owned by one thread;
-//! 4. grouped GEMMs over the segments (`gemm_grouped`) with SwiGLU (`swiglu`) in between:
+//! 4. grouped GEMMs over the segments (`gemm_grouped`) with SwiGLU in between (for BF16 inputs in
+//!    the second up-projection's epilogue, `gemm_grouped_swiglu`; for F32 the `swiglu` kernel):
 //!    y_e = (silu(x W1_e^T) * (x W3_e^T)) W2_e^T. Dropless: every slot is computed;
 //! 5. combine y[t] = sum_{j ascending} gate[t,j] * y_e[slot (t,j)].
 //!
-//! Backward recomputes the forward's intermediates, then: dgate and d(y_e) from the combine;
-//! dh = d(y_e) · W2_e, swiglu backward, dxs = da · W1_e + db · W3_e (grouped GEMMs against
-//! transposed weights, transposed by moe.cu's own kernel); weight gradients per expert as one
-//! reduction over the expert's contiguous segment, rows in ascending order (one thread per output
-//! element, no split: the order depends on the segment alone); the router gradient flows through
-//! the kept gates only (through the renormalisation, then softmax or sigmoid over all E);
-//! dx = (dlogits · W_r) + sum_{j ascending} dxs[slot (t,j)]. No atomics anywhere.
+//! Backward, from the forward's saved state ([`moe_forward_saved`] / [`moe_backward_saved`]; the
+//! plain [`moe_backward`] recomputes it): dgate (a warp-per-slot dot) and d(y_e) from the
+//! combine; dh = d(y_e) · W2_e, swiglu backward, dxs = da · W1_e + db · W3_e (`gemm_grouped_nn`:
+//! the weights read in place as [K,N]); weight gradients per expert as one reduction over the
+//! expert's contiguous segment, rows in ascending order, every expert in one launch
+//! (`gemm_segment_tn`, no split: the order depends on the segment alone); the router gradient
+//! flows through the kept gates only (through the renormalisation, then softmax or sigmoid over
+//! all E); dx = (dlogits · W_r) + sum_{j ascending} dxs[slot (t,j)]. No atomics anywhere.
 //!
 //! Batch invariance: a token's y (and dx) depend on its own row only: the router row ops, the
 //! grouped GEMMs (no split-K; a row's sum order depends on K alone) and the combine are row-wise.
 //! The weight gradients are sums over tokens, so they depend on the batch by definition.
 //!
 //! Numerics: F32 inputs compute in f32 on every device (the GEMMs on `gemm_f32`). BF16 inputs:
-//! the expert GEMMs run on tensor cores (`gemm_bf16_mma`) with BF16 operands (x rows, h, d(ye),
-//! da and db rounded to BF16 once, nearest even) and f32 accumulation, and so do the expert
-//! weight gradients (one tensor-core `gemm` per expert over its transposed, BF16-rounded
-//! segment); the router (x and W_r widened to f32 exactly), scores, gates, SwiGLU, combine and
+//! the expert GEMMs run on tensor cores (`gemm_bf16_mma` and its grouped forms) with BF16
+//! operands (x rows, h, d(ye), da and db rounded to BF16 once, nearest even) and f32
+//! accumulation, and so do the expert weight gradients (`gemm_segment_tn` over the BF16-rounded
+//! segments); SwiGLU's backward reads a and b as the forward kept them, rounded to BF16; the
+//! router (x and W_r widened to f32 exactly), scores, gates, SwiGLU, combine and
 //! dW_r stay f32.
 //! On `cpu`, BF16 inputs run the CPU reference at the same rounding points: the inputs widened
-//! exactly, h, d(ye), da and db rounded to bf16 values (nearest even) where the device rounds
+//! exactly, h, a, b, d(ye), da and db rounded to bf16 values (nearest even) where the device rounds
 //! them, every product and sum in f32 and in the device's order (every GEMM, the router's
 //! included, one FMA chain over K; the softmax in the block reduction's order; the router
 //! backward in `moe_router_backward`'s), so cpu and emu give the same bits, and cuda agrees to
