@@ -213,9 +213,11 @@ fn a_leftover_temp_file_does_not_hide_the_previous_checkpoint() {
 }
 
 /// Runs `child_writer` in a new process with `mode`, waits for its first complete write
-/// (`ready` exists), then SIGKILLs it as soon as `temp` exists. Returns whether the temp file
-/// was still there after the kill (the kill landed between create and rename).
-fn kill_mid_write(mode: &str, ready: &Path, temp: &Path) -> bool {
+/// (`ready` exists), then SIGKILLs it as soon as `mid_write()` says a temp file exists. Returns
+/// whether one was still there after the kill (the kill landed between create and rename).
+/// The child writes forever, so a temp file appears again and again: a check that misses one
+/// window (this process descheduled on a loaded machine) sees the next.
+fn kill_mid_write(mode: &str, ready: &Path, mid_write: &dyn Fn() -> bool) -> bool {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "child_writer", "--ignored", "--test-threads=1"])
         .env(CHILD_ENV, mode)
@@ -232,13 +234,26 @@ fn kill_mid_write(mode: &str, ready: &Path, temp: &Path) -> bool {
         );
         std::thread::sleep(Duration::from_millis(2));
     }
-    while !temp.exists() {
-        assert!(Instant::now() < deadline, "the child never wrote {temp:?}");
+    while !mid_write() {
+        assert!(
+            Instant::now() < deadline,
+            "no temp file of the child's writes seen in 60 s"
+        );
         std::hint::spin_loop();
     }
     child.kill().unwrap();
     child.wait().unwrap();
-    temp.exists()
+    mid_write()
+}
+
+/// Whether `dir` holds a temp file (`checkpoint::temp_path` of any file: weights or pointer).
+fn any_temp_in(dir: &Path) -> bool {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    entries
+        .flatten()
+        .any(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
 }
 
 #[test]
@@ -259,7 +274,8 @@ fn a_checkpoint_writer_killed_mid_write_leaves_the_previous_file_whole() {
         let _ = std::fs::remove_file(checkpoint::temp_path(&path));
         // The child saves version 0 and 1 alternately, forever.
         let mode = format!("ckpt:{}", path.display());
-        let mid_write = kill_mid_write(&mode, &path, &checkpoint::temp_path(&path));
+        let temp = checkpoint::temp_path(&path);
+        let mid_write = kill_mid_write(&mode, &path, &|| temp.exists());
         let loaded = Model::from_checkpoint(&path, &Backend::Cpu)
             .unwrap_or_else(|e| panic!("attempt {attempt}: the checkpoint does not load: {e}"));
         let got = bits(&loaded.params);
@@ -283,12 +299,11 @@ fn a_disk_publisher_killed_mid_write_leaves_a_loadable_version() {
     for attempt in 0..10 {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        // The child publishes versions 1, 2, 3, ... until killed; the kill waits for a temp
-        // file of a weights file or of the pointer.
+        // The child publishes versions 1, 2, 3, ... until killed; once the pointer exists, the
+        // kill waits for a temp file of a weights file or of the pointer.
         let mode = format!("disk:{}", dir.display());
         let ready = dir.join(POINTER_FILE);
-        let temp = checkpoint::temp_path(&dir.join(weights_file_name(WeightVersion(3))));
-        let mid_write = kill_mid_write(&mode, &ready, &temp);
+        let mid_write = kill_mid_write(&mode, &ready, &|| any_temp_in(&dir));
         let mut poller = DiskPoller::new(&dir);
         let update = poller
             .poll(&Backend::Cpu)
@@ -298,7 +313,7 @@ fn a_disk_publisher_killed_mid_write_leaves_a_loadable_version() {
         let mut m = Model::new(writer_config(), &Backend::Cpu).unwrap();
         set_version_values(&mut m.params, update.version.0);
         assert!(bits(&update.params) == bits(&m.params), "attempt {attempt}");
-        assert!(update.version.0 >= 2, "{}", update.version);
+        assert!(update.version.0 >= 1, "{}", update.version);
         caught += mid_write as usize;
         if caught >= 2 {
             break;
