@@ -56,20 +56,6 @@ impl Specials {
             eot: get(Special::Eot)?,
         })
     }
-
-    /// Whether `id` is one of them.
-    pub fn contains(&self, id: TokenId) -> bool {
-        [
-            self.bos,
-            self.user,
-            self.assistant,
-            self.observation,
-            self.call,
-            self.end_call,
-            self.eot,
-        ]
-        .contains(&id)
-    }
 }
 
 /// A run's text tokenizer (see the module docs). Cheap to clone.

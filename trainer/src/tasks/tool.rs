@@ -93,7 +93,8 @@ pub const MAX_CALLS: u32 = 3;
 
 /// The longest observation the environment returns, in tokens (the rollout's
 /// `max_observation_tokens` must be at least this): `<observation>`, at most 45 characters
-/// (the longest error message, or a 20-character result), `<eot><assistant>`.
+/// (the longest error message, or a 20-character result), `<eot><assistant>`. A byte-level
+/// BPE spends at most one token per ASCII character, so the bound holds on it too.
 pub const MAX_OBSERVATION_TOKENS: usize = 48;
 
 /// Seed of the split hash (distinct per task kind).
