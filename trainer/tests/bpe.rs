@@ -8,25 +8,29 @@ use sluice_model::optim::OptimConfig;
 use sluice_model::{Model, ModelConfig, Precision};
 use sluice_runtime::buffer::{BufferConfig, DataBuffer, ReadyGroup};
 use sluice_runtime::clock::{ClockMode, CostModel, Micros};
+use sluice_runtime::engine::StopConfig;
 use sluice_runtime::engine::{Engine, EngineConfig};
+use sluice_runtime::env::faults::CallKey;
 use sluice_runtime::env::faults::FaultRates;
 use sluice_runtime::env::latency::LatencyModel;
-use sluice_runtime::env::Task;
+use sluice_runtime::env::{CallError, Demonstration, Problem, Reply, Split, Task, TaskError};
 use sluice_runtime::health::HealthConfig;
 use sluice_runtime::learner::{Learner, LearnerConfig, StepReport};
 use sluice_runtime::metrics::LearnerTotals;
 use sluice_runtime::orchestrator::{Orchestrator, RolloutPolicy, TaskSpec};
 use sluice_runtime::sync::SyncOptions;
 use sluice_runtime::system::{run_stage, Mode, Parts, StageConfig, StageObserver, StageStart};
-use sluice_runtime::trajectory::{SamplingParams, TokenId, WeightVersion};
+use sluice_runtime::trajectory::{ArtifactVersions, SamplingParams, TokenId, WeightVersion};
 use sluice_trainer::config;
 use sluice_trainer::tasks::bpe::{self, Bpe};
 use sluice_trainer::tasks::sort::Sort;
 use sluice_trainer::tasks::text::{Specials, TextTokenizer};
 use sluice_trainer::tasks::tokenizer::Special;
 use sluice_trainer::tokenizer_cmd;
+use std::collections::HashMap;
 use std::path::Path;
 use std::process::Command;
+use std::sync::Mutex;
 use std::sync::{Arc, OnceLock};
 
 /// The default config's corpus (128 problems per task), trained once per test binary.
@@ -117,6 +121,53 @@ impl StageObserver for Batches {
     }
 }
 
+/// A task that records the ids the engine sampled, as the environment receives them.
+struct Witness {
+    inner: Sort,
+    seen: Mutex<HashMap<String, Vec<TokenId>>>,
+}
+
+impl Task for Witness {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn multi_turn(&self) -> bool {
+        self.inner.multi_turn()
+    }
+    fn problem(&self, rng: &mut sluice_kernels::testing::Rng, split: Split) -> Problem {
+        self.inner.problem(rng, split)
+    }
+    fn respond(&self, p: &Problem, turn: u32, generated: &[TokenId]) -> Result<Reply, TaskError> {
+        self.inner.respond(p, turn, generated)
+    }
+    fn call(
+        &self,
+        key: CallKey<'_>,
+        p: &Problem,
+        generated: &[TokenId],
+    ) -> Result<Reply, CallError> {
+        self.seen
+            .lock()
+            .unwrap()
+            .insert(key.session.to_string(), generated.to_vec());
+        self.respond(p, key.turn, generated)
+            .map_err(CallError::Task)
+    }
+    fn stop(&self) -> StopConfig {
+        self.inner.stop()
+    }
+    fn versions(&self) -> ArtifactVersions {
+        self.inner.versions()
+    }
+    fn demonstration(
+        &self,
+        p: &Problem,
+        rng: &mut sluice_kernels::testing::Rng,
+    ) -> Option<Demonstration> {
+        self.inner.demonstration(p, rng)
+    }
+}
+
 #[test]
 fn sampled_ids_that_do_not_survive_a_round_trip_are_trained_as_sampled() {
     let (_, tok) = trained();
@@ -156,11 +207,13 @@ fn sampled_ids_that_do_not_survive_a_round_trip_are_trained_as_sampled() {
         0,
     )
     .unwrap();
-    let task: Arc<dyn Task> = Arc::new(
-        Sort::new("sort", 5)
+    let witness = Arc::new(Witness {
+        inner: Sort::new("sort", 5)
             .unwrap()
             .with_tokenizer(Arc::clone(tok)),
-    );
+        seen: Mutex::new(HashMap::new()),
+    });
+    let task: Arc<dyn Task> = Arc::clone(&witness) as Arc<dyn Task>;
     let policy = RolloutPolicy {
         group_size: 4,
         sampling: SamplingParams {
@@ -226,18 +279,28 @@ fn sampled_ids_that_do_not_survive_a_round_trip_are_trained_as_sampled() {
     assert_eq!(seen.1.len(), 2);
     assert_eq!(seen.0.len(), 8);
 
-    // The model's turns whose round trip changes the ids.
+    // The model's turns (as the engine sampled them and the environment received them) whose
+    // round trip changes the ids.
+    let sampled = witness.seen.lock().unwrap();
     let mut hazards = 0;
     for s in seen.0.iter().flat_map(|g| &g.samples) {
-        let turn = &s.tokens[s.prompt_len..];
-        assert!(s.loss_mask[s.prompt_len..].iter().all(|&m| m));
+        // The environment's key of a trajectory: SESSION#MEMBER.
+        let turn = &sampled[&format!("{}#{}", s.session_id, s.group_index)];
         let text = tok.decode(turn).unwrap();
         let again = tok.encode(&text).unwrap();
-        if again != turn {
+        // What the learner trains on: the sampled turn, every id of it in the loss.
+        let trained = &s.tokens[s.prompt_len..];
+        assert_eq!(
+            trained,
+            turn.as_slice(),
+            "{}#{}",
+            s.session_id,
+            s.group_index
+        );
+        assert!(s.loss_mask[s.prompt_len..].iter().all(|&m| m));
+        if &again != turn {
             hazards += 1;
-            // What the learner trained on is the sampled turn, not its re-encoding.
-            assert_eq!(&s.tokens[s.prompt_len..], turn);
-            assert_ne!(&s.tokens[s.prompt_len..], again.as_slice());
+            assert_ne!(trained, again.as_slice());
         }
     }
     assert!(hazards > 0, "no sampled turn changes in a round trip");
