@@ -9,6 +9,7 @@
 //! cache).
 
 use crate::config::{self, ConfigError, TrainConfig};
+use crate::tasks::text::TextTokenizer;
 use crate::train_cmd::{make_task, TrainError};
 use sluice_kernels::Backend;
 use sluice_model::{Model, Precision};
@@ -68,9 +69,9 @@ fn weights_file(checkpoint: &Path) -> Result<PathBuf, TrainError> {
     )))
 }
 
-fn render(ids: &[TokenId], text: bool) -> String {
-    if text {
-        crate::tasks::tokenizer::render(ids)
+fn render(tok: Option<&TextTokenizer>, ids: &[TokenId]) -> String {
+    if let Some(tok) = tok {
+        tok.render(ids)
     } else {
         format!("{ids:?}")
     }
@@ -109,10 +110,24 @@ pub fn run_eval(o: &EvalOptions, out: &mut dyn Write) -> Result<(PassRate, PassR
     model
         .set_precision(&backend, precision)
         .map_err(|e| TrainError::Run(e.to_string()))?;
+    let tok = cfg.tokenizer.load()?;
+    if cfg.tokenizer.model_vocab(&tok, model.config.vocab) != model.config.vocab {
+        return Err(TrainError::Config(ConfigError {
+            key: "tokenizer.path".into(),
+            message: format!(
+                "the checkpoint's model has a vocabulary of {} ids, tokenizer {} has {}: a \
+                 model and its tokenizer must match",
+                model.config.vocab,
+                tok.version(),
+                tok.vocab_size()
+            ),
+        }));
+    }
     let task = make_task(
         &section,
         model.config.vocab,
         &crate::tasks::external::EnvIo::default(),
+        &tok,
     )
     .map_err(|m| {
         TrainError::Config(ConfigError {
@@ -120,7 +135,7 @@ pub fn run_eval(o: &EvalOptions, out: &mut dyn Write) -> Result<(PassRate, PassR
             message: m,
         })
     })?;
-    let text = matches!(section.kind.as_str(), "arith" | "sort" | "tool");
+    let text = matches!(section.kind.as_str(), "arith" | "sort" | "tool").then_some(tok.as_ref());
     let n = o.samples.unwrap_or(cfg.rollout.eval_problems).max(1);
     let r = &cfg.rollout;
     let mut engine = Engine::new(
@@ -179,7 +194,7 @@ pub fn run_eval(o: &EvalOptions, out: &mut dyn Write) -> Result<(PassRate, PassR
             p.counts()
         );
         for (t, reward) in &p.transcripts {
-            let _ = writeln!(out, "    [reward {reward}] {}", render(t, text));
+            let _ = writeln!(out, "    [reward {reward}] {}", render(text, t));
         }
     }
     Ok((greedy, sampled))

@@ -16,4 +16,5 @@ pub mod report;
 pub mod sft_cmd;
 pub mod tasks;
 pub mod tasks_cmd;
+pub mod tokenizer_cmd;
 pub mod train_cmd;

@@ -52,6 +52,31 @@ enum TasksCommand {
 }
 
 #[derive(Subcommand)]
+enum TokenizerCommand {
+    /// Train a byte-level BPE on the config's text tasks (their warm-up demonstrations): digits
+    /// one per token, the chat's special tokens first; writes a Hugging Face tokenizer.json
+    /// for `[tokenizer] kind = "bpe"`, `path = ...`.
+    Train {
+        /// Where to write the tokenizer.json.
+        #[arg(long, default_value = "tokenizer.json")]
+        out: PathBuf,
+        /// The most ids (specials and 256 bytes included; fewer when the corpus has fewer
+        /// merges to make).
+        #[arg(long, default_value_t = sluice_trainer::tasks::bpe::DEFAULT_TRAIN_VOCAB)]
+        vocab: usize,
+        /// Training problems per task in the corpus.
+        #[arg(long, default_value_t = 4096)]
+        problems: usize,
+        /// The config whose tasks make the corpus (default: the defaults).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Override one config key (repeatable).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
+    },
+}
+
+#[derive(Subcommand)]
 enum Command {
     /// Run one kernel on named tensors from a safetensors file (`--list` shows the ops).
     Kernel {
@@ -151,6 +176,11 @@ enum Command {
         /// with exit code 2, naming its key.
         #[arg(long, value_name = "RUN_DIR")]
         replay_env: Option<PathBuf>,
+    },
+    /// Tokenizers: `train` makes a byte-level BPE on the tasks' text.
+    Tokenizer {
+        #[command(subcommand)]
+        command: TokenizerCommand,
     },
     /// The tasks of a config: `export NAME` writes a task's problems as JSON lines.
     Tasks {
@@ -583,6 +613,31 @@ fn main() -> ExitCode {
             };
             match sluice_trainer::tasks_cmd::run_export(&opts, &mut std::io::stdout()) {
                 Ok(_) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(if e.is_bad_input() { 2 } else { 1 })
+                }
+            }
+        }
+        Command::Tokenizer {
+            command:
+                TokenizerCommand::Train {
+                    out,
+                    vocab,
+                    problems,
+                    config,
+                    sets,
+                },
+        } => {
+            let opts = sluice_trainer::tokenizer_cmd::TrainTokenizerOptions {
+                config,
+                sets,
+                out,
+                vocab,
+                problems,
+            };
+            match sluice_trainer::tokenizer_cmd::run_train(&opts, &mut std::io::stdout()) {
+                Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("error: {e}");
                     ExitCode::from(if e.is_bad_input() { 2 } else { 1 })

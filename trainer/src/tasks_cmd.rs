@@ -39,16 +39,18 @@ pub fn run_export(o: &ExportOptions, stdout: &mut dyn Write) -> Result<usize, Tr
     })?;
     let model = ModelConfig::from_file(&cfg.model.config)
         .map_err(|e| TrainError::Input(format!("{}: {e}", cfg.model.config.display())))?;
+    let tok = cfg.tokenizer.load()?;
     let task = make_task(
         section,
-        model.vocab,
+        cfg.tokenizer.model_vocab(&tok, model.vocab),
         &crate::tasks::external::EnvIo::default(),
+        &tok,
     )
     .map_err(TrainError::Input)?;
     let problems = export::problems(task.as_ref(), split, o.n, o.seed.unwrap_or(cfg.run.seed));
     let mut text = String::new();
     for p in &problems {
-        text.push_str(&export::line(p).to_string());
+        text.push_str(&export::line(&tok, p).to_string());
         text.push('\n');
     }
     match &o.out {

@@ -304,7 +304,9 @@ fn the_python_port_of_tool_gives_the_builtin_rewards() {
     let file = dir.join("held_out.jsonl");
     let lines: String = problems
         .iter()
-        .map(|p| export::line(p).to_string() + "\n")
+        .map(|p| {
+            export::line(&sluice_trainer::tasks::text::TextTokenizer::Char, p).to_string() + "\n"
+        })
         .collect();
     std::fs::write(&file, lines).unwrap();
     let port = ExternalTask::new(

@@ -178,6 +178,66 @@ pub struct TaskSection {
     pub options: crate::tasks::TaskOptions,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenizerKind {
+    Char,
+    Bpe,
+}
+
+/// The text tokenizer of the run (crate::tasks::text).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenizerSection {
+    pub kind: TokenizerKind,
+    /// The tokenizer.json of a BPE (required for bpe).
+    pub path: Option<PathBuf>,
+    /// The largest vocabulary the model may take from a BPE.
+    pub max_vocab: usize,
+}
+
+impl TokenizerSection {
+    /// Loads the tokenizer; a missing or bad file, a missing special token or a vocabulary
+    /// over `max_vocab` is an error naming the key (and the file).
+    pub fn load(&self) -> Result<std::sync::Arc<crate::tasks::text::TextTokenizer>, ConfigError> {
+        use crate::tasks::text::TextTokenizer;
+        let path = match (self.kind, &self.path) {
+            (TokenizerKind::Char, _) => return Ok(TextTokenizer::char()),
+            (TokenizerKind::Bpe, None) => {
+                return Err(err("tokenizer.path", "kind bpe needs a tokenizer.json"))
+            }
+            (TokenizerKind::Bpe, Some(p)) => p,
+        };
+        let bpe = crate::tasks::bpe::Bpe::load(path).map_err(|m| err("tokenizer.path", m))?;
+        if bpe.vocab_size() > self.max_vocab {
+            return Err(err(
+                "tokenizer.max_vocab",
+                format!(
+                    "{}: the vocabulary has {} ids, over the model's limit of {} (raise \
+                     tokenizer.max_vocab or train a smaller one: sluice tokenizer train --vocab N)",
+                    path.display(),
+                    bpe.vocab_size(),
+                    self.max_vocab
+                ),
+            ));
+        }
+        Ok(std::sync::Arc::new(TextTokenizer::Bpe(
+            std::sync::Arc::new(bpe),
+        )))
+    }
+
+    /// The model's vocabulary: a BPE's size (the model config's `vocab` is replaced), the
+    /// model config's own for the character tokenizer.
+    pub fn model_vocab(
+        &self,
+        tok: &crate::tasks::text::TextTokenizer,
+        model_config_vocab: usize,
+    ) -> usize {
+        match self.kind {
+            TokenizerKind::Char => model_config_vocab,
+            TokenizerKind::Bpe => tok.vocab_size(),
+        }
+    }
+}
+
 /// The whole resolved configuration.
 #[derive(Clone, Debug)]
 pub struct TrainConfig {
@@ -190,6 +250,7 @@ pub struct TrainConfig {
     pub optim: OptimSection,
     pub sync: SyncSection,
     pub baselines: BaselinesSection,
+    pub tokenizer: TokenizerSection,
     pub cost: CostModel,
     /// Every task the stages use, in the order of first use.
     pub tasks: Vec<TaskSection>,

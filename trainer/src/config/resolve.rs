@@ -325,6 +325,25 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         rft: baselines.bool("rft")?,
     };
 
+    let tok = Get::section(&table, "tokenizer")?;
+    let tok_path = tok.str("path")?;
+    let tokenizer_s = TokenizerSection {
+        kind: match tok.str("kind")? {
+            "char" => TokenizerKind::Char,
+            "bpe" => TokenizerKind::Bpe,
+            o => return Err(err("tokenizer.kind", format!("{o:?} is not char or bpe"))),
+        },
+        path: (!tok_path.is_empty()).then(|| PathBuf::from(tok_path)),
+        max_vocab: tok.int("max_vocab", 1, i32::MAX as i64)? as usize,
+    };
+    if tokenizer_s.kind == TokenizerKind::Bpe && tokenizer_s.path.is_none() {
+        return Err(err(
+            "tokenizer.path",
+            "tokenizer.kind = \"bpe\" needs the path of a tokenizer.json (`sluice tokenizer \
+             train` writes one)",
+        ));
+    }
+
     let cost = Get::section(&table, "cost")?;
     let nonneg = |k: &str| cost.float(k, |x| x >= 0.0, ">= 0");
     let cost_s = CostModel {
@@ -534,6 +553,7 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         optim: optim_s,
         sync: sync_s,
         baselines: baselines_s,
+        tokenizer: tokenizer_s,
         cost: cost_s,
         tasks: tasks_s,
         table,

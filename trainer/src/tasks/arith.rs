@@ -19,12 +19,13 @@
 //! Held-out problems are those whose spec (`"372+45"`) hashes odd, training problems those that
 //! hash even, so the two streams never share a problem.
 
-use super::tokenizer::{self, EOT, PLUS};
+use super::text::TextTokenizer;
 use super::{end, in_split, template, MAX_DIGITS};
 use sluice_kernels::testing::Rng;
 use sluice_runtime::engine::StopConfig;
 use sluice_runtime::env::{Demonstration, Problem, Reply, Split, Task, TaskError};
 use sluice_runtime::trajectory::{ArtifactVersions, TokenId};
+use std::sync::Arc;
 
 /// The environment version recorded on trajectories.
 pub const ENV_VERSION: &str = "arith-add-1";
@@ -37,6 +38,7 @@ const SPLIT_SEED: u64 = 0xa817;
 pub struct Arith {
     name: String,
     digits: u32,
+    tok: Arc<TextTokenizer>,
 }
 
 impl Arith {
@@ -50,7 +52,14 @@ impl Arith {
         Ok(Arith {
             name: name.into(),
             digits,
+            tok: TextTokenizer::char(),
         })
+    }
+
+    /// The same task on another tokenizer (the character one by default).
+    pub fn with_tokenizer(mut self, tok: Arc<TextTokenizer>) -> Self {
+        self.tok = tok;
+        self
     }
 
     pub fn digits(&self) -> u32 {
@@ -101,12 +110,9 @@ impl Task for Arith {
             if !in_split(SPLIT_SEED, &spec, split) {
                 continue;
             }
-            let mut body = tokenizer::number(a);
-            body.push(PLUS);
-            body.extend(tokenizer::number(b));
             return Problem {
                 id: format!("{}:{spec}", self.name),
-                prompt: template::prompt(&body),
+                prompt: template::prompt(&self.tok.specials(), &self.tok.encode_known(&spec)),
                 spec,
             };
         }
@@ -122,13 +128,13 @@ impl Task for Arith {
         }
         let want = (a + b).to_string();
         Ok(end(
-            template::answer_text(generated).is_some_and(|t| t == want)
+            template::answer_text(&self.tok, generated).is_some_and(|t| t == want)
         ))
     }
 
     fn stop(&self) -> StopConfig {
         StopConfig {
-            eos: Some(EOT),
+            eos: Some(self.tok.specials().eot),
             stop_sequences: Vec::new(),
         }
     }
@@ -136,7 +142,7 @@ impl Task for Arith {
     fn versions(&self) -> ArtifactVersions {
         ArtifactVersions {
             template: template::VERSION.into(),
-            tokenizer: tokenizer::VERSION.into(),
+            tokenizer: self.tok.version(),
             environment: ENV_VERSION.into(),
         }
     }
@@ -145,7 +151,10 @@ impl Task for Arith {
         let (a, b) = self.parse(&p.spec).ok()?;
         let mut d = template::DemoBuilder::default();
         d.given(&p.prompt);
-        d.model(&template::answer(&tokenizer::number(a + b)));
+        d.model(&template::answer(
+            &self.tok.specials(),
+            &self.tok.number(a + b),
+        ));
         Some(d.finish())
     }
 }

@@ -3,11 +3,11 @@
 //! the two to the same rewards.
 //!
 //! One line per problem: `{"id": ..., "spec": ..., "prompt": {"text": ...}, "ids": [...]}`
-//! (the prompt's text as the character tokenizer writes it, and its ids). Held-out problems
+//! (the prompt's text as the run's tokenizer decodes it, and its ids). Held-out problems
 //! are the ones the run's evaluation draws ([`distinct_problems`]: the same seed, the same
 //! problems, in the same order); training problems come from a stream keyed the same way.
 
-use super::tokenizer;
+use super::text::TextTokenizer;
 use serde_json::{json, Value};
 use sluice_kernels::testing::Rng;
 use sluice_runtime::env::{Problem, Split, Task};
@@ -37,11 +37,11 @@ pub fn problems(task: &dyn Task, split: Split, n: usize, seed: u64) -> Vec<Probl
 }
 
 /// One exported line.
-pub fn line(p: &Problem) -> Value {
+pub fn line(tok: &TextTokenizer, p: &Problem) -> Value {
     json!({
         "id": p.id,
         "spec": p.spec,
-        "prompt": {"text": tokenizer::render(&p.prompt)},
+        "prompt": {"text": tok.render(&p.prompt)},
         "ids": p.prompt,
     })
 }

@@ -3,8 +3,8 @@
 //! ("External environments"): `problem`, `step` and `demonstration`.
 //!
 //! This is the token gateway. Text crosses the boundary here and only here: a prompt or an
-//! observation the environment writes as text is encoded once with the character
-//! [`tokenizer`]; a turn goes out as the ids the engine sampled and their decoded text, and
+//! observation the environment writes as text is encoded once with the run's tokenizer
+//! ([`TextTokenizer`]: the character one, or a BPE); a turn goes out as the ids the engine sampled and their decoded text, and
 //! what the learner trains on stays those ids (they are never re-encoded). The chat
 //! conventions are the built-in text tasks': a model turn stops at `<eot>` (the EOS) or at
 //! `</call>` (a tool call).
@@ -21,8 +21,11 @@
 //! `environments.jsonl` ([`record`]); with `--replay-env RUN_DIR` the task answers from that
 //! record and starts no environment; a call the record lacks stops the run with exit code 2,
 //! naming its key.
+//!
+//! [`TextTokenizer`]: super::text::TextTokenizer
 
-use super::{template, tokenizer};
+use super::template;
+use super::text::TextTokenizer;
 use serde_json::{json, Map, Value};
 use sluice_kernels::testing::Rng;
 use sluice_runtime::engine::StopConfig;
@@ -94,6 +97,7 @@ pub struct ExternalTask {
     link: Option<Box<dyn Link>>,
     io: EnvIo,
     vocab: usize,
+    tok: Arc<TextTokenizer>,
     next_id: AtomicU64,
     /// Step requests sent ahead by `prefetch`, by (session, turn, attempt).
     pending: Mutex<HashMap<(String, u32, u32), Pending>>,
@@ -137,10 +141,17 @@ impl ExternalTask {
             link,
             io,
             vocab,
+            tok: TextTokenizer::char(),
             next_id: AtomicU64::new(1),
             pending: Mutex::new(HashMap::new()),
             named: Mutex::new(BTreeMap::new()),
         })
+    }
+
+    /// The same task on another tokenizer (the character one by default).
+    pub fn with_tokenizer(mut self, tok: Arc<TextTokenizer>) -> ExternalTask {
+        self.tok = tok;
+        self
     }
 
     /// Restarts of the environment process after crashes and hangs.
@@ -252,7 +263,9 @@ impl ExternalTask {
                 let t = t
                     .as_str()
                     .ok_or_else(|| format!("{ctx}: field {field}.text is not a string"))?;
-                tokenizer::encode(t).map_err(|e| format!("{ctx}: field {field}.text: {e}"))
+                self.tok
+                    .encode(t)
+                    .map_err(|e| format!("{ctx}: field {field}.text: {e}"))
             }
             (None, Some(ids)) => {
                 let arr = ids
@@ -344,7 +357,7 @@ impl ExternalTask {
         body.insert("turn".into(), json!(key.turn));
         body.insert("attempt".into(), json!(key.attempt));
         body.insert("spec".into(), json!(problem.spec));
-        body.insert("text".into(), json!(tokenizer::render(generated)));
+        body.insert("text".into(), json!(self.tok.render(generated)));
         body.insert("ids".into(), json!(generated));
         self.request("step", key.session, key.turn, body)
     }
@@ -523,15 +536,15 @@ impl Task for ExternalTask {
 
     fn stop(&self) -> StopConfig {
         StopConfig {
-            eos: Some(tokenizer::EOT),
-            stop_sequences: vec![vec![tokenizer::END_CALL]],
+            eos: Some(self.tok.specials().eot),
+            stop_sequences: vec![vec![self.tok.specials().end_call]],
         }
     }
 
     fn versions(&self) -> ArtifactVersions {
         ArtifactVersions {
             template: template::VERSION.into(),
-            tokenizer: tokenizer::VERSION.into(),
+            tokenizer: self.tok.version(),
             environment: format!("{PROTOCOL}:{}:{}", self.kind, self.endpoint),
         }
     }
@@ -572,7 +585,9 @@ impl Task for ExternalTask {
                 let t = s.get("text").and_then(Value::as_str).ok_or_else(|| {
                     format!("{ctx}: field demonstration[{i}].text is not a string")
                 })?;
-                let ids = tokenizer::encode(t)
+                let ids = self
+                    .tok
+                    .encode(t)
                     .map_err(|e| format!("{ctx}: field demonstration[{i}].text: {e}"))?;
                 d.loss_mask.extend(std::iter::repeat_n(train, ids.len()));
                 d.tokens.extend(ids);

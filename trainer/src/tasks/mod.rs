@@ -10,17 +10,20 @@
 //! | `external` | any | a program sluice starts, JSON lines ([`external`]) | `command`, `args`       |
 //! | `http`   | any   | a server at a URL, the same messages ([`external`]) | `url`                   |
 //!
-//! `arith`, `sort`, `tool`, `external` and `http` are text tasks on the character [`tokenizer`] (64 ids) and the chat
-//! [`template`]; they need a model vocabulary of at least [`tokenizer::VOCAB_SIZE`] ids.
+//! `arith`, `sort`, `tool`, `external` and `http` are text tasks on the run's [`text`] tokenizer
+//! (the character [`tokenizer`], 64 ids, by default; or a [`bpe`]) and the chat [`template`];
+//! they need a model vocabulary of at least the tokenizer's size.
 //! `recall` and `lookup` work on raw ids of any vocabulary of at least
 //! [`sluice_runtime::env::synthetic::MIN_VOCAB`] ids, for tiny models and tests.
 
 pub mod arith;
+pub mod bpe;
 pub mod calc;
 pub mod export;
 pub mod external;
 pub mod sort;
 pub mod template;
+pub mod text;
 pub mod tokenizer;
 pub mod tool;
 
@@ -29,6 +32,7 @@ use sluice_runtime::env::{Reply, Split, Task};
 use sluice_runtime::hash::hash_str;
 use sluice_runtime::trajectory::TerminalReason;
 use std::sync::Arc;
+use text::TextTokenizer;
 
 /// The task kinds [`make`] knows, for configs and error messages.
 pub const KINDS: [&str; 7] = [
@@ -121,16 +125,18 @@ pub fn make(
         retries: 1,
         ..external::EnvIo::default()
     };
-    make_with(kind, name, vocab, options, &io)
+    make_with(kind, name, vocab, options, &io, &TextTokenizer::char())
 }
 
-/// [`make`] with an external task's call timeout, record and replay.
+/// [`make`] with an external task's call timeout, record and replay, and the text tasks on
+/// tokenizer `tok`.
 pub fn make_with(
     kind: &str,
     name: &str,
     vocab: usize,
     options: &TaskOptions,
     io: &external::EnvIo,
+    tok: &Arc<TextTokenizer>,
 ) -> Result<Arc<dyn Task>, String> {
     let takes: &[&str] = match kind {
         "arith" | "sort" => &["digits"],
@@ -161,22 +167,25 @@ pub fn make_with(
             }
         ));
     }
-    if matches!(kind, "arith" | "sort" | "tool" | "external" | "http")
-        && vocab < tokenizer::VOCAB_SIZE
-    {
+    if matches!(kind, "arith" | "sort" | "tool" | "external" | "http") && vocab < tok.vocab_size() {
         return Err(format!(
             "task {name}: kind {kind} needs a model vocabulary of at least {} ids (tokenizer \
              {}), the model has {vocab}",
-            tokenizer::VOCAB_SIZE,
-            tokenizer::VERSION
+            tok.vocab_size(),
+            tok.version()
         ));
     }
     let digits = options.digits.unwrap_or(DEFAULT_DIGITS);
     let task: Arc<dyn Task> = match kind {
-        "arith" => Arc::new(arith::Arith::new(name, digits).map_err(|e| e.0)?),
+        "arith" => Arc::new(
+            arith::Arith::new(name, digits)
+                .map_err(|e| e.0)?
+                .with_tokenizer(Arc::clone(tok)),
+        ),
         "sort" => Arc::new(
             sort::Sort::new(name, options.digits.unwrap_or(DEFAULT_SORT_DIGITS))
-                .map_err(|e| e.0)?,
+                .map_err(|e| e.0)?
+                .with_tokenizer(Arc::clone(tok)),
         ),
         "tool" => Arc::new(
             tool::ToolTask::with_sizes(
@@ -188,27 +197,34 @@ pub fn make_with(
                     wrong_call_fraction: options.wrong_call_fraction.unwrap_or(0.0),
                 },
             )
-            .map_err(|e| e.0)?,
+            .map_err(|e| e.0)?
+            .with_tokenizer(Arc::clone(tok)),
         ),
-        "external" => Arc::new(external::ExternalTask::new(
-            name,
-            external::Endpoint::Process {
-                program: options.command.clone().unwrap_or_default(),
-                args: options.args.clone().unwrap_or_default(),
-            },
-            vocab,
-            io.clone(),
-        )?),
-        "http" => Arc::new(external::ExternalTask::new(
-            name,
-            external::Endpoint::Http {
-                url: options.url.clone().ok_or_else(|| {
-                    format!("task {name}: kind http needs a url (http://host:port/path)")
-                })?,
-            },
-            vocab,
-            io.clone(),
-        )?),
+        "external" => Arc::new(
+            external::ExternalTask::new(
+                name,
+                external::Endpoint::Process {
+                    program: options.command.clone().unwrap_or_default(),
+                    args: options.args.clone().unwrap_or_default(),
+                },
+                vocab,
+                io.clone(),
+            )?
+            .with_tokenizer(Arc::clone(tok)),
+        ),
+        "http" => Arc::new(
+            external::ExternalTask::new(
+                name,
+                external::Endpoint::Http {
+                    url: options.url.clone().ok_or_else(|| {
+                        format!("task {name}: kind http needs a url (http://host:port/path)")
+                    })?,
+                },
+                vocab,
+                io.clone(),
+            )?
+            .with_tokenizer(Arc::clone(tok)),
+        ),
         "recall" => Arc::new(
             Recall::new(name, vocab, options.items.unwrap_or(DEFAULT_ITEMS) as usize)
                 .map_err(|e| e.0)?,

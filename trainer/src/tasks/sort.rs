@@ -19,12 +19,13 @@
 //! Held-out problems are those whose spec (the digit string) hashes odd, training problems
 //! those that hash even.
 
-use super::tokenizer::{self, EOT};
+use super::text::TextTokenizer;
 use super::{end, in_split, template, MAX_DIGITS};
 use sluice_kernels::testing::Rng;
 use sluice_runtime::engine::StopConfig;
 use sluice_runtime::env::{Demonstration, Problem, Reply, Split, Task, TaskError};
 use sluice_runtime::trajectory::{ArtifactVersions, TokenId};
+use std::sync::Arc;
 
 /// The environment version recorded on trajectories.
 pub const ENV_VERSION: &str = "sort-digits-1";
@@ -37,6 +38,7 @@ const SPLIT_SEED: u64 = 0x5087;
 pub struct Sort {
     name: String,
     digits: u32,
+    tok: Arc<TextTokenizer>,
 }
 
 impl Sort {
@@ -50,7 +52,14 @@ impl Sort {
         Ok(Sort {
             name: name.into(),
             digits,
+            tok: TextTokenizer::char(),
         })
+    }
+
+    /// The same task on another tokenizer (the character one by default).
+    pub fn with_tokenizer(mut self, tok: Arc<TextTokenizer>) -> Sort {
+        self.tok = tok;
+        self
     }
 
     /// The digits of a spec this task made.
@@ -74,11 +83,6 @@ fn sorted(digits: &str) -> String {
     b.into_iter().map(char::from).collect()
 }
 
-/// Ids of text made of the vocabulary's characters (digits, "sort ").
-fn ids(text: &str) -> Vec<TokenId> {
-    text.chars().filter_map(tokenizer::char_id).collect()
-}
-
 impl Task for Sort {
     fn name(&self) -> &str {
         &self.name
@@ -99,7 +103,10 @@ impl Task for Sort {
             }
             return Problem {
                 id: format!("{}:{spec}", self.name),
-                prompt: template::prompt(&ids(&format!("sort {spec}"))),
+                prompt: template::prompt(
+                    &self.tok.specials(),
+                    &self.tok.encode_known(&format!("sort {spec}")),
+                ),
                 spec,
             };
         }
@@ -115,13 +122,13 @@ impl Task for Sort {
         }
         let want = sorted(digits);
         Ok(end(
-            template::answer_text(generated).is_some_and(|t| t == want)
+            template::answer_text(&self.tok, generated).is_some_and(|t| t == want)
         ))
     }
 
     fn stop(&self) -> StopConfig {
         StopConfig {
-            eos: Some(EOT),
+            eos: Some(self.tok.specials().eot),
             stop_sequences: Vec::new(),
         }
     }
@@ -129,7 +136,7 @@ impl Task for Sort {
     fn versions(&self) -> ArtifactVersions {
         ArtifactVersions {
             template: template::VERSION.into(),
-            tokenizer: tokenizer::VERSION.into(),
+            tokenizer: self.tok.version(),
             environment: ENV_VERSION.into(),
         }
     }
@@ -138,7 +145,10 @@ impl Task for Sort {
         let digits = self.parse(&p.spec).ok()?;
         let mut d = template::DemoBuilder::default();
         d.given(&p.prompt);
-        d.model(&template::answer(&ids(&sorted(digits))));
+        d.model(&template::answer(
+            &self.tok.specials(),
+            &self.tok.encode_known(&sorted(digits)),
+        ));
         Some(d.finish())
     }
 }

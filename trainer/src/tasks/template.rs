@@ -1,4 +1,5 @@
-//! The chat template of the built-in text tasks (ToRA style, on the [`tokenizer`]'s specials).
+//! The chat template of the built-in text tasks (ToRA style, on the run tokenizer's specials:
+//! [`TextTokenizer`], the character [`tokenizer`]'s ids by default).
 //!
 //! ```text
 //! <bos><user>PROBLEM<eot><assistant>                      the prompt
@@ -12,8 +13,9 @@
 //! `<system>` token exists for templates that want one.
 //!
 //! [`tokenizer`]: super::tokenizer
+//! [`TextTokenizer`]: super::text::TextTokenizer
 
-use super::tokenizer::{self, ASSISTANT, BOS, CALL, END_CALL, EOT, OBSERVATION, USER};
+use super::text::{Specials, TextTokenizer};
 use sluice_runtime::env::Demonstration;
 use sluice_runtime::trajectory::TokenId;
 
@@ -21,23 +23,23 @@ use sluice_runtime::trajectory::TokenId;
 pub const VERSION: &str = "sluice-chat-1";
 
 /// `<bos><user>BODY<eot><assistant>`: a problem, with the assistant's turn opened.
-pub fn prompt(body: &[TokenId]) -> Vec<TokenId> {
-    wrap(&[BOS, USER], body, &[EOT, ASSISTANT])
+pub fn prompt(sp: &Specials, body: &[TokenId]) -> Vec<TokenId> {
+    wrap(&[sp.bos, sp.user], body, &[sp.eot, sp.assistant])
 }
 
 /// `<call>PROGRAM</call>`: a tool call.
-pub fn call(program: &[TokenId]) -> Vec<TokenId> {
-    wrap(&[CALL], program, &[END_CALL])
+pub fn call(sp: &Specials, program: &[TokenId]) -> Vec<TokenId> {
+    wrap(&[sp.call], program, &[sp.end_call])
 }
 
 /// `<observation>BODY<eot><assistant>`: an environment reply, handing the turn back.
-pub fn observation(body: &[TokenId]) -> Vec<TokenId> {
-    wrap(&[OBSERVATION], body, &[EOT, ASSISTANT])
+pub fn observation(sp: &Specials, body: &[TokenId]) -> Vec<TokenId> {
+    wrap(&[sp.observation], body, &[sp.eot, sp.assistant])
 }
 
 /// `BODY<eot>`: a final answer.
-pub fn answer(body: &[TokenId]) -> Vec<TokenId> {
-    wrap(&[], body, &[EOT])
+pub fn answer(sp: &Specials, body: &[TokenId]) -> Vec<TokenId> {
+    wrap(&[], body, &[sp.eot])
 }
 
 fn wrap(open: &[TokenId], body: &[TokenId], close: &[TokenId]) -> Vec<TokenId> {
@@ -49,13 +51,14 @@ fn wrap(open: &[TokenId], body: &[TokenId], close: &[TokenId]) -> Vec<TokenId> {
 }
 
 /// The text of a final answer turn: the plain characters before its closing `<eot>`. `None`
-/// when the turn does not end in `<eot>` or holds any other special or unknown id.
-pub fn answer_text(generated: &[TokenId]) -> Option<String> {
+/// when the turn does not end in `<eot>` or holds any other special or unknown id. The sampled
+/// ids are decoded, never re-encoded.
+pub fn answer_text(tok: &TextTokenizer, generated: &[TokenId]) -> Option<String> {
     let (&last, body) = generated.split_last()?;
-    if last != EOT {
+    if last != tok.specials().eot {
         return None;
     }
-    tokenizer::plain_text(body)
+    tok.plain_text(body)
 }
 
 /// A demonstration being built: tokens and which of them the model writes.

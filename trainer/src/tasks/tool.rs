@@ -76,12 +76,13 @@
 //! that hash even.
 
 use super::calc;
-use super::tokenizer::{self, CALL, END_CALL, EOT, EQUALS, PLUS, TIMES};
+use super::text::TextTokenizer;
 use super::{end, in_split, template, MAX_DIGITS};
 use sluice_kernels::testing::Rng;
 use sluice_runtime::engine::StopConfig;
 use sluice_runtime::env::{Demonstration, Problem, Reply, Split, Task, TaskError};
 use sluice_runtime::trajectory::{ArtifactVersions, TerminalReason, TokenId};
+use std::sync::Arc;
 
 /// The environment version recorded on trajectories.
 pub const ENV_VERSION: &str = "tool-calculator-1";
@@ -92,7 +93,8 @@ pub const MAX_CALLS: u32 = 3;
 
 /// The longest observation the environment returns, in tokens (the rollout's
 /// `max_observation_tokens` must be at least this): `<observation>`, at most 45 characters
-/// (the longest error message, or a 20-character result), `<eot><assistant>`.
+/// (the longest error message, or a 20-character result), `<eot><assistant>`. A byte-level
+/// BPE spends at most one token per ASCII character, so the bound holds on it too.
 pub const MAX_OBSERVATION_TOKENS: usize = 48;
 
 /// Seed of the split hash (distinct per task kind).
@@ -124,6 +126,7 @@ pub struct ToolTask {
     min_digits: u32,
     digits: u32,
     mix: DemoMix,
+    tok: Arc<TextTokenizer>,
 }
 
 impl ToolTask {
@@ -166,7 +169,14 @@ impl ToolTask {
             min_digits,
             digits,
             mix,
+            tok: TextTokenizer::char(),
         })
+    }
+
+    /// The same task on another tokenizer (the character one by default).
+    pub fn with_tokenizer(mut self, tok: Arc<TextTokenizer>) -> Self {
+        self.tok = tok;
+        self
     }
 
     pub fn digits(&self) -> u32 {
@@ -221,9 +231,10 @@ impl ToolTask {
     /// The observation answering a call turn (`generated` ends in `</call>`).
     fn run_call(&self, generated: &[TokenId]) -> Result<Vec<TokenId>, TaskError> {
         let body = &generated[..generated.len() - 1];
-        let text = match body.iter().rposition(|&t| t == CALL) {
+        let sp = self.tok.specials();
+        let text = match body.iter().rposition(|&t| t == sp.call) {
             None => "error: no call start".to_string(),
-            Some(i) => match tokenizer::plain_text(&body[i + 1..]) {
+            Some(i) => match self.tok.plain_text(&body[i + 1..]) {
                 None => "error: bad token in program".to_string(),
                 Some(program) => match calc::eval(&program) {
                     Ok(v) => v.to_string(),
@@ -233,13 +244,13 @@ impl ToolTask {
         };
         // Every message above is in the vocabulary (a test checks); an encoding failure here
         // is this task's bug, reported as the environment's error rather than a panic.
-        let ids = tokenizer::encode(&text).map_err(|e| {
+        let ids = self.tok.encode(&text).map_err(|e| {
             TaskError(format!(
                 "task {}: observation {text:?} does not encode: {e}",
                 self.name
             ))
         })?;
-        Ok(template::observation(&ids))
+        Ok(template::observation(&sp, &ids))
     }
 }
 
@@ -261,7 +272,7 @@ impl Task for ToolTask {
             }
             return Problem {
                 id: format!("{}:{spec}", self.name),
-                prompt: template::prompt(&operation_ids(a, TIMES, b)),
+                prompt: template::prompt(&self.tok.specials(), &self.operation_ids(a, '*', b)),
                 spec,
             };
         }
@@ -269,7 +280,7 @@ impl Task for ToolTask {
 
     fn respond(&self, p: &Problem, turn: u32, generated: &[TokenId]) -> Result<Reply, TaskError> {
         let (a, b) = self.parse(&p.spec)?;
-        if generated.last() == Some(&END_CALL) {
+        if generated.last() == Some(&self.tok.specials().end_call) {
             // Turn t is call number t + 1: every earlier turn was a call.
             if turn >= MAX_CALLS {
                 return Ok(Reply::End {
@@ -282,22 +293,23 @@ impl Task for ToolTask {
         // The product alone, or the problem restated with it (`A*B=P`, how a direct answer
         // is written).
         let want = (a * b).to_string();
-        Ok(end(template::answer_text(generated).is_some_and(|t| {
-            t == want || t.strip_prefix(p.spec.as_str()) == Some(&format!("={want}"))
-        })))
+        Ok(end(template::answer_text(&self.tok, generated)
+            .is_some_and(|t| {
+                t == want || t.strip_prefix(p.spec.as_str()) == Some(&format!("={want}"))
+            })))
     }
 
     fn stop(&self) -> StopConfig {
         StopConfig {
-            eos: Some(EOT),
-            stop_sequences: vec![vec![END_CALL]],
+            eos: Some(self.tok.specials().eot),
+            stop_sequences: vec![vec![self.tok.specials().end_call]],
         }
     }
 
     fn versions(&self) -> ArtifactVersions {
         ArtifactVersions {
             template: template::VERSION.into(),
-            tokenizer: tokenizer::VERSION.into(),
+            tokenizer: self.tok.version(),
             environment: ENV_VERSION.into(),
         }
     }
@@ -307,35 +319,33 @@ impl Task for ToolTask {
         // Both draws always happen, so one demonstration consumes the same randomness
         // whatever the mix.
         let (call, wrong) = (rng.uniform(), rng.uniform());
+        let sp = self.tok.specials();
         let mut d = template::DemoBuilder::default();
         d.given(&p.prompt);
         let result = if call < self.mix.tool_fraction {
             let (op, value) = if wrong < self.mix.wrong_call_fraction {
-                (PLUS, a + b)
+                ('+', a + b)
             } else {
-                (TIMES, a * b)
+                ('*', a * b)
             };
-            let result = tokenizer::number(value);
-            d.model(&template::call(&operation_ids(a, op, b)));
-            d.given(&template::observation(&result));
+            let result = self.tok.number(value);
+            d.model(&template::call(&sp, &self.operation_ids(a, op, b)));
+            d.given(&template::observation(&sp, &result));
             result
         } else {
             // A direct answer restates the problem, then the product: `A*B=P`.
-            let mut direct = operation_ids(a, TIMES, b);
-            direct.push(EQUALS);
-            direct.extend(tokenizer::number(a * b));
-            d.model(&template::answer(&direct));
+            let direct = self.tok.encode_known(&format!("{a}*{b}={}", a * b));
+            d.model(&template::answer(&sp, &direct));
             return Some(d.finish());
         };
-        d.model(&template::answer(&result));
+        d.model(&template::answer(&sp, &result));
         Some(d.finish())
     }
 }
 
-/// `A op B` as ids.
-fn operation_ids(a: i64, op: TokenId, b: i64) -> Vec<TokenId> {
-    let mut ids = tokenizer::number(a);
-    ids.push(op);
-    ids.extend(tokenizer::number(b));
-    ids
+impl ToolTask {
+    /// `A op B` as ids (encoded as one text).
+    fn operation_ids(&self, a: i64, op: char, b: i64) -> Vec<TokenId> {
+        self.tok.encode_known(&format!("{a}{op}{b}"))
+    }
 }

@@ -113,18 +113,20 @@ pub struct TrainSummary {
 }
 
 /// Builds the task of a config section (the model's vocabulary bounds the token ids); an
-/// external task gets the section's call timeout and `io`'s record and replay.
+/// external task gets the section's call timeout and `io`'s record and replay; text tasks work
+/// on `tok`.
 pub fn make_task(
     t: &TaskSection,
     vocab: usize,
     io: &crate::tasks::external::EnvIo,
+    tok: &Arc<crate::tasks::text::TextTokenizer>,
 ) -> Result<Arc<dyn Task>, String> {
     let io = crate::tasks::external::EnvIo {
         timeout: std::time::Duration::from_secs_f64(t.timeout_s),
         retries: t.retries,
         ..io.clone()
     };
-    crate::tasks::make_with(&t.kind, &t.name, vocab, &t.options, &io)
+    crate::tasks::make_with(&t.kind, &t.name, vocab, &t.options, &io, tok)
 }
 
 /// Whether a task reaches an environment outside the process.
@@ -173,12 +175,15 @@ fn plan(o: &TrainOptions) -> Result<Plan, TrainError> {
         }
         None => config::load(o.config.as_deref(), &sets)?,
     };
-    let model_cfg = ModelConfig::from_file(&cfg.model.config).map_err(|e| {
+    let mut model_cfg = ModelConfig::from_file(&cfg.model.config).map_err(|e| {
         TrainError::Config(ConfigError {
             key: "model.config".into(),
             message: format!("{}: {e}", cfg.model.config.display()),
         })
     })?;
+    // The model's vocabulary follows the tokenizer.
+    let tok = cfg.tokenizer.load()?;
+    model_cfg.vocab = cfg.tokenizer.model_vocab(&tok, model_cfg.vocab);
     // The KV pool must hold at least one block of this model in this precision; found here,
     // before the run folder exists, not when the first engine is built.
     sluice_model::infer::KvCache::blocks_for_bytes(
@@ -203,6 +208,17 @@ fn plan(o: &TrainOptions) -> Result<Plan, TrainError> {
                 message: format!("{} is not a file", init.display()),
             }));
         }
+        check_vocab(init, model_cfg.vocab, &tok, "model.init")?;
+    }
+    if let Some(dir) = &o.resume {
+        if let Some(ck) = latest_checkpoint(dir)? {
+            check_vocab(
+                &ck.join("learner.safetensors"),
+                model_cfg.vocab,
+                &tok,
+                "tokenizer.path",
+            )?;
+        }
     }
     let replay = match &o.replay_env {
         Some(dir) => Some(Arc::new(ReplayBook::load(dir).map_err(TrainError::Input)?)),
@@ -216,7 +232,7 @@ fn plan(o: &TrainOptions) -> Result<Plan, TrainError> {
     };
     let mut tasks = BTreeMap::new();
     for t in &cfg.tasks {
-        let task = make_task(t, model_cfg.vocab, &io).map_err(|m| {
+        let task = make_task(t, model_cfg.vocab, &io, &tok).map_err(|m| {
             TrainError::Config(ConfigError {
                 key: format!("tasks.{}.kind", t.name),
                 message: m,
@@ -236,6 +252,33 @@ fn plan(o: &TrainOptions) -> Result<Plan, TrainError> {
         out,
         recorder,
     })
+}
+
+/// A checkpoint's vocabulary must be the run's (the tokenizer's, for a BPE): a mismatch is
+/// bad input naming `key` and both sizes, found before anything is written.
+fn check_vocab(
+    file: &Path,
+    vocab: usize,
+    tok: &crate::tasks::text::TextTokenizer,
+    key: &str,
+) -> Result<(), TrainError> {
+    let Ok(cfg) = sluice_model::checkpoint::read_config(file) else {
+        // An unreadable checkpoint is reported where it is loaded.
+        return Ok(());
+    };
+    if cfg.vocab != vocab {
+        return Err(TrainError::Config(ConfigError {
+            key: key.into(),
+            message: format!(
+                "{}: the checkpoint's model has a vocabulary of {} ids, the run's tokenizer {} \
+                 gives {vocab}: a model and its tokenizer must match",
+                file.display(),
+                cfg.vocab,
+                tok.version()
+            ),
+        }));
+    }
+    Ok(())
 }
 
 /// The files a run writes (cleared when a run starts in an existing folder).
