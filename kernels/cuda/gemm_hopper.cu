@@ -1,46 +1,60 @@
-// gemm_bf16_wgmma: C = A . B^T (A [M,K], B [N,K], bf16, f32 accumulate) on Hopper (sm_90a), in
-// the batched and grouped forms of kernels/cuda/gemm.cu. The Rust side is
-// kernels/src/ops/gemm_hopper.rs; the design and its predicted H200 figures are in
-// docs/perf/gemm.md ("The Hopper path").
+// The Hopper (sm_90a) GEMM pipeline: bf16 operands through tensor copies, f32 accumulate on
+// wgmma, in four forms (kernels/src/ops/gemm_hopper.rs launches them; the design and its
+// predicted H200 figures are in docs/perf/gemm.md, "The Hopper path"):
+//   gemm_bf16_wgmma            C = A . B^T, A [M,K] and B [N,K] (both K-major), batched or
+//                              grouped over row segments of A;
+//   gemm_bf16_wgmma_nn         C = A . B, B stored [K,N] (MN-major: read in place, no transposed
+//                              copy of the weights), batched or grouped;
+//   gemm_bf16_wgmma_segment_tn out[g] = P_g^T . Q_g over the row segments g of P [T,M] and Q [T,N]
+//                              (both MN-major), K = the segment's rows (ragged);
+//   gemm_bf16_wgmma_swiglu     the grouped C = A . B^T with the SwiGLU epilogue of
+//                              gemm_bf16_mma_swiglu (kernels/cuda/gemm.cu).
 //
 // Block: three warpgroups (384 threads), warp-specialised.
-//   - producer (warpgroup 0): one elected thread (thread 0) issues, per K step of 64, two tensor
-//     copies (TMA, 128-byte swizzle) into a ring stage: the A box (128 rows x 64 k) and the B box
-//     (256 rows x 64 k), completing on the stage's `full` mbarrier; before reusing a stage it
-//     waits on the stage's `empty` mbarrier. The other 127 threads of the warpgroup exit at once.
+//   - producer (warpgroup 0): one elected thread (thread 0) issues, per K step of 64, the tensor
+//     copies (TMA, 128-byte swizzle) of a ring stage: A (128 rows x 64 k) and B (256 x 64), as one
+//     box per operand when K-major, as boxes of 64 M/N x 64 K rows side by side when MN-major;
+//     they complete on the stage's `full` mbarrier. Before reusing a stage it waits on the
+//     stage's `empty` mbarrier. The other 127 threads of the warpgroup exit at once.
 //   - consumers (warpgroups 1 and 2): each owns 64 rows of the 128 x 256 output tile; per K step
 //     it waits on `full`, issues four wgmma m64n256k16 (k16 steps) reading A and B from the stage
-//     through 128B-swizzle descriptors, commits them, waits until only this step's group is in
-//     flight (so the previous step's stage has been read) and releases that stage on `empty`
-//     (every consumer thread arrives: 256 arrivals complete the phase).
+//     through 128B-swizzle descriptors (K-major or MN-major, hopper.cuh), commits them, waits
+//     until only this step's group is in flight (so the previous step's stage has been read) and
+//     releases that stage on `empty` (every consumer thread arrives: 256 arrivals).
+//   - segment form, ragged K: a segment's last K step may read rows past its end (the next
+//     segment's, or the copy's zero fill past T). Its consumers zero those rows of both operands
+//     in the stage (each K row of an MN-major atom is one 128-byte line, whatever the swizzle),
+//     fence them to the async proxy and meet at a named barrier before the wgmmas: products past
+//     the segment are exact zeros, as in gemm_bf16_mma_segment_tn's zero-filled tails.
 //   - no block-wide barrier after the set-up: the ring of STAGES stages is ordered by its full
 //     and empty mbarriers alone (the emulator's race checker follows that order).
-//   - persistent grid: block b takes tiles b, b + gridDim.x, ... of a fixed order (batch entry
-//     or row-segment tile major, then 256-column tiles); the host launches at most one block per
-//     SM. The ring and its phases carry on from one tile to the next.
+//   - persistent grid: block b takes tiles b, b + gridDim.x, ... of a fixed order; the host
+//     launches at most one block per SM. The ring and its phases carry on from tile to tile.
 //   - epilogue: each consumer thread writes its accumulator fragment straight to global memory,
-//     f32 or bf16 (round to nearest even) as `out_bf16` says, pairs of columns per store.
+//     f32 or bf16 (round to nearest even) as `out_bf16` says, pairs of columns per store; the
+//     SwiGLU form computes h = silu(a) * b per element as swiglu.cu does.
 //
-// Forms (the same tile walk for producer and consumers, so they agree on every skip):
-//   batched (offsets == nullptr): tile t -> batch entry z, row tile, column tile. The A map is 3D
-//     [batch, M, K]; the B map [batchB, N, K] with batchB = 1 when `b_shared` (one B for all).
-//   grouped (offsets != nullptr): rows offsets[g]..offsets[g+1] of A (a [1, T, K] map) use B
-//     matrix g (the B map is [G, N, K]); row tiles enumerate the segments in order, ceil(T/BM) + G
-//     of them as an upper bound (the surplus is skipped). A tile's box may run into the next
-//     segment's rows: those rows are loaded and computed but never written.
+// Tile walks (the same for producer and consumers, so they agree on every skip):
+//   batched (offsets == nullptr): tile t -> batch entry z, row tile, column tile.
+//   grouped (offsets != nullptr): rows offsets[g]..offsets[g+1] of A use B matrix g; row tiles
+//     enumerate the segments in order, ceil(T/BM) + G of them as an upper bound (the surplus is
+//     skipped). A tile's box may run into the next segment's rows: those rows are loaded and
+//     computed but never written.
+//   segment: tile t -> group g, row tile of M, column tile of N; K rows offsets[g]..offsets[g+1].
 //
 // Numerics and determinism (DESIGN.md section 2): no split-K, no atomics. Every output element is
 // one accumulator chain over K in k16 steps, ascending, in the same instruction shape for every
 // M and every position of the row; K past the tensor and rows past M are zero-filled by the
 // tensor copies. A row's bits never depend on M, on the grid size or on which block computed it.
-// The host uses this kernel whenever the path is chosen and K % 8 == 0 (the tensor map's row
-// stride must be a multiple of 16 bytes); other K take gemm_bf16_mma. The choice depends on the
-// device and on K, never on M.
+// The host takes these kernels when the Hopper path is chosen and every tensor map's row stride
+// is a multiple of 16 bytes (K % 8 for K-major operands, N % 8 or M % 8 for MN-major ones:
+// weight dimensions, never the row count); other shapes take the mma.sync kernels.
 
 #include <stdint.h>
 #include <cuda_bf16.h>
 
 #include "common/hopper.cuh"
+#include "common/named_barrier.cuh"
 
 namespace gemm_hopper {
 
@@ -53,7 +67,13 @@ constexpr int STAGE_BYTES = A_BYTES + B_BYTES;        // 48 KiB, a multiple of 1
 constexpr int BARRIER_OFFSET = STAGES * STAGE_BYTES;  // 192 KiB
 // + full and empty mbarriers, + 1024 bytes to align the stages to the 128B swizzle's atom.
 constexpr int SHARED_BYTES = BARRIER_OFFSET + 2 * STAGES * 8 + 1024;
-constexpr uint32_t ATOM_BYTES = 8 * 128;  // 8 rows of 128 bytes: SBO of both operands
+constexpr uint32_t ATOM_BYTES = 8 * 128;  // 8 rows of 128 bytes: SBO of every operand
+// An MN-major box: 64 M/N elements (one 128-byte swizzled row) x BK rows of K; boxes side by
+// side along M/N are this far apart (the MN-major descriptors' LBO).
+constexpr uint32_t MN_BOX_BYTES = BK * 128;  // 8 KiB
+constexpr int MN_BOX = 64;                   // M/N elements per MN-major box
+
+enum Form : int { kNT = 0, kNN = 1, kSegmentTN = 2 };
 
 // The tile a block works on; identical for producer and consumers.
 struct Tile {
@@ -63,8 +83,32 @@ struct Tile {
     int row_end;    // one past the last row this tile may write
     int col0;
     long long c_offset;  // elements from C's start to the batch entry
+    int k_begin;         // K rows of this tile: [k_begin, k_end) (segment form), else [0, K)
+    int k_end;
     bool valid;
 };
+
+// The segment form's tile t: group g, row tile of M (`rows` = M), column tile; K = the group's
+// rows of P and Q (offsets clamped into [0, T] as the other forms clamp them).
+__device__ __forceinline__ Tile find_segment_tile(int t, const int* offsets, int m, int n,
+                                                  int t_rows) {
+    Tile tile;
+    const int n_tiles = (n + BN - 1) / BN, m_tiles = (m + BM - 1) / BM;
+    const int g = t / (m_tiles * n_tiles), rem = t % (m_tiles * n_tiles);
+    tile.z = 0;
+    tile.zb = 0;
+    tile.row_begin = (rem / n_tiles) * BM;
+    tile.row_end = m;
+    tile.col0 = (rem % n_tiles) * BN;
+    tile.c_offset = static_cast<long long>(g) * m * n;
+    int lo = offsets[g], hi = offsets[g + 1];
+    lo = lo < 0 ? 0 : (lo > t_rows ? t_rows : lo);
+    hi = hi < lo ? lo : (hi > t_rows ? t_rows : hi);
+    tile.k_begin = lo;
+    tile.k_end = hi;
+    tile.valid = true;
+    return tile;
+}
 
 __device__ __forceinline__ Tile find_tile(int t, const int* offsets, int rows, int n, int groups,
                                           int b_shared, long long stride_c) {
@@ -80,6 +124,8 @@ __device__ __forceinline__ Tile find_tile(int t, const int* offsets, int rows, i
         tile.row_begin = (rt % m_tiles) * BM;
         tile.row_end = rows;
         tile.c_offset = static_cast<long long>(tile.z) * stride_c;
+        tile.k_begin = 0;
+        tile.k_end = -1;  // the whole K (the caller's k)
         tile.valid = true;
         return tile;
     }
@@ -96,6 +142,8 @@ __device__ __forceinline__ Tile find_tile(int t, const int* offsets, int rows, i
             tile.row_begin = lo + left * BM;
             tile.row_end = hi;
             tile.c_offset = 0;
+            tile.k_begin = 0;
+            tile.k_end = -1;
             tile.valid = true;
             return tile;
         }
@@ -105,14 +153,71 @@ __device__ __forceinline__ Tile find_tile(int t, const int* offsets, int rows, i
     return tile;
 }
 
-}  // namespace gemm_hopper
+// What one launch multiplies: the maps, the output and the shape of its form.
+struct Args {
+    void* c;              // C (f32 or bf16); out [G, M, N] f32 in the segment form
+    const int* offsets;   // row segments (grouped, segment) or null (batched)
+    int rows;             // M (batched), T (grouped); M in the segment form
+    int n;
+    int k;                // K (batched, grouped); T in the segment form (P's and Q's rows)
+    int groups;
+    int tiles;
+    int b_shared;
+    int out_bf16;
+    long long stride_c;
+    // The SwiGLU epilogue (gemm_bf16_wgmma_swiglu): null elsewhere.
+    const float* swiglu_a;
+    __nv_bfloat16* b_b;
+    __nv_bfloat16* h_b;
+    __nv_bfloat16* a_b;
+};
 
-extern "C" __global__ void __launch_bounds__(384, 1) gemm_bf16_wgmma(
-    const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-    void* __restrict__ c, const int* __restrict__ offsets, int rows, int n, int k, int groups,
-    int tiles, int b_shared, int out_bf16, long long stride_c) {
-#if SLUICE_HOPPER_OK
-    using namespace gemm_hopper;
+template <int F>
+__device__ __forceinline__ Tile tile_of(int t, const Args& p) {
+    if (F == kSegmentTN) return find_segment_tile(t, p.offsets, p.rows, p.n, p.k);
+    Tile tile = find_tile(t, p.offsets, p.rows, p.n, p.groups, p.b_shared, p.stride_c);
+    tile.k_end = p.k;
+    return tile;
+}
+
+// Writes one pair of adjacent columns (col, col + 1) of row `at`'s element: f32 or bf16, as a
+// pair when both are inside and aligned.
+__device__ __forceinline__ void store_pair(void* c, bool bf16_out, long long at, int col, int n,
+                                           float v0, float v1) {
+    if (bf16_out) {
+        __nv_bfloat16* o = static_cast<__nv_bfloat16*>(c);
+        if (col + 1 < n && (at & 1) == 0) {
+            *reinterpret_cast<__nv_bfloat162*>(o + at) = __floats2bfloat162_rn(v0, v1);
+        } else {
+            if (col < n) o[at] = __float2bfloat16_rn(v0);
+            if (col + 1 < n) o[at + 1] = __float2bfloat16_rn(v1);
+        }
+    } else {
+        float* o = static_cast<float*>(c);
+        if (col + 1 < n && (at & 1) == 0) {
+            *reinterpret_cast<float2*>(o + at) = make_float2(v0, v1);
+        } else {
+            if (col < n) o[at] = v0;
+            if (col + 1 < n) o[at + 1] = v1;
+        }
+    }
+}
+
+// The SwiGLU epilogue of one element (gemm.cu's Epilogue with swiglu_a: b = the product).
+__device__ __forceinline__ void swiglu_store(const Args& p, long long idx, float b) {
+    if (p.c != nullptr) static_cast<float*>(p.c)[idx] = b;
+    if (p.b_b != nullptr) p.b_b[idx] = __float2bfloat16_rn(b);
+    const float av = p.swiglu_a[idx];
+    const float s = 1.0f / (1.0f + expf(-av));
+    p.h_b[idx] = __float2bfloat16_rn(av * s * b);
+    if (p.a_b != nullptr) p.a_b[idx] = __float2bfloat16_rn(av);
+}
+
+template <int F>
+__device__ __forceinline__ void wgmma_gemm(const CUtensorMap& map_a, const CUtensorMap& map_b,
+                                           const Args& p) {
+    constexpr int MAJOR_A = F == kSegmentTN ? sluice::kWgmmaMNMajor : sluice::kWgmmaKMajor;
+    constexpr int MAJOR_B = F == kNT ? sluice::kWgmmaKMajor : sluice::kWgmmaMNMajor;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // The stages start at a 1024-byte aligned shared address (the 128B swizzle's atom).
 #ifdef SLUICE_EMU
@@ -132,23 +237,39 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_bf16_wgmma(
         sluice::fence_mbarrier_init();
     }
     __syncthreads();
-    const int ktiles = (k + BK - 1) / BK;
 
     if (warpgroup == 0) {
         // Producer: one thread issues every copy.
         if (threadIdx.x != 0) return;
         int it = 0;  // K steps issued by this block, over all its tiles
-        for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-            const Tile tile = find_tile(t, offsets, rows, n, groups, b_shared, stride_c);
+        for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
+            const Tile tile = tile_of<F>(t, p);
             if (!tile.valid) continue;
+            const int ktiles = (tile.k_end - tile.k_begin + BK - 1) / BK;
             for (int kt = 0; kt < ktiles; ++kt, ++it) {
                 const int s = it % STAGES, use = it / STAGES;
                 // Stage s is free once the consumers released its previous use.
                 if (use > 0) sluice::mbarrier_wait(&empty[s], static_cast<uint32_t>((use - 1) & 1));
                 unsigned char* stage = smem + s * STAGE_BYTES;
+                const int k0 = tile.k_begin + kt * BK;
                 sluice::mbarrier_expect_tx(&full[s], STAGE_BYTES);
-                sluice::tma_load_3d(stage, &map_a, kt * BK, tile.row_begin, tile.z, &full[s]);
-                sluice::tma_load_3d(stage + A_BYTES, &map_b, kt * BK, tile.col0, tile.zb, &full[s]);
+                if (MAJOR_A == sluice::kWgmmaKMajor) {
+                    sluice::tma_load_3d(stage, &map_a, k0, tile.row_begin, tile.z, &full[s]);
+                } else {
+                    for (int i = 0; i < BM / MN_BOX; ++i) {
+                        sluice::tma_load_2d(stage + i * MN_BOX_BYTES, &map_a,
+                                            tile.row_begin + i * MN_BOX, k0, &full[s]);
+                    }
+                }
+                unsigned char* b_stage = stage + A_BYTES;
+                if (MAJOR_B == sluice::kWgmmaKMajor) {
+                    sluice::tma_load_3d(b_stage, &map_b, k0, tile.col0, tile.zb, &full[s]);
+                } else {
+                    for (int i = 0; i < BN / MN_BOX; ++i) {
+                        sluice::tma_load_3d(b_stage + i * MN_BOX_BYTES, &map_b,
+                                            tile.col0 + i * MN_BOX, k0, tile.zb, &full[s]);
+                    }
+                }
                 sluice::mbarrier_arrive(&full[s]);
             }
         }
@@ -157,12 +278,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_bf16_wgmma(
 
     // Consumers: warpgroup 1 takes rows 0-63 of the tile, warpgroup 2 rows 64-127.
     const int cw = warpgroup - 1;
+    const int ct = threadIdx.x - 128;  // 0..255 over both consumer warpgroups
     const int wt = threadIdx.x & 127;
     const int warp = wt / 32, lane = wt % 32, g = lane / 4, q = lane % 4;
     int it = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-        const Tile tile = find_tile(t, offsets, rows, n, groups, b_shared, stride_c);
+    for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
+        const Tile tile = tile_of<F>(t, p);
         if (!tile.valid) continue;
+        const int ktiles = (tile.k_end - tile.k_begin + BK - 1) / BK;
         float acc[BN / 2];
         #pragma unroll
         for (int e = 0; e < BN / 2; ++e) acc[e] = 0.0f;
@@ -170,18 +293,43 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_bf16_wgmma(
         for (int kt = 0; kt < ktiles; ++kt, ++it) {
             const int s = it % STAGES;
             sluice::mbarrier_wait(&full[s], static_cast<uint32_t>((it / STAGES) & 1));
-            const unsigned char* stage = smem + s * STAGE_BYTES;
-            const uint32_t a_addr = sluice::smem_addr(smem_raw, stage) + cw * 64 * 128;
-            const uint32_t b_addr = sluice::smem_addr(smem_raw, stage + A_BYTES);
+            unsigned char* stage = smem + s * STAGE_BYTES;
+            if (F == kSegmentTN) {
+                // A ragged tail: K rows past the segment's end read as zero in both operands.
+                const int valid = tile.k_end - (tile.k_begin + kt * BK);
+                if (valid < BK) {
+                    constexpr int BOXES = BM / MN_BOX + BN / MN_BOX;  // 6 boxes of BK rows
+                    const int chunks = BOXES * (BK - valid) * 8;      // 16-byte chunks
+                    for (int c = ct; c < chunks; c += 128 * CONSUMERS) {
+                        const int box = c / ((BK - valid) * 8), rem = c % ((BK - valid) * 8);
+                        const int row = valid + rem / 8;
+                        *reinterpret_cast<uint4*>(stage + box * MN_BOX_BYTES + row * 128 +
+                                                  (rem % 8) * 16) = make_uint4(0, 0, 0, 0);
+                    }
+                    sluice::fence_proxy_async_shared();
+                    sluice::named_barrier_sync(1, 128 * CONSUMERS);
+                }
+            }
+            const uint32_t a_base = sluice::smem_addr(smem_raw, stage);
+            const uint32_t b_base = sluice::smem_addr(smem_raw, stage + A_BYTES);
             sluice::wgmma_fence();
             #pragma unroll
             for (int j = 0; j < BK / 16; ++j) {
-                // k16 step j: 32 bytes further along the 128-byte swizzled rows.
-                const uint64_t da = sluice::wgmma_desc_swizzled(a_addr + 32 * j, ATOM_BYTES,
-                                                                sluice::kWgmmaSwizzle128B);
-                const uint64_t db = sluice::wgmma_desc_swizzled(b_addr + 32 * j, ATOM_BYTES,
-                                                                sluice::kWgmmaSwizzle128B);
-                sluice::wgmma_bf16<BN>(acc, da, db, 1, smem_raw);
+                // k16 step j: 32 bytes along a K-major 128-byte row, or 16 rows of an MN-major box.
+                const uint64_t da =
+                    MAJOR_A == sluice::kWgmmaKMajor
+                        ? sluice::wgmma_desc_swizzled(a_base + cw * 64 * 128 + 32 * j, ATOM_BYTES,
+                                                      sluice::kWgmmaSwizzle128B)
+                        : sluice::wgmma_desc_mn(a_base + cw * MN_BOX_BYTES + 16 * 128 * j,
+                                                MN_BOX_BYTES, ATOM_BYTES,
+                                                sluice::kWgmmaSwizzle128B);
+                const uint64_t db =
+                    MAJOR_B == sluice::kWgmmaKMajor
+                        ? sluice::wgmma_desc_swizzled(b_base + 32 * j, ATOM_BYTES,
+                                                      sluice::kWgmmaSwizzle128B)
+                        : sluice::wgmma_desc_mn(b_base + 16 * 128 * j, MN_BOX_BYTES, ATOM_BYTES,
+                                                sluice::kWgmmaSwizzle128B);
+                sluice::wgmma_bf16<BN, MAJOR_A, MAJOR_B>(acc, da, db, 1, smem_raw);
             }
             sluice::wgmma_commit();
             // At most this step's group in flight: the previous step's stage has been read.
@@ -197,37 +345,96 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_bf16_wgmma(
         for (int hr = 0; hr < 2; ++hr) {
             const int r = tile.row_begin + 64 * cw + 16 * warp + g + 8 * hr;
             if (r >= tile.row_end) continue;
-            const long long row_off = tile.c_offset + static_cast<long long>(r) * n;
+            const long long row_off = tile.c_offset + static_cast<long long>(r) * p.n;
             #pragma unroll  // fully: acc must stay in registers (constant indices)
             for (int j = 0; j < BN / 8; ++j) {
                 const int col = tile.col0 + 8 * j + 2 * q;
                 const float v0 = acc[4 * j + 2 * hr], v1 = acc[4 * j + 2 * hr + 1];
                 const long long at = row_off + col;
-                if (out_bf16) {
-                    __nv_bfloat16* o = static_cast<__nv_bfloat16*>(c);
-                    if (col + 1 < n && (at & 1) == 0) {
-                        *reinterpret_cast<__nv_bfloat162*>(o + at) = __floats2bfloat162_rn(v0, v1);
-                    } else {
-                        if (col < n) o[at] = __float2bfloat16_rn(v0);
-                        if (col + 1 < n) o[at + 1] = __float2bfloat16_rn(v1);
-                    }
+                if (p.swiglu_a != nullptr) {
+                    if (col < p.n) swiglu_store(p, at, v0);
+                    if (col + 1 < p.n) swiglu_store(p, at + 1, v1);
                 } else {
-                    float* o = static_cast<float*>(c);
-                    if (col + 1 < n && (at & 1) == 0) {
-                        *reinterpret_cast<float2*>(o + at) = make_float2(v0, v1);
-                    } else {
-                        if (col < n) o[at] = v0;
-                        if (col + 1 < n) o[at + 1] = v1;
-                    }
+                    store_pair(p.c, p.out_bf16 != 0, at, col, p.n, v0, v1);
                 }
             }
         }
     }
+}
+
+}  // namespace gemm_hopper
+
+// The batched and grouped C = A . B^T (A [M,K] or [T,K], B [N,K] or [G,N,K]; see the header).
+extern "C" __global__ void __launch_bounds__(384, 1) gemm_bf16_wgmma(
+    const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+    void* __restrict__ c, const int* __restrict__ offsets, int rows, int n, int k, int groups,
+    int tiles, int b_shared, int out_bf16, long long stride_c) {
+#if SLUICE_HOPPER_OK
+    using namespace gemm_hopper;
+    wgmma_gemm<kNT>(map_a, map_b,
+                    Args{c, offsets, rows, n, k, groups, tiles, b_shared, out_bf16, stride_c,
+                         nullptr, nullptr, nullptr, nullptr});
 #else
     // compute_80 PTX: tensor copies, wgmma and mbarrier transactions need sm_90a. The host never
-    // launches this kernel on such a GPU (ops/gemm/ refuses first); trap if it ever happens.
+    // launches these kernels on such a GPU (ops/gemm/ refuses first); trap if it ever happens.
     (void)map_a; (void)map_b; (void)c; (void)offsets; (void)rows; (void)n; (void)k; (void)groups;
     (void)tiles; (void)b_shared; (void)out_bf16; (void)stride_c;
+    __trap();
+#endif
+}
+
+// C = A . B with B stored [K,N] ([G,K,N] grouped, [batchB,K,N] batched): the signature of
+// gemm_bf16_wgmma; the B map is over [batchB or G, K, N] with N innermost.
+extern "C" __global__ void __launch_bounds__(384, 1) gemm_bf16_wgmma_nn(
+    const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+    void* __restrict__ c, const int* __restrict__ offsets, int rows, int n, int k, int groups,
+    int tiles, int b_shared, int out_bf16, long long stride_c) {
+#if SLUICE_HOPPER_OK
+    using namespace gemm_hopper;
+    wgmma_gemm<kNN>(map_a, map_b,
+                    Args{c, offsets, rows, n, k, groups, tiles, b_shared, out_bf16, stride_c,
+                         nullptr, nullptr, nullptr, nullptr});
+#else
+    (void)map_a; (void)map_b; (void)c; (void)offsets; (void)rows; (void)n; (void)k; (void)groups;
+    (void)tiles; (void)b_shared; (void)out_bf16; (void)stride_c;
+    __trap();
+#endif
+}
+
+// out[g] (f32 [G, M, N]) = P_g^T . Q_g over rows offsets[g]..offsets[g+1] of P [T,M] and Q [T,N]
+// (maps over [T, M] and [T, N], M and N innermost); an empty segment gives zeros.
+extern "C" __global__ void __launch_bounds__(384, 1) gemm_bf16_wgmma_segment_tn(
+    const __grid_constant__ CUtensorMap map_p, const __grid_constant__ CUtensorMap map_q,
+    float* __restrict__ out, const int* __restrict__ offsets, int m, int n, int t_rows,
+    int groups, int tiles) {
+#if SLUICE_HOPPER_OK
+    using namespace gemm_hopper;
+    wgmma_gemm<kSegmentTN>(map_p, map_q,
+                           Args{out, offsets, m, n, t_rows, groups, tiles, 0, 0, 0, nullptr,
+                                nullptr, nullptr, nullptr});
+#else
+    (void)map_p; (void)map_q; (void)out; (void)offsets; (void)m; (void)n; (void)t_rows;
+    (void)groups; (void)tiles;
+    __trap();
+#endif
+}
+
+// The grouped C = A . B^T with gemm_bf16_mma_swiglu's epilogue: b = the product (f32 into `c`
+// when not null, bf16 into b_b when not null), h_b = bf16(silu(a) * b) and a_b = bf16(a) (when
+// not null) for a = swiglu_a, every array [T, N]. Outputs must not overlap the inputs.
+extern "C" __global__ void __launch_bounds__(384, 1) gemm_bf16_wgmma_swiglu(
+    const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+    float* __restrict__ c, const int* __restrict__ offsets, int rows, int n, int k, int groups,
+    int tiles, const float* __restrict__ swiglu_a, __nv_bfloat16* __restrict__ b_b,
+    __nv_bfloat16* __restrict__ h_b, __nv_bfloat16* __restrict__ a_b) {
+#if SLUICE_HOPPER_OK
+    using namespace gemm_hopper;
+    wgmma_gemm<kNT>(map_a, map_b,
+                    Args{c, offsets, rows, n, k, groups, tiles, 0, 0, 0, swiglu_a, b_b, h_b,
+                         a_b});
+#else
+    (void)map_a; (void)map_b; (void)c; (void)offsets; (void)rows; (void)n; (void)k; (void)groups;
+    (void)tiles; (void)swiglu_a; (void)b_b; (void)h_b; (void)a_b;
     __trap();
 #endif
 }

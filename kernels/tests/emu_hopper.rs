@@ -292,6 +292,195 @@ fn planted_wgmma_reading_a_128_byte_swizzle_as_64() {
     );
 }
 
+/// C = A B^T for MN-major operands: A stored [K][64], B stored [K][N].
+fn reference_mn(a: &[bf16], b: &[bf16], n: usize, k: usize) -> Vec<f32> {
+    let mut c = vec![0f32; 64 * n];
+    for i in 0..64 {
+        for j in 0..n {
+            let mut acc = 0f32;
+            for kk in 0..k {
+                acc = a[kk * 64 + i].to_f32().mul_add(b[kk * n + j].to_f32(), acc);
+            }
+            c[i * n + j] = acc;
+        }
+    }
+    c
+}
+
+/// One MN-major wgmma run (planted.cu `emutest_wgmma_mn_tma`): boxes of 32 K rows x `row_bytes`.
+fn wgmma_mn_run(
+    row_bytes: usize,
+    n: usize,
+    desc_mode: i32,
+    seed: u64,
+) -> (Vec<f32>, Vec<f32>, Vec<EmuFinding>) {
+    let backend = emu();
+    let k = 32;
+    let swizzle = match row_bytes {
+        16 => Swizzle::None,
+        32 => Swizzle::B32,
+        64 => Swizzle::B64,
+        _ => Swizzle::B128,
+    };
+    let a = random_bf16(k * 64, seed);
+    let b = random_bf16(k * n, seed + 1);
+    let ta = Tensor::from_slice(&backend, &[k, 64], &a).unwrap();
+    let tb = Tensor::from_slice(&backend, &[k, n], &b).unwrap();
+    let map = |t, cols: usize| {
+        TensorMap::tiled(
+            &backend,
+            t,
+            "operand",
+            &TiledMap {
+                dims: &[cols as u64, k as u64],
+                strides: &[(cols * 2) as u64],
+                boxes: &[(row_bytes / 2) as u32, k as u32],
+                swizzle,
+            },
+        )
+        .unwrap()
+    };
+    let (ma, mb) = (map(&ta, 64), map(&tb, n));
+    let out = buf(64 * n * 4);
+    let found = checked(
+        "emutest_wgmma_mn_tma",
+        128,
+        1024 + (64 + n) * k * 2,
+        &[
+            P::Map(&ma),
+            P::Map(&mb),
+            ptr(&out),
+            P::Slot(n as u64),
+            P::Slot(row_bytes as u64),
+            P::Slot(desc_mode as u64),
+        ],
+        seed,
+    );
+    (words_f32(&out), reference_mn(&a, &b, n, k), found)
+}
+
+#[test]
+fn wgmma_reads_mn_major_tensor_copies_in_every_mode_and_width() {
+    let mut runs = 0;
+    for (row_bytes, desc_mode) in [(16usize, 0i32), (32, 3), (64, 2), (128, 1)] {
+        for n in [64usize, 128, 256] {
+            let (got, want, found) = wgmma_mn_run(row_bytes, n, desc_mode, 11 + n as u64);
+            assert!(found.is_empty(), "rows of {row_bytes} B, N {n}: {found:#?}");
+            let same = got
+                .iter()
+                .zip(&want)
+                .filter(|(g, w)| g.to_bits() == w.to_bits())
+                .count();
+            assert_eq!(
+                same,
+                64 * n,
+                "rows of {row_bytes} B, N {n}: bits differ from the fmaf reference"
+            );
+            runs += 1;
+        }
+    }
+    assert_eq!(runs, 12);
+}
+
+/// The PTX ISA's MN-major bf16 layouts ("Canonical Layouts", Figures 168-170: no swizzle, 32B and
+/// 64B; 128B from the canonical form with LBO = 2 KiB, SBO = 1 KiB) as CuTe layouts
+/// ((8,c,m),(8,k)):((1,8,s2),(t0,t1)) in elements, the byte address then swizzled by
+/// Swizzle<log2 c,4,3>; against the offsets the emulated wgmma reads element (mn, k) from.
+#[test]
+fn mn_major_descriptors_read_the_ptx_isa_layouts() {
+    struct Case {
+        mode: u64,
+        swizzle_bits: u32,
+        chunks: usize,
+        mn_groups: usize,
+        strides: [usize; 4], // s2 (per m), t0 (per K row), t1 (per 8 K rows), in elements; [3] unused
+        lbo_bytes: u64,
+        sbo_bytes: u64,
+    }
+    let cases = [
+        // Figure 168: Swizzle<0,4,3> o ((8,1,2),(8,2)):((1,8,64),(8,128)), LBO 128 el, SBO 64 el.
+        Case {
+            mode: 0,
+            swizzle_bits: 0,
+            chunks: 1,
+            mn_groups: 2,
+            strides: [64, 8, 128, 0],
+            lbo_bytes: 256,
+            sbo_bytes: 128,
+        },
+        // Figure 169: Swizzle<1,4,3> o ((8,2,2),(8,2)):((1,8,128),(16,256)), LBO 128 el, SBO 256 el.
+        Case {
+            mode: 3,
+            swizzle_bits: 1,
+            chunks: 2,
+            mn_groups: 2,
+            strides: [128, 16, 256, 0],
+            lbo_bytes: 256,
+            sbo_bytes: 512,
+        },
+        // Figure 170: Swizzle<2,4,3> o ((8,4,2),(8,2)):((1,8,256),(32,512)), LBO 256 el, SBO 512 el.
+        Case {
+            mode: 2,
+            swizzle_bits: 2,
+            chunks: 4,
+            mn_groups: 2,
+            strides: [256, 32, 512, 0],
+            lbo_bytes: 512,
+            sbo_bytes: 1024,
+        },
+        // 128B: Swizzle<3,4,3> o ((8,8,2),(8,2)):((1,8,1024),(64,512)), LBO 1024 el, SBO 512 el.
+        Case {
+            mode: 1,
+            swizzle_bits: 3,
+            chunks: 8,
+            mn_groups: 2,
+            strides: [1024, 64, 512, 0],
+            lbo_bytes: 2048,
+            sbo_bytes: 1024,
+        },
+    ];
+    let mut checked_elements = 0;
+    for c in &cases {
+        let rows = 8 * c.chunks * c.mn_groups;
+        let desc: u64 = ((c.lbo_bytes >> 4) << 16) | ((c.sbo_bytes >> 4) << 32) | (c.mode << 62);
+        let out = buf(rows * 16 * 4);
+        let found = checked(
+            "emutest_wgmma_offsets",
+            32,
+            0,
+            &[P::Slot(desc), P::Slot(1), P::Slot(rows as u64), ptr(&out)],
+            3,
+        );
+        assert!(found.is_empty(), "{found:#?}");
+        let got: Vec<u32> = out
+            .as_bytes()
+            .chunks_exact(4)
+            .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+            .collect();
+        for mn in 0..rows {
+            for k in 0..16 {
+                let (i0, i1, i2) = (mn % 8, (mn / 8) % c.chunks, mn / (8 * c.chunks));
+                let el = i0
+                    + 8 * i1
+                    + c.strides[0] * i2
+                    + c.strides[1] * (k % 8)
+                    + c.strides[2] * (k / 8);
+                let bytes = (2 * el) as u32;
+                let mask = (1u32 << c.swizzle_bits) - 1;
+                let want = bytes ^ (((bytes >> 7) & mask) << 4);
+                assert_eq!(
+                    got[mn * 16 + k],
+                    want,
+                    "mode {}: element (mn {mn}, k {k})",
+                    c.mode
+                );
+                checked_elements += 1;
+            }
+        }
+    }
+    assert_eq!(checked_elements, 16 * (16 + 32 + 64 + 128));
+}
+
 fn ring(steps: usize, skip_empty: bool, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<EmuFinding>) {
     let x: Vec<f32> = (0..steps * 128)
         .map(|i| ((i * 37 % 101) as f32) * 0.25 - 3.0)

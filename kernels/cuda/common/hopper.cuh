@@ -7,8 +7,9 @@
 // In the compute_80 build they are absent; kernels that use them must put their body behind the
 // same test (SLUICE_HOPPER_OK below) with __trap() in the #else.
 //
-// Shared-memory operand layouts: K-major, either interleaved (no swizzle, below) or swizzled by
-// 32/64/128 bytes (see "wgmma operand layouts" further down). Interleaved: a core matrix is
+// Shared-memory operand layouts: K-major or MN-major, either interleaved (no swizzle, below) or
+// swizzled by 32/64/128 bytes (see "wgmma operand layouts" further down). K-major interleaved:
+// a core matrix is
 // 8 rows x 16 bytes (8 bf16), stored as 128 contiguous bytes (row r of the core matrix at +16r).
 // In a matrix descriptor:
 //   start address  = shared address of element (0, 0), >> 4, bits 0-13
@@ -225,19 +226,50 @@ __device__ __forceinline__ uint64_t wgmma_desc_swizzled(uint32_t start, uint32_t
            (static_cast<uint64_t>(mode) << 62);
 }
 
+// Which dimension of an operand is contiguous in shared memory: K (the layouts above; the
+// instruction's transpose bit 0) or M/N (transpose bit 1, bf16 and f16 only). The PTX ISA's
+// canonical MN-major layouts ("Canonical Layouts", in elements, T = 8 bf16 = 16 bytes):
+//   interleave: ((T,1,m),(8,k)):((1,T,SBO),(T,LBO))   core matrix: 8 MN-contiguous elements
+//               x 8 K rows of 16 bytes (128 contiguous bytes); SBO steps 8 MN, LBO steps 8 K;
+//   swizzled W: ((T,W/16,m),(8,k)):((1,T,LBO),(W/2,SBO))   an atom is W/2 MN-contiguous
+//               elements (one W-byte row) x 8 K rows; LBO steps one atom along MN, SBO 8 rows
+//               along K; the address then swizzled as for K-major (Swizzle<log2(W/16),4,3>).
+// So LBO and SBO trade places with the swizzle: what a demanding reader should check against
+// the ISA's Figures 168-170 (kernels/tests/emu_hopper.rs evaluates their exact layouts). A tensor
+// copy of a [K rows, MN] box whose row is the swizzle span (W/2 elements of MN) lands exactly
+// the swizzled atom: row k at +W k, 8 rows SBO = 8W apart; boxes side by side along MN are LBO
+// apart. The k16 step of an instruction advances the start by 16 rows (2 SBO).
+enum WgmmaMajor : int { kWgmmaKMajor = 0, kWgmmaMNMajor = 1 };
+
+// A descriptor with every field given (MN-major operands use both offsets).
+__device__ __forceinline__ uint64_t wgmma_desc_mn(uint32_t start, uint32_t lbo, uint32_t sbo,
+                                                  WgmmaSwizzle mode) {
+    return static_cast<uint64_t>((start >> 4) & 0x3fffu) |
+           (static_cast<uint64_t>((lbo >> 4) & 0x3fffu) << 16) |
+           (static_cast<uint64_t>((sbo >> 4) & 0x3fffu) << 32) |
+           (static_cast<uint64_t>(mode) << 62);
+}
+
 #ifdef SLUICE_EMU
 namespace emu_hopper {
-// Byte offset (from smem_base) of element (row, k), k < 16, of the operand `desc` describes.
-inline uint32_t operand_offset(uint64_t desc, int row, int k) {
+// Byte offset (from smem_base) of element (row, k), k < 16, of the operand `desc` describes;
+// `row` is the M (or N) index. `mn_major` selects the MN-major layouts.
+inline uint32_t operand_offset(uint64_t desc, int row, int k, bool mn_major = false) {
     const uint32_t start = static_cast<uint32_t>(desc & 0x3fffu) << 4;
     const uint32_t lbo = static_cast<uint32_t>((desc >> 16) & 0x3fffu) << 4;
     const uint32_t sbo = static_cast<uint32_t>((desc >> 32) & 0x3fffu) << 4;
     const uint32_t mode = static_cast<uint32_t>(desc >> 62);
     if (mode == kWgmmaInterleave) {
+        if (mn_major) {
+            return start + (row / 8) * sbo + (row % 8) * 2 + (k / 8) * lbo + (k % 8) * 16;
+        }
         return start + (row / 8) * sbo + (row % 8) * 16 + (k / 8) * lbo + (k % 8) * 2;
     }
     const uint32_t width = mode == kWgmmaSwizzle128B ? 128 : mode == kWgmmaSwizzle64B ? 64 : 32;
-    const uint32_t canon = start + (row / 8) * sbo + (row % 8) * width + k * 2;
+    const uint32_t canon =
+        mn_major ? start + (row / (width / 2)) * lbo + (row % (width / 2)) * 2 + (k / 8) * sbo +
+                       (k % 8) * width
+                 : start + (row / 8) * sbo + (row % 8) * width + k * 2;
     return canon ^ (((canon >> 7) & (width / 16 - 1)) << 4);
 }
 // The descriptor's swizzle in the emulator's numbering (0 none, 1 32B, 2 64B, 3 128B).
@@ -245,35 +277,47 @@ inline unsigned swizzle_of(uint64_t desc) {
     const unsigned mode = static_cast<unsigned>(desc >> 62);
     return mode == 0 ? 0 : 4 - mode;
 }
-inline float smem_bf16(const void* smem_base, uint64_t desc, int row, int k) {
+inline float smem_bf16(const void* smem_base, uint64_t desc, int row, int k, bool mn_major) {
     uint16_t h;
-    memcpy(&h, reinterpret_cast<const char*>(smem_base) + operand_offset(desc, row, k), 2);
+    memcpy(&h, reinterpret_cast<const char*>(smem_base) + operand_offset(desc, row, k, mn_major),
+           2);
     const uint32_t bits = static_cast<uint32_t>(h) << 16;
     float f;
     memcpy(&f, &bits, 4);
     return f;
 }
-// The async proxy's reads of one operand (rows x 16 of K): each row's two 16-byte chunks.
-inline void operand_reads(const void* smem_base, uint64_t desc, int rows,
+// The async proxy's reads of one operand (rows x 16 of K) in 16-byte chunks: each row's two
+// (K-major), or each K row's rows/8 (MN-major).
+inline void operand_reads(const void* smem_base, uint64_t desc, int rows, bool mn_major,
                           const std::source_location& loc) {
+    const char* base = reinterpret_cast<const char*>(smem_base);
+    if (mn_major) {
+        for (int k = 0; k < 16; ++k) {
+            for (int row = 0; row < rows; row += 8) {
+                ::sluice_emu::async_proxy_read(base + operand_offset(desc, row, k, true), 16,
+                                               swizzle_of(desc), loc);
+            }
+        }
+        return;
+    }
     for (int row = 0; row < rows; ++row) {
         for (int k = 0; k < 16; k += 8) {
-            ::sluice_emu::async_proxy_read(
-                reinterpret_cast<const char*>(smem_base) + operand_offset(desc, row, k), 16,
-                swizzle_of(desc), loc);
+            ::sluice_emu::async_proxy_read(base + operand_offset(desc, row, k), 16,
+                                           swizzle_of(desc), loc);
         }
     }
 }
 }  // namespace emu_hopper
 #endif
 
-// D(64xN) = A(64x16) * B(Nx16)^T + (scale_d ? D : 0), bf16 from shared memory (K-major, any of
-// the layouts above), f32 accumulators in registers; N = 64, 128 or 256. All 128 threads of the
-// warpgroup must call it. Fragment of D: warp w = (threadIdx.x % 128) / 32 holds rows
+// D(64xN) = A(64x16) * B(Nx16)^T + (scale_d ? D : 0), bf16 from shared memory (any of the
+// layouts above; MajorA / MajorB say which major-ness each descriptor describes, the
+// instruction's transpose bits), f32 accumulators in registers; N = 64, 128 or 256. All 128
+// threads of the warpgroup must call it. Fragment of D: warp w = (threadIdx.x % 128) / 32 holds rows
 // 16w..16w+15; with g = lane/4, t = lane%4, d[4j + 0, 1] = D[16w + g][8j + 2t, +1],
 // d[4j + 2, 3] = D[16w + g + 8][8j + 2t, +1], j < N/8.
 #ifdef SLUICE_EMU
-template <int N>
+template <int N, int MajorA = kWgmmaKMajor, int MajorB = kWgmmaKMajor>
 __device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
                                            int scale_d, const void* smem_base, SLUICE_HOPPER_LOC) {
     static_assert(N == 64 || N == 128 || N == 256, "wgmma_bf16: N is 64, 128 or 256");
@@ -292,8 +336,8 @@ __device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], uint64_t desc_a, u
                                                 : "wgmma.m64n256k16.bf16",
                                      2.0 * 64 * N * 16, loc);
         ::sluice_emu::prof_wgmma_operands((64 + N) * 16 * 2, loc);
-        emu_hopper::operand_reads(smem_base, desc_a, 64, loc);
-        emu_hopper::operand_reads(smem_base, desc_b, N, loc);
+        emu_hopper::operand_reads(smem_base, desc_a, 64, MajorA == kWgmmaMNMajor, loc);
+        emu_hopper::operand_reads(smem_base, desc_b, N, MajorB == kWgmmaMNMajor, loc);
     }
     ::sluice_emu::prof_quiet(1);
     for (int j = 0; j < N / 8; ++j) {
@@ -302,8 +346,11 @@ __device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], uint64_t desc_a, u
             const int col = 8 * j + 2 * t + (e & 1);
             float acc = scale_d ? in[4 * j + e] : 0.0f;
             for (int k = 0; k < 16; ++k) {
-                acc = fmaf(emu_hopper::smem_bf16(smem_base, desc_a, row, k),
-                           emu_hopper::smem_bf16(smem_base, desc_b, col, k), acc);
+                acc = fmaf(emu_hopper::smem_bf16(smem_base, desc_a, row, k,
+                                                 MajorA == kWgmmaMNMajor),
+                           emu_hopper::smem_bf16(smem_base, desc_b, col, k,
+                                                 MajorB == kWgmmaMNMajor),
+                           acc);
             }
             out[4 * j + e] = acc;
         }
@@ -317,10 +364,10 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t d
     wgmma_bf16<128>(d, desc_a, desc_b, scale_d, smem_base, loc);
 }
 #else
-template <int N>
+template <int N, int TA, int TB>
 struct WgmmaBf16;
-template <>
-struct WgmmaBf16<64> {
+template <int TA, int TB>
+struct WgmmaBf16<64, TA, TB> {
     static __device__ __forceinline__ void run(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
                                                int scale_d) {
         asm volatile(
@@ -329,14 +376,14 @@ struct WgmmaBf16<64> {
             "setp.ne.b32 p, %34, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-            "%32, %33, p, 1, 1, 0, 0;\n"
+            "%32, %33, p, 1, 1, %35, %36;\n"
             "}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-            : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
     }
 };
-template <>
-struct WgmmaBf16<128> {
+template <int TA, int TB>
+struct WgmmaBf16<128, TA, TB> {
     static __device__ __forceinline__ void run(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
                                                int scale_d) {
         asm volatile(
@@ -345,14 +392,14 @@ struct WgmmaBf16<128> {
             "setp.ne.b32 p, %66, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-            "%64, %65, p, 1, 1, 0, 0;\n"
+            "%64, %65, p, 1, 1, %67, %68;\n"
             "}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-            : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
     }
 };
-template <>
-struct WgmmaBf16<256> {
+template <int TA, int TB>
+struct WgmmaBf16<256, TA, TB> {
     static __device__ __forceinline__ void run(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
                                                int scale_d) {
         asm volatile(
@@ -361,18 +408,18 @@ struct WgmmaBf16<256> {
             "setp.ne.b32 p, %130, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-            "%128, %129, p, 1, 1, 0, 0;\n"
+            "%128, %129, p, 1, 1, %131, %132;\n"
             "}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-            : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
     }
 };
 
-template <int N>
+template <int N, int MajorA = kWgmmaKMajor, int MajorB = kWgmmaKMajor>
 __device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
                                            int scale_d, const void* smem_base) {
     (void)smem_base;
-    WgmmaBf16<N>::run(d, desc_a, desc_b, scale_d);
+    WgmmaBf16<N, MajorA, MajorB>::run(d, desc_a, desc_b, scale_d);
 }
 __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a,
                                                       uint64_t desc_b, int scale_d,

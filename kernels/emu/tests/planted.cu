@@ -420,6 +420,77 @@ extern "C" __global__ void __launch_bounds__(128) emutest_wgmma_tma(const __grid
   else wgmma_tma<256>(map_a, map_b, out, span, desc_mode);
 }
 
+// C (64 x N, f32) = A (64 x K) B (N x K)^T with both operands MN-major: A stored [K, 64] and B
+// [K, N] (M and N contiguous), K = 32 (two k16 steps). Tensor copies bring boxes of K rows x
+// `row_bytes` (16 without swizzle, else the swizzle span) side by side along M/N, each K x
+// row_bytes bytes; wgmma reads them through MN-major descriptors of mode `desc_mode` (0 none,
+// 3 32B, 2 64B, 1 128B): swizzled LBO = one box (the next atom along MN), SBO = 8 rows;
+// interleaved LBO = 8 rows (the next core matrix along K), SBO = one box. One warpgroup.
+template <int N>
+__device__ void wgmma_mn_tma(const CUtensorMap& map_a, const CUtensorMap& map_b, float* out, int row_bytes,
+                             int desc_mode) {
+  constexpr int K = 32;
+  extern __shared__ __align__(1024) unsigned char smem[];
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem);
+  unsigned char* a = smem + 1024;
+  unsigned char* b = a + 64 * K * 2;  // 4 KiB: aligned for every swizzle atom
+  const int per_box = row_bytes / 2;  // M/N elements per box row
+  const uint32_t box_bytes = static_cast<uint32_t>(K * row_bytes);
+  if (threadIdx.x == 0) {
+    sluice::mbarrier_init(bar, 1);
+    sluice::fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    sluice::mbarrier_expect_tx(bar, (uint32_t)(64 + N) * K * 2);
+    for (int i = 0; i < 64 / per_box; ++i) sluice::tma_load_2d(a + i * box_bytes, &map_a, i * per_box, 0, bar);
+    for (int i = 0; i < N / per_box; ++i) sluice::tma_load_2d(b + i * box_bytes, &map_b, i * per_box, 0, bar);
+    sluice::mbarrier_arrive(bar);
+  }
+  sluice::mbarrier_wait(bar, 0);
+  float acc[N / 2];
+  for (int i = 0; i < N / 2; ++i) acc[i] = 0.0f;
+  const sluice::WgmmaSwizzle mode = static_cast<sluice::WgmmaSwizzle>(desc_mode);
+  const uint32_t eight_rows = 8u * static_cast<uint32_t>(row_bytes);
+  const uint32_t lbo = mode == sluice::kWgmmaInterleave ? eight_rows : box_bytes;
+  const uint32_t sbo = mode == sluice::kWgmmaInterleave ? box_bytes : eight_rows;
+  sluice::wgmma_fence();
+  for (int j = 0; j < K / 16; ++j) {
+    const uint32_t step = static_cast<uint32_t>(16 * row_bytes * j);
+    const uint64_t da = sluice::wgmma_desc_mn(sluice::smem_addr(smem, a) + step, lbo, sbo, mode);
+    const uint64_t db = sluice::wgmma_desc_mn(sluice::smem_addr(smem, b) + step, lbo, sbo, mode);
+    sluice::wgmma_bf16<N, sluice::kWgmmaMNMajor, sluice::kWgmmaMNMajor>(acc, da, db, 1, smem);
+  }
+  sluice::wgmma_commit();
+  sluice::wgmma_wait<0>();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  for (int j = 0; j < N / 8; ++j) {
+    for (int e = 0; e < 4; ++e) {
+      const int row = 16 * warp + g + (e >= 2 ? 8 : 0), col = 8 * j + 2 * t + (e & 1);
+      out[row * N + col] = acc[4 * j + e];
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(128) emutest_wgmma_mn_tma(const __grid_constant__ CUtensorMap map_a,
+                                                                       const __grid_constant__ CUtensorMap map_b,
+                                                                       float* __restrict__ out, int n, int row_bytes,
+                                                                       int desc_mode) {
+  if (n == 64) wgmma_mn_tma<64>(map_a, map_b, out, row_bytes, desc_mode);
+  else if (n == 128) wgmma_mn_tma<128>(map_a, map_b, out, row_bytes, desc_mode);
+  else wgmma_mn_tma<256>(map_a, map_b, out, row_bytes, desc_mode);
+}
+
+// The byte offset the emulated wgmma reads element (row, k) of an operand from, for descriptor
+// `desc`: out[row * 16 + k], rows x 16 (the test checks it against the PTX ISA's layouts).
+extern "C" __global__ void emutest_wgmma_offsets(unsigned long long desc, int mn_major, int rows,
+                                                 unsigned* __restrict__ out) {
+  if (threadIdx.x != 0) return;
+  for (int r = 0; r < rows; ++r) {
+    for (int k = 0; k < 16; ++k) out[r * 16 + k] = sluice::emu_hopper::operand_offset(desc, r, k, mn_major != 0);
+  }
+}
+
 // A ring of STAGES stage buffers between one producer thread (warp 4, lane 0) and a consumer
 // warpgroup (warps 0-3), ordered by mbarriers alone (no block-wide barrier after the set-up): per
 // step i a `full[i]` barrier, per stage an `empty[s]` barrier reused with its phase parity. The

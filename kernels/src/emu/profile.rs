@@ -330,6 +330,18 @@ impl Drop for Recording {
     }
 }
 
+/// Whether this thread's launches run under a recording with a block budget (sampled). Kernels
+/// with a persistent grid then give each block two tiles instead of a 132-SM share
+/// (kernels/src/ops/gemm_hopper.rs), so that sampling blocks samples tiles: the grid changes no
+/// bits and no per-tile count, only the few per-block set-up instructions.
+pub fn sampling_blocks() -> bool {
+    ACTIVE.with(|a| {
+        a.borrow()
+            .as_ref()
+            .is_some_and(|a| a.sampling.max_blocks.is_some())
+    })
+}
+
 /// While alive, this thread's launches still run sampled (so a setup at a doc shape stays as
 /// fast as the profiled part) but are left out of the active recording, if any: what an op
 /// runs only to build its inputs (the MoE backward's row runs the forward for its saved state).

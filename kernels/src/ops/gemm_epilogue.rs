@@ -13,7 +13,8 @@
 //! Devices: `emu` / `cuda` run `gemm_bf16_mma_epilogue` (kernels/cuda/gemm.cu: the mma.sync
 //! main loop of `gemm_bf16_mma`, then the tile staged through shared memory 32 rows at a time
 //! so that every load and store of the epilogue is coalesced, transposed ones included). The
-//! wgmma path has no epilogue: this always runs mma.sync, whatever `SLUICE_GEMM_PATH` says.
+//! wgmma path has only the SwiGLU epilogue ([`gemm_grouped_swiglu`]): this one always runs
+//! mma.sync, whatever `SLUICE_GEMM_PATH` says.
 //! `cpu` runs the bf16 chain ([`gemm_chain_into`], the emulated mma.sync's order) and the same
 //! formula, so cpu and emu agree bit for bit.
 //!
@@ -222,16 +223,29 @@ pub struct SwigluProducts {
 /// of `a` [T,K] times `b_stack[g]` [N,K]^T, both BF16) with the SwiGLU epilogue: for the
 /// product b and `gate` [T,N] F32, h = silu(gate) * b (silu(x) = x / (1 + e^-x) as the swiglu
 /// family computes it), then h, gate and b rounded to BF16 ([`SwigluProducts`]; the MoE keeps
-/// gate and b for SwiGLU's backward). One launch of `gemm_bf16_mma_swiglu` on emu/cuda
-/// (mma.sync whatever `SLUICE_GEMM_PATH` says: the wgmma kernel has no epilogue); on cpu the
-/// grouped GEMM, the swiglu reference and the rounding, which is what the kernel's bits are
-/// (tested: kernels/tests/gemm_epilogue.rs).
+/// gate and b for SwiGLU's backward). One launch on emu/cuda: `gemm_bf16_mma_swiglu`, or
+/// `gemm_bf16_wgmma_swiglu` on the Hopper path (`SLUICE_GEMM_PATH=wgmma`) when K % 8 == 0, as
+/// [`super::gemm::gemm_grouped`] chooses; on cpu the grouped GEMM, the swiglu reference and the
+/// rounding, which is what the kernels' bits are (tested: kernels/tests/gemm_epilogue.rs and
+/// gemm_hopper.rs).
 pub fn gemm_grouped_swiglu(
     backend: &Backend,
     a: &Tensor,
     b_stack: &Tensor,
     offsets: &Tensor,
     gate: &Tensor,
+) -> Result<SwigluProducts> {
+    gemm_grouped_swiglu_with_path(backend, a, b_stack, offsets, gate, GemmPath::from_env()?)
+}
+
+/// [`gemm_grouped_swiglu`] with the kernel chosen explicitly.
+pub fn gemm_grouped_swiglu_with_path(
+    backend: &Backend,
+    a: &Tensor,
+    b_stack: &Tensor,
+    offsets: &Tensor,
+    gate: &Tensor,
+    path: GemmPath,
 ) -> Result<SwigluProducts> {
     a.expect_dtype("a", DType::BF16)?;
     b_stack.expect_dtype("b_stack", DType::BF16)?;
@@ -290,6 +304,20 @@ pub fn gemm_grouped_swiglu(
         b: Tensor::poisoned(backend, &[rows, n], DType::BF16)?,
     };
     if rows * n == 0 {
+        return Ok(out);
+    }
+    super::gemm::check_path(backend, DType::BF16, path)?;
+    if path == GemmPath::Wgmma && super::gemm_hopper::takes(k) {
+        let products = super::gemm_hopper::SwigluOut {
+            swiglu_a: gate,
+            b_f32: None,
+            b_b: Some(&out.b),
+            h_b: &out.h,
+            a_b: Some(&out.gate),
+        };
+        super::gemm_hopper::grouped_swiglu(
+            backend, a, b_stack, offsets, &products, rows, n, k, groups,
+        )?;
         return Ok(out);
     }
     let row_tiles = rows.div_ceil(BLOCK_M) + groups;

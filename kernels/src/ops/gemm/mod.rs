@@ -46,7 +46,10 @@ pub use reference::{
     gemm_batched_reference, gemm_grouped_reference, gemm_reference, gemm_reference_bf16,
     gemm_reference_into, gemm_strided_into, small_rows_rhs, BF16_PACKED_MAX_K, SMALL_M,
 };
-pub use segments::{gemm_grouped_nn, gemm_nn, gemm_segment_tn, gemm_segment_tn_reference};
+pub use segments::{
+    gemm_grouped_nn, gemm_grouped_nn_with_path, gemm_nn, gemm_nn_with_path, gemm_segment_tn,
+    gemm_segment_tn_reference, gemm_segment_tn_with_path,
+};
 
 // ---------------------------------------------------------------------------------------------
 // Device entry points

@@ -8,26 +8,32 @@
 //! Kernels (kernels/cuda/gemm.cu): `gemm_f32_nn` / `gemm_bf16_mma_nn` (the grouped GEMM's loops
 //! with B staged from [K,N] rows; the bf16 one reads them with ldmatrix .trans) and
 //! `gemm_f32_segment_tn` / `gemm_bf16_mma_segment_tn` (a 64x64 SIMT or 128x128 mma.sync tile of
-//! out[g] per block, blockIdx.z = g, walking the segment's rows from its first).
+//! out[g] per block, blockIdx.z = g, walking the segment's rows from its first). On the Hopper
+//! path (`SLUICE_GEMM_PATH=wgmma`) BF16 takes `gemm_bf16_wgmma_nn` and
+//! `gemm_bf16_wgmma_segment_tn` (kernels/cuda/gemm_hopper.cu: the same pipeline with MN-major
+//! wgmma operands read where they are stored) when the stored rows are multiples of 16 bytes
+//! (N % 8 and K % 8 for the NN form, P % 8 and Q % 8 for the segment form: weight dimensions,
+//! never the row count).
 //!
 //! Bits: the same values reach the same instructions in the same order as the [N,K] form on B
 //! transposed (`gemm_grouped`) and as `gemm` on each segment's transposed rows, so the results
-//! have their bits; the tests compare them bit for bit. Neither form runs on the Hopper path:
-//! its wgmma reads K-major operands only (the emulator has no MN-major wgmma yet), so with
-//! `SLUICE_GEMM_PATH=wgmma` these stay on mma.sync. The path depends on the dtype and device
-//! only, never on the shape.
+//! have their bits; the tests compare them bit for bit. On emu the wgmma forms give the same
+//! bits too (the emulated wgmma adds its products in ascending k, as the emulated mma does);
+//! on a GPU the two instruction families may round differently, which is why the path is
+//! chosen per device and never per shape.
 //!
 //! Determinism: no split over K, no atomics. Weight gradients sum over rows, so they depend on
 //! the segment's rows by definition; each element is one chain over them in ascending order.
 
 use super::{
-    check_grid_y, check_offsets, dims_fit_i32, float_dtype, gemm_chain_into,
+    check_grid_y, check_offsets, check_path, dims_fit_i32, float_dtype, gemm_chain_into,
     gemm_grouped_with_path, GemmPath, F32_TILES, MMA_TILES,
 };
 use crate::device::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
+use crate::ops::gemm_hopper;
 use crate::tensor::Tensor;
 use half::bf16;
 
@@ -72,6 +78,17 @@ pub fn gemm_grouped_nn(
     b_stack: &Tensor,
     offsets: &Tensor,
 ) -> Result<Tensor> {
+    gemm_grouped_nn_with_path(backend, a, b_stack, offsets, GemmPath::from_env()?)
+}
+
+/// [`gemm_grouped_nn`] with the bf16 kernel chosen explicitly.
+pub fn gemm_grouped_nn_with_path(
+    backend: &Backend,
+    a: &Tensor,
+    b_stack: &Tensor,
+    offsets: &Tensor,
+    path: GemmPath,
+) -> Result<Tensor> {
     a.expect_rank("a", 2, "[T,K]")?;
     let (rows, k) = (a.shape()[0], a.shape()[1]);
     // Checked on the host where they are there (or in debug mode); the kernels clamp them.
@@ -102,12 +119,23 @@ pub fn gemm_grouped_nn(
         rows,
         n,
         k,
+        path,
     )
 }
 
 /// C[M,N] = A[M,K] · B[K,N] with B row-major as stored: [`super::gemm`] on B transposed,
 /// with its bits, without the transposed copy.
 pub fn gemm_nn(backend: &Backend, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    gemm_nn_with_path(backend, a, b, GemmPath::from_env()?)
+}
+
+/// [`gemm_nn`] with the bf16 kernel chosen explicitly.
+pub fn gemm_nn_with_path(
+    backend: &Backend,
+    a: &Tensor,
+    b: &Tensor,
+    path: GemmPath,
+) -> Result<Tensor> {
     a.expect_rank("a", 2, "[M,K]")?;
     let (m, k) = (a.shape()[0], a.shape()[1]);
     if b.shape().len() != 2 || b.shape()[0] != k {
@@ -124,7 +152,7 @@ pub fn gemm_nn(backend: &Backend, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         let bt = transposed_stack(backend, b, 1, k, n, dtype)?.reshape(&[n, k])?;
         return super::gemm_with_path(backend, a, &bt, GemmPath::Mma);
     }
-    launch_nn(backend, dtype, a, b, None, m, n, k)
+    launch_nn(backend, dtype, a, b, None, m, n, k, path)
 }
 
 /// `b` [G,K,N] (or [K,N] with G = 1) transposed to [G,N,K] on the host, in `dtype`.
@@ -155,8 +183,9 @@ fn transposed_stack(
     }
 }
 
-/// Launches `gemm_f32_nn` / `gemm_bf16_mma_nn`: grouped over `offsets` (G groups), or one plain
-/// product (batched mode, one entry) when `grouped` is None.
+/// Launches `gemm_f32_nn` / `gemm_bf16_mma_nn` (or `gemm_bf16_wgmma_nn` on the Hopper path):
+/// grouped over `offsets` (G groups), or one plain product (batched mode, one entry) when
+/// `grouped` is None.
 #[allow(clippy::too_many_arguments)]
 fn launch_nn(
     backend: &Backend,
@@ -167,9 +196,15 @@ fn launch_nn(
     rows: usize,
     n: usize,
     k: usize,
+    path: GemmPath,
 ) -> Result<Tensor> {
+    check_path(backend, dtype, path)?;
     let c = Tensor::poisoned(backend, &[rows, n], DType::F32)?;
     if rows * n == 0 {
+        return Ok(c);
+    }
+    if dtype == DType::BF16 && path == GemmPath::Wgmma && gemm_hopper::takes_nn(k, n) {
+        gemm_hopper::nn(backend, a, b, grouped, &c, rows, n, k)?;
         return Ok(c);
     }
     let (t, kernel) = match dtype {
@@ -219,6 +254,17 @@ pub fn gemm_segment_tn(
     q: &Tensor,
     offsets: &Tensor,
 ) -> Result<Tensor> {
+    gemm_segment_tn_with_path(backend, p, q, offsets, GemmPath::from_env()?)
+}
+
+/// [`gemm_segment_tn`] with the bf16 kernel chosen explicitly.
+pub fn gemm_segment_tn_with_path(
+    backend: &Backend,
+    p: &Tensor,
+    q: &Tensor,
+    offsets: &Tensor,
+    path: GemmPath,
+) -> Result<Tensor> {
     p.expect_rank("p", 2, "[T,P]")?;
     let (rows, pc) = (p.shape()[0], p.shape()[1]);
     if q.shape().len() != 2 || q.shape()[0] != rows {
@@ -242,8 +288,13 @@ pub fn gemm_segment_tn(
         let out = gemm_segment_tn_reference(&p.f32_data()?, &q.f32_data()?, &bounds, pc, qc);
         return Tensor::from_f32_vec(backend, &[groups, pc, qc], out);
     }
+    check_path(backend, dtype, path)?;
     let out = Tensor::poisoned(backend, &[groups, pc, qc], DType::F32)?;
     if groups * pc * qc == 0 {
+        return Ok(out);
+    }
+    if dtype == DType::BF16 && path == GemmPath::Wgmma && gemm_hopper::takes_segment(pc, qc) {
+        gemm_hopper::segment_tn(backend, p, q, offsets, &out, rows, pc, qc, groups)?;
         return Ok(out);
     }
     let (tile, kernel) = match dtype {
