@@ -209,15 +209,35 @@ fn sample_case(batch: usize, v: usize, dtype: DType) -> BenchCase {
     }
 }
 
-/// An MoE layer forward: router, top-k, sort, three grouped expert GEMMs, combine.
-fn moe_case(t: usize, d: usize, e: usize, k: usize, f: usize, dtype: DType) -> BenchCase {
+/// The path name and the verifying test of an MoE row: the default path (`SLUICE_GEMM_PATH` as
+/// the process has it), or every expert GEMM on the Hopper path (`GemmPath::scoped`).
+fn moe_path(wgmma: bool, default: &'static str) -> (&'static str, &'static str) {
+    if wgmma {
+        ("wgmma", "moe::cuda_wgmma_matches_reference")
+    } else {
+        (default, "moe::cuda_matches_reference")
+    }
+}
+
+/// An MoE layer forward: router, top-k, sort, three grouped expert GEMMs, combine; `wgmma`
+/// puts its BF16 GEMMs on the Hopper path.
+fn moe_case(
+    t: usize,
+    d: usize,
+    e: usize,
+    k: usize,
+    f: usize,
+    dtype: DType,
+    wgmma: bool,
+) -> BenchCase {
     let expert_flops = 3.0 * 2.0 * (t * k) as f64 * d as f64 * f as f64;
     let router_flops = 2.0 * t as f64 * d as f64 * e as f64;
+    let (path, check) = moe_path(wgmma, "default");
     BenchCase {
         op: "moe_forward",
         pass: Pass::Forward,
-        path: "default",
-        check: "moe::cuda_matches_reference",
+        path,
+        check,
         cuda_only: false,
         shape: format!("T={t} d={d} E={e} k={k} f={f} {}", dtype_name(dtype)),
         bytes: ((t * d + e * d + 3 * e * f * d) * dtype.size_bytes() + t * d * 4) as f64,
@@ -230,6 +250,7 @@ fn moe_case(t: usize, d: usize, e: usize, k: usize, f: usize, dtype: DType) -> B
             let w2 = random(b, &[e, d, f], dtype, 19)?;
             let cfg = ops::moe::MoeConfig::new(k);
             let run: BenchRun = Box::new(move |b: &Backend| {
+                let _path = wgmma.then(|| GemmPath::scoped(GemmPath::Wgmma));
                 ops::moe::moe_forward(b, &x, &wr, &w1, &w3, &w2, cfg).map(|_| ())
             });
             Ok(run)
@@ -444,13 +465,22 @@ fn attention_backward_case(
 /// The MoE layer backward from the forward's saved state (run once in `prepare`, as the
 /// learner's forward does before its backward); FLOPs count the backward's GEMMs, twice the
 /// forward's.
-fn moe_backward_case(t: usize, d: usize, e: usize, k: usize, f: usize, dtype: DType) -> BenchCase {
+fn moe_backward_case(
+    t: usize,
+    d: usize,
+    e: usize,
+    k: usize,
+    f: usize,
+    dtype: DType,
+    wgmma: bool,
+) -> BenchCase {
     let fwd_flops = 3.0 * 2.0 * (t * k) as f64 * d as f64 * f as f64 + 2.0 * (t * d * e) as f64;
+    let (path, check) = moe_path(wgmma, "saved");
     BenchCase {
         op: "moe_backward",
         pass: Pass::Backward,
-        path: "saved",
-        check: "moe::cuda_matches_reference",
+        path,
+        check,
         cuda_only: false,
         shape: format!("T={t} d={d} E={e} k={k} f={f} {}", dtype_name(dtype)),
         bytes: (2 * (t * d + e * d + 3 * e * f * d) * dtype.size_bytes()
@@ -464,8 +494,12 @@ fn moe_backward_case(t: usize, d: usize, e: usize, k: usize, f: usize, dtype: DT
             let w2 = random(b, &[e, d, f], dtype, 19)?;
             let dy = random(b, &[t, d], DType::F32, 24)?;
             let cfg = ops::moe::MoeConfig::new(k);
-            let (_, saved) = ops::moe::moe_forward_saved(b, &x, &wr, &w1, &w3, &w2, cfg)?;
+            let (_, saved) = {
+                let _path = wgmma.then(|| GemmPath::scoped(GemmPath::Wgmma));
+                ops::moe::moe_forward_saved(b, &x, &wr, &w1, &w3, &w2, cfg)?
+            };
             let run: BenchRun = Box::new(move |b: &Backend| {
+                let _path = wgmma.then(|| GemmPath::scoped(GemmPath::Wgmma));
                 ops::moe::moe_backward_saved(b, &x, &wr, &w1, &w3, &w2, &dy, cfg, Some(&saved))
                     .map(|_| ())
             });
@@ -520,8 +554,9 @@ pub fn all_cases(preset: Preset) -> Vec<BenchCase> {
             is_gate_loss_case(8, 512, DType::F32),
             sample_case(4, 512, DType::F32),
             newton_schulz_case(2, 16, 32, DType::F32, NsPrecision::Bf16),
-            moe_case(32, 32, 4, 2, 32, DType::F32),
-            moe_backward_case(32, 32, 4, 2, 32, DType::F32),
+            moe_case(32, 32, 4, 2, 32, DType::F32, false),
+            moe_backward_case(32, 32, 4, 2, 32, DType::F32, false),
+            moe_case(32, 32, 4, 2, 32, DType::BF16, true),
             attention_case(1, 32, 2, 1, 32, DType::F32),
             attention_backward_case(1, 32, 2, 1, 32, DType::F32),
             paged_attention_case(2, 64, 2, 1, 32, DType::F32),
@@ -539,8 +574,8 @@ pub fn all_cases(preset: Preset) -> Vec<BenchCase> {
             sample_case(64, 32768, DType::F32),
             newton_schulz_case(48, 128, 512, DType::F32, NsPrecision::F32),
             newton_schulz_case(48, 128, 512, DType::F32, NsPrecision::Bf16),
-            moe_case(1024, 256, 16, 2, 128, DType::F32),
-            moe_backward_case(256, 128, 8, 2, 64, DType::F32),
+            moe_case(1024, 256, 16, 2, 128, DType::F32, false),
+            moe_backward_case(256, 128, 8, 2, 64, DType::F32, false),
             attention_case(2, 128, 4, 2, 64, DType::F32),
             attention_backward_case(2, 128, 4, 2, 64, DType::F32),
             paged_attention_case(8, 512, 8, 2, 64, DType::F32),
@@ -562,8 +597,10 @@ pub fn all_cases(preset: Preset) -> Vec<BenchCase> {
             newton_schulz_case(64, 1024, 2048, DType::BF16, NsPrecision::Bf16),
             newton_schulz_case(48, 128, 4096, DType::BF16, NsPrecision::F32),
             newton_schulz_case(64, 1024, 2048, DType::BF16, NsPrecision::F32),
-            moe_case(16384, 2048, 64, 8, 1024, DType::BF16),
-            moe_backward_case(16384, 2048, 64, 8, 1024, DType::BF16),
+            moe_case(16384, 2048, 64, 8, 1024, DType::BF16, false),
+            moe_case(16384, 2048, 64, 8, 1024, DType::BF16, true),
+            moe_backward_case(16384, 2048, 64, 8, 1024, DType::BF16, false),
+            moe_backward_case(16384, 2048, 64, 8, 1024, DType::BF16, true),
             attention_case(8, 4096, 32, 32, 128, DType::BF16),
             attention_backward_case(8, 4096, 32, 32, 128, DType::BF16),
             paged_attention_case(256, 4096, 32, 32, 128, DType::BF16),

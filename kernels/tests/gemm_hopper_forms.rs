@@ -54,11 +54,17 @@ fn assert_same<T: PartialEq + std::fmt::Debug>(got: &[T], want: &[T], what: &str
 
 /// The kernels `f` launches (one block of each run: the names are what is asked for here).
 fn kernels_of(f: impl FnOnce()) -> Vec<String> {
-    let rec = Recording::start(Sampling {
-        max_blocks: Some(1),
-        strata: |_| Strata::Uniform,
-    })
-    .unwrap();
+    kernels_sampled(
+        Sampling {
+            max_blocks: Some(1),
+            strata: |_| Strata::Uniform,
+        },
+        f,
+    )
+}
+
+fn kernels_sampled(sampling: Sampling, f: impl FnOnce()) -> Vec<String> {
+    let rec = Recording::start(sampling).unwrap();
     f();
     rec.finish().into_iter().map(|p| p.name).collect()
 }
@@ -188,6 +194,63 @@ fn the_swiglu_epilogue_on_wgmma_has_the_unfused_bits() {
         gemm_grouped_swiglu_with_path(&emu, &ea, &eb, &eo, &eg, GemmPath::Wgmma).unwrap();
     });
     assert_eq!(ran, ["gemm_bf16_wgmma_swiglu"]);
+}
+
+/// `GemmPath::scoped` overrides `SLUICE_GEMM_PATH` on its own thread until dropped, and puts a
+/// composite op's GEMMs (the MoE layer's, here) on that path: what the bench's `wgmma` MoE rows
+/// and `moe::cuda_wgmma_matches_reference` rely on.
+#[test]
+fn a_scoped_path_steers_this_thread_only() {
+    let from_env = GemmPath::from_env().unwrap();
+    {
+        let _g = GemmPath::scoped(GemmPath::Wgmma);
+        assert_eq!(GemmPath::from_env().unwrap(), GemmPath::Wgmma);
+        let other = std::thread::spawn(|| GemmPath::from_env().unwrap())
+            .join()
+            .unwrap();
+        assert_eq!(
+            other, from_env,
+            "another thread keeps the environment's path"
+        );
+        {
+            let _inner = GemmPath::scoped(GemmPath::Mma);
+            assert_eq!(GemmPath::from_env().unwrap(), GemmPath::Mma);
+        }
+        assert_eq!(
+            GemmPath::from_env().unwrap(),
+            GemmPath::Wgmma,
+            "nested guard restored"
+        );
+    }
+    assert_eq!(GemmPath::from_env().unwrap(), from_env);
+
+    use sluice_kernels::ops::moe::{moe_forward, MoeConfig};
+    let emu = Backend::emu_with_seed(10);
+    let mut rng = Rng::new(45);
+    let (t, d, e, f) = (24usize, 32usize, 4usize, 32usize);
+    let x = bf16_tensor(&emu, &[t, d], &mut rng);
+    let wr = bf16_tensor(&emu, &[e, d], &mut rng);
+    let w1 = bf16_tensor(&emu, &[e, f, d], &mut rng);
+    let w3 = bf16_tensor(&emu, &[e, f, d], &mut rng);
+    let w2 = bf16_tensor(&emu, &[e, d, f], &mut rng);
+    let ran = kernels_sampled(Sampling::full(), || {
+        let _g = GemmPath::scoped(GemmPath::Wgmma);
+        moe_forward(&emu, &x, &wr, &w1, &w3, &w2, MoeConfig::new(2)).unwrap();
+    });
+    let hopper: Vec<&str> = ran
+        .iter()
+        .map(String::as_str)
+        .filter(|k| k.starts_with("gemm_bf16"))
+        .collect();
+    assert_eq!(
+        hopper,
+        [
+            "gemm_bf16_wgmma",
+            "gemm_bf16_wgmma_swiglu",
+            "gemm_bf16_wgmma"
+        ],
+        "{ran:?}"
+    );
 }
 
 /// Where a GPU exists: on sm_90 each form within the bf16 tolerance of the CPU (relative norm)

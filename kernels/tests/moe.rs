@@ -3,6 +3,7 @@
 //! batch invariance, routing edge cases, bad input.
 
 use sluice_kernels::device::cuda_for_tests;
+use sluice_kernels::ops::gemm::GemmPath;
 use sluice_kernels::ops::moe::{
     moe_backward, moe_backward_reference, moe_backward_saved, moe_forward, moe_forward_reference,
     moe_forward_saved, moe_route_reference, moe_sort, moe_sort_reference, MoeConfig, MoeDims,
@@ -843,6 +844,38 @@ fn cuda_matches_reference() {
         let b = run_device(&gpu, c, DType::BF16);
         assert_eq!(a.bits(), b.bits(), "cuda bf16 case {i}: two runs differ");
     }
+}
+
+/// On an sm_90 GPU: the BF16 cases with every expert GEMM on the Hopper path (wgmma, TMA; the
+/// grouped `_nn`, `_segment_tn` and SwiGLU forms), against the reference by norm and two runs by
+/// bits. Skips, saying so, without a GPU or on another architecture. (On emu the same path gives
+/// the CPU's bits: `SLUICE_GEMM_PATH=wgmma cargo test --release -p sluice-kernels --test moe`.)
+#[test]
+fn cuda_wgmma_matches_reference() {
+    let Some(gpu) = cuda_for_tests("moe cuda_wgmma_matches_reference") else {
+        return;
+    };
+    if !gpu
+        .cuda()
+        .is_some_and(|c| c.arch() == sluice_kernels::cuda::PtxArch::Sm90a)
+    {
+        println!("moe cuda_wgmma_matches_reference: not an sm_90 GPU; skipped");
+        return;
+    }
+    let _path = GemmPath::scoped(GemmPath::Wgmma);
+    let mut compared = 0;
+    for (i, c) in emu_cases()
+        .iter()
+        .chain(&[case(300, 64, 32, 16, cfg(4, ScoreFn::Softmax, true), 19)])
+        .enumerate()
+    {
+        let a = run_device(&gpu, c, DType::BF16);
+        check_against_reference(&a, c, DType::BF16, BF16_TOL, &format!("wgmma case {i}"));
+        let b = run_device(&gpu, c, DType::BF16);
+        assert_eq!(a.bits(), b.bits(), "wgmma case {i}: two runs differ");
+        compared += 1;
+    }
+    assert!(compared >= 2);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -65,9 +65,41 @@ pub enum GemmPath {
     Wgmma,
 }
 
+thread_local! {
+    /// This thread's override of `SLUICE_GEMM_PATH` ([`GemmPath::scoped`]).
+    static PATH_OVERRIDE: std::cell::Cell<Option<GemmPath>> = const { std::cell::Cell::new(None) };
+}
+
+/// While alive, [`GemmPath::from_env`] returns its path on this thread (see [`GemmPath::scoped`]).
+pub struct ScopedPath {
+    previous: Option<GemmPath>,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for ScopedPath {
+    fn drop(&mut self) {
+        PATH_OVERRIDE.with(|p| p.set(self.previous));
+    }
+}
+
 impl GemmPath {
-    /// The path `SLUICE_GEMM_PATH` asks for (`mma`, the default, or `wgmma`).
+    /// Makes every op on this thread that takes its path from the environment (`gemm`, the
+    /// grouped forms, the MoE layer's GEMMs) use `path` until the guard drops: what a bench row
+    /// or a test of a composite op on one path needs, without setting a process-wide variable
+    /// other threads read.
+    pub fn scoped(path: GemmPath) -> ScopedPath {
+        ScopedPath {
+            previous: PATH_OVERRIDE.with(|p| p.replace(Some(path))),
+            _not_send: std::marker::PhantomData,
+        }
+    }
+
+    /// The path `SLUICE_GEMM_PATH` asks for (`mma`, the default, or `wgmma`), unless this
+    /// thread holds a [`GemmPath::scoped`] guard.
     pub fn from_env() -> Result<GemmPath> {
+        if let Some(path) = PATH_OVERRIDE.with(|p| p.get()) {
+            return Ok(path);
+        }
         match std::env::var("SLUICE_GEMM_PATH") {
             Err(_) => Ok(GemmPath::Mma),
             Ok(v) => match v.trim() {
