@@ -32,7 +32,9 @@
 //     launches at most one block per SM. The ring and its phases carry on from tile to tile.
 //   - epilogue: each consumer thread writes its accumulator fragment straight to global memory,
 //     f32 or bf16 (round to nearest even) as `out_bf16` says, pairs of columns per store; the
-//     SwiGLU form computes h = silu(a) * b per element as swiglu.cu does.
+//     SwiGLU form stages each warp's 16 x 64 pieces through a shared slab of its own (after the
+//     ring; 231424 bytes of shared memory in all) and computes h = silu(a) * b per element as
+//     swiglu.cu does, reading a and writing its three bf16 outputs along rows.
 //
 // Tile walks (the same for producer and consumers, so they agree on every skip):
 //   batched (offsets == nullptr): tile t -> batch entry z, row tile, column tile.
@@ -67,6 +69,11 @@ constexpr int STAGE_BYTES = A_BYTES + B_BYTES;        // 48 KiB, a multiple of 1
 constexpr int BARRIER_OFFSET = STAGES * STAGE_BYTES;  // 192 KiB
 // + full and empty mbarriers, + 1024 bytes to align the stages to the 128B swizzle's atom.
 constexpr int SHARED_BYTES = BARRIER_OFFSET + 2 * STAGES * 8 + 1024;
+// The SwiGLU form's epilogue slabs, after the barriers: per consumer warp 16 rows x 64 columns
+// of f32 (4 KiB), 8 warps; 231424 bytes in all, under sm_90's 227 KiB.
+constexpr int SLAB_OFFSET = BARRIER_OFFSET + 1024;
+constexpr int SLAB_FLOATS = 16 * 64;
+constexpr int SWIGLU_SHARED_BYTES = SLAB_OFFSET + 4 * CONSUMERS * SLAB_FLOATS * 4 + 1024;
 constexpr uint32_t ATOM_BYTES = 8 * 128;  // 8 rows of 128 bytes: SBO of every operand
 // An MN-major box: 64 M/N elements (one 128-byte swizzled row) x BK rows of K; boxes side by
 // side along M/N are this far apart (the MN-major descriptors' LBO).
@@ -203,17 +210,46 @@ __device__ __forceinline__ void store_pair(void* c, bool bf16_out, long long at,
     }
 }
 
-// The SwiGLU epilogue of one element (gemm.cu's Epilogue with swiglu_a: b = the product).
+// The SwiGLU epilogue of one element (gemm.cu's Epilogue with swiglu_a: b = the product),
+// h = a * s * b with s = 1 / (1 + e^-a) as swiglu.cu computes it.
+__device__ __forceinline__ float swiglu_h(float av, float b) {
+    const float s = 1.0f / (1.0f + expf(-av));
+    return av * s * b;
+}
 __device__ __forceinline__ void swiglu_store(const Args& p, long long idx, float b) {
     if (p.c != nullptr) static_cast<float*>(p.c)[idx] = b;
     if (p.b_b != nullptr) p.b_b[idx] = __float2bfloat16_rn(b);
     const float av = p.swiglu_a[idx];
-    const float s = 1.0f / (1.0f + expf(-av));
-    p.h_b[idx] = __float2bfloat16_rn(av * s * b);
+    p.h_b[idx] = __float2bfloat16_rn(swiglu_h(av, b));
     if (p.a_b != nullptr) p.a_b[idx] = __float2bfloat16_rn(av);
 }
+// Columns col and col + 1 of one row (idx = col's element): one 8-byte load of a and 4-byte
+// stores of the bf16 pairs where both are inside and aligned, else element by element.
+__device__ __forceinline__ void swiglu_pair(const Args& p, long long idx, int col, float b0,
+                                            float b1) {
+    if (col + 1 < p.n && (idx & 1) == 0) {
+        const float2 av = *reinterpret_cast<const float2*>(p.swiglu_a + idx);
+        if (p.c != nullptr) *reinterpret_cast<float2*>(static_cast<float*>(p.c) + idx) = make_float2(b0, b1);
+        if (p.b_b != nullptr) {
+            *reinterpret_cast<__nv_bfloat162*>(p.b_b + idx) = __floats2bfloat162_rn(b0, b1);
+        }
+        *reinterpret_cast<__nv_bfloat162*>(p.h_b + idx) =
+            __floats2bfloat162_rn(swiglu_h(av.x, b0), swiglu_h(av.y, b1));
+        if (p.a_b != nullptr) {
+            *reinterpret_cast<__nv_bfloat162*>(p.a_b + idx) = __floats2bfloat162_rn(av.x, av.y);
+        }
+    } else {
+        if (col < p.n) swiglu_store(p, idx, b0);
+        if (col + 1 < p.n) swiglu_store(p, idx + 1, b1);
+    }
+}
 
-template <int F>
+// The slab position of (row, col) of a warp's 16 x 64 slab: the column's 8-float group XOR the
+// row mod 8, so the fragment's 8-byte stores (lanes g on rows, q on column pairs) and the row
+// reads (lanes on 32 consecutive pairs) both hit 32 distinct banks per half-warp phase.
+__device__ __forceinline__ int slab_at(int row, int col) { return row * 64 + (col ^ (8 * (row & 7))); }
+
+template <int F, bool SWIGLU>
 __device__ __forceinline__ void wgmma_gemm(const CUtensorMap& map_a, const CUtensorMap& map_b,
                                            const Args& p) {
     constexpr int MAJOR_A = F == kSegmentTN ? sluice::kWgmmaMNMajor : sluice::kWgmmaKMajor;
@@ -341,21 +377,44 @@ __device__ __forceinline__ void wgmma_gemm(const CUtensorMap& map_a, const CUten
         if (held >= 0) sluice::mbarrier_arrive(&empty[held]);
 
         // Epilogue: d[4j + e] is row 16 warp + g (+8 for e >= 2), column 8j + 2q (+1 for odd e).
-        #pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-            const int r = tile.row_begin + 64 * cw + 16 * warp + g + 8 * hr;
-            if (r >= tile.row_end) continue;
-            const long long row_off = tile.c_offset + static_cast<long long>(r) * p.n;
-            #pragma unroll  // fully: acc must stay in registers (constant indices)
-            for (int j = 0; j < BN / 8; ++j) {
-                const int col = tile.col0 + 8 * j + 2 * q;
-                const float v0 = acc[4 * j + 2 * hr], v1 = acc[4 * j + 2 * hr + 1];
-                const long long at = row_off + col;
-                if (p.swiglu_a != nullptr) {
-                    if (col < p.n) swiglu_store(p, at, v0);
-                    if (col + 1 < p.n) swiglu_store(p, at + 1, v1);
-                } else {
-                    store_pair(p.c, p.out_bf16 != 0, at, col, p.n, v0, v1);
+        if (SWIGLU) {
+            // Through the warp's slab, 64 columns at a time: the fragment's 8-byte stores, then
+            // each row read back with lanes on consecutive column pairs, so the loads of a and
+            // the three bf16 stores cover whole lines (the fragment layout puts one warp
+            // instruction on 8 rows of 32 bytes).
+            float* slab = reinterpret_cast<float*>(smem + SLAB_OFFSET) + (4 * cw + warp) * SLAB_FLOATS;
+            #pragma unroll
+            for (int c = 0; c < BN / 64; ++c) {
+                #pragma unroll  // fully: acc must stay in registers (constant indices)
+                for (int jj = 0; jj < 8; ++jj) {
+                    const int j = 8 * c + jj;
+                    #pragma unroll
+                    for (int hr = 0; hr < 2; ++hr) {
+                        *reinterpret_cast<float2*>(slab + slab_at(g + 8 * hr, 8 * jj + 2 * q)) =
+                            make_float2(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
+                    }
+                }
+                __syncwarp();
+                const int col = tile.col0 + 64 * c + 2 * lane;
+                for (int row = 0; row < 16; ++row) {
+                    const int r = tile.row_begin + 64 * cw + 16 * warp + row;
+                    if (r >= tile.row_end || col >= p.n) continue;
+                    const float2 b = *reinterpret_cast<const float2*>(slab + slab_at(row, 2 * lane));
+                    swiglu_pair(p, tile.c_offset + static_cast<long long>(r) * p.n + col, col, b.x, b.y);
+                }
+                __syncwarp();  // the slab is rewritten by the next 64 columns
+            }
+        } else {
+            #pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const int r = tile.row_begin + 64 * cw + 16 * warp + g + 8 * hr;
+                if (r >= tile.row_end) continue;
+                const long long row_off = tile.c_offset + static_cast<long long>(r) * p.n;
+                #pragma unroll  // fully: acc must stay in registers (constant indices)
+                for (int j = 0; j < BN / 8; ++j) {
+                    const int col = tile.col0 + 8 * j + 2 * q;
+                    store_pair(p.c, p.out_bf16 != 0, row_off + col, col, p.n,
+                               acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
                 }
             }
         }
@@ -371,7 +430,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_bf16_wgmma(
     int tiles, int b_shared, int out_bf16, long long stride_c) {
 #if SLUICE_HOPPER_OK
     using namespace gemm_hopper;
-    wgmma_gemm<kNT>(map_a, map_b,
+    wgmma_gemm<kNT, false>(map_a, map_b,
                     Args{c, offsets, rows, n, k, groups, tiles, b_shared, out_bf16, stride_c,
                          nullptr, nullptr, nullptr, nullptr});
 #else
@@ -391,7 +450,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_bf16_wgmma_nn(
     int tiles, int b_shared, int out_bf16, long long stride_c) {
 #if SLUICE_HOPPER_OK
     using namespace gemm_hopper;
-    wgmma_gemm<kNN>(map_a, map_b,
+    wgmma_gemm<kNN, false>(map_a, map_b,
                     Args{c, offsets, rows, n, k, groups, tiles, b_shared, out_bf16, stride_c,
                          nullptr, nullptr, nullptr, nullptr});
 #else
@@ -409,7 +468,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_bf16_wgmma_segment_tn(
     int groups, int tiles) {
 #if SLUICE_HOPPER_OK
     using namespace gemm_hopper;
-    wgmma_gemm<kSegmentTN>(map_p, map_q,
+    wgmma_gemm<kSegmentTN, false>(map_p, map_q,
                            Args{out, offsets, m, n, t_rows, groups, tiles, 0, 0, 0, nullptr,
                                 nullptr, nullptr, nullptr});
 #else
@@ -429,7 +488,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_bf16_wgmma_swiglu(
     __nv_bfloat16* __restrict__ h_b, __nv_bfloat16* __restrict__ a_b) {
 #if SLUICE_HOPPER_OK
     using namespace gemm_hopper;
-    wgmma_gemm<kNT>(map_a, map_b,
+    wgmma_gemm<kNT, true>(map_a, map_b,
                     Args{c, offsets, rows, n, k, groups, tiles, 0, 0, 0, swiglu_a, b_b, h_b,
                          a_b});
 #else

@@ -170,30 +170,32 @@ fn the_swiglu_epilogue_on_wgmma_has_the_unfused_bits() {
     let emu = Backend::emu_with_seed(9);
     let mut rng = Rng::new(43);
     let offsets: [i32; 4] = [0, 17, 17, 150];
-    let (rows, groups, n, k) = (150usize, 3usize, 40usize, 72usize);
-    let a = bf16_tensor(&cpu, &[rows, k], &mut rng);
-    let b = bf16_tensor(&cpu, &[groups, n, k], &mut rng);
-    let gate = Tensor::from_f32_vec(&cpu, &[rows, n], rng.normal_vec(rows * n, 2.0)).unwrap();
-    let o = Tensor::from_slice(&cpu, &[groups + 1], &offsets).unwrap();
-    let want = gemm_grouped_swiglu_with_path(&cpu, &a, &b, &o, &gate, GemmPath::Mma).unwrap();
-    let got = gemm_grouped_swiglu_with_path(
-        &emu,
-        &on(&emu, &a),
-        &on(&emu, &b),
-        &on(&emu, &o),
-        &on(&emu, &gate),
-        GemmPath::Wgmma,
-    )
-    .unwrap();
-    assert_same(&bits16(&got.h), &bits16(&want.h), "h");
-    assert_same(&bits16(&got.gate), &bits16(&want.gate), "gate");
-    assert_same(&bits16(&got.b), &bits16(&want.b), "b");
-    assert_eq!(want.h.to_vec::<bf16>().unwrap().len(), rows * n);
-    let (ea, eb, eo, eg) = (on(&emu, &a), on(&emu, &b), on(&emu, &o), on(&emu, &gate));
-    let ran = kernels_of(|| {
-        gemm_grouped_swiglu_with_path(&emu, &ea, &eb, &eo, &eg, GemmPath::Wgmma).unwrap();
-    });
-    assert_eq!(ran, ["gemm_bf16_wgmma_swiglu"]);
+    let (rows, groups, k) = (150usize, 3usize, 72usize);
+    let mut compared = 0;
+    // N = 40: a partial 64-column piece of the slab; 17: odd, rows start unaligned (the
+    // element-by-element stores); 300: two column tiles.
+    for n in [40usize, 17, 300] {
+        let a = bf16_tensor(&cpu, &[rows, k], &mut rng);
+        let b = bf16_tensor(&cpu, &[groups, n, k], &mut rng);
+        let gate = Tensor::from_f32_vec(&cpu, &[rows, n], rng.normal_vec(rows * n, 2.0)).unwrap();
+        let o = Tensor::from_slice(&cpu, &[groups + 1], &offsets).unwrap();
+        let want = gemm_grouped_swiglu_with_path(&cpu, &a, &b, &o, &gate, GemmPath::Mma).unwrap();
+        let (ea, eb, eo, eg) = (on(&emu, &a), on(&emu, &b), on(&emu, &o), on(&emu, &gate));
+        let got = gemm_grouped_swiglu_with_path(&emu, &ea, &eb, &eo, &eg, GemmPath::Wgmma).unwrap();
+        assert_same(&bits16(&got.h), &bits16(&want.h), &format!("h, N {n}"));
+        assert_same(
+            &bits16(&got.gate),
+            &bits16(&want.gate),
+            &format!("gate, N {n}"),
+        );
+        assert_same(&bits16(&got.b), &bits16(&want.b), &format!("b, N {n}"));
+        compared += want.h.to_vec::<bf16>().unwrap().len();
+        let ran = kernels_of(|| {
+            gemm_grouped_swiglu_with_path(&emu, &ea, &eb, &eo, &eg, GemmPath::Wgmma).unwrap();
+        });
+        assert_eq!(ran, ["gemm_bf16_wgmma_swiglu"]);
+    }
+    assert_eq!(compared, rows * (40 + 17 + 300));
 }
 
 /// `GemmPath::scoped` overrides `SLUICE_GEMM_PATH` on its own thread until dropped, and puts a

@@ -30,6 +30,9 @@ const MN_BOX: u32 = 64;
 const THREADS: u32 = 384;
 /// 4 stages of A (128 x 64) and B (256 x 64) bf16, 8 mbarriers, 1024 bytes of alignment slack.
 const SHARED_BYTES: u32 = 4 * (128 + 256) * 64 * 2 + 8 * 8 + 1024;
+/// The SwiGLU form adds its epilogue slabs after the barriers: 1024 bytes of alignment, then 8
+/// consumer warps x 16 rows x 64 columns of f32.
+const SWIGLU_SHARED_BYTES: u32 = 4 * (128 + 256) * 64 * 2 + 1024 + 8 * 16 * 64 * 4 + 1024;
 /// Whether the Hopper kernel takes a product of inner dimension `k`.
 pub(super) fn takes(k: usize) -> bool {
     k.is_multiple_of(8)
@@ -300,7 +303,7 @@ pub(super) fn grouped_swiglu(
     let tiles = (rows.div_ceil(BLOCK_M) + groups) * n.div_ceil(BLOCK_N);
     let grid = grid_for(backend, tiles)?;
     let launch = Launch::new("gemm_bf16_wgmma_swiglu", [grid, 1, 1], [THREADS, 1, 1])
-        .shared_bytes(SHARED_BYTES)
+        .shared_bytes(SWIGLU_SHARED_BYTES)
         .arg_tensor_map(&map_a)
         .arg_tensor_map(&map_b);
     let launch = arg_opt(launch, out.b_f32)
