@@ -114,6 +114,7 @@ fn run(sessions: u64) {
         group_size: G,
         tau: 100,
         env_gate: true,
+        dynamic_sampling: None,
     });
     let stage = StageConfig {
         name: "bench".into(),

@@ -10,7 +10,13 @@
 //!     exceeds tau (a trajectory that spans weight swaps is judged by its stalest token);
 //!   - group repair: a group left with more than G/2 valid trajectories is refilled to G by
 //!     repeating its valid ones in order (counted as duplicates); otherwise the whole group is
-//!     dropped.
+//!     dropped;
+//!   - dynamic sampling (DAPO's filter, off by default, [`BufferConfig::dynamic_sampling`]): a
+//!     group whose valid trajectories all have the same reward carries no GRPO signal (every
+//!     advantage (r - mean) / (std + eps) is 0), so it is dropped whole, at most `cap` such
+//!     groups while the learner is at one version; past the cap they are released (counted
+//!     either way). Dropped groups count as discarded in the admission rule, so rollout starts
+//!     others in their place: sampling goes on until the step has its groups.
 //! - No replay: an instance is released (or dropped) once; a trajectory arriving for it later
 //!   is refused and counted.
 //! - Backpressure is the admission rule of [`Admission`] (AReaL's): rollout never starts a
@@ -34,6 +40,10 @@ pub struct BufferConfig {
     /// did not cause); for experiments that show the damage ([`BufferCounters::env_trained`]).
     #[serde(default = "gate_on")]
     pub env_gate: bool,
+    /// Dynamic sampling: `Some(cap)` drops groups without reward variance, at most `cap` of
+    /// them per learner version (see the module docs); None releases them (the default).
+    #[serde(default)]
+    pub dynamic_sampling: Option<u64>,
 }
 
 fn gate_on() -> bool {
@@ -78,14 +88,29 @@ pub struct BufferCounters {
     pub replay_refused: u64,
     /// Trajectories refused: a group index already present, or >= G.
     pub duplicate_refused: u64,
+    /// Groups dropped by dynamic sampling (every valid trajectory with the same reward).
+    #[serde(default)]
+    pub zero_signal_dropped: u64,
+    /// Groups released to the learner whose valid trajectories all have the same reward (no
+    /// GRPO signal): with dynamic sampling off, or past its cap.
+    #[serde(default)]
+    pub zero_signal_released: u64,
 }
 
 impl BufferCounters {
     /// Trajectories that will never reach the learner because their whole group was dropped
-    /// (the ones the gates removed plus the valid ones discarded with them).
+    /// (the ones the gates removed plus the valid ones discarded with them), by the validity
+    /// rule or by dynamic sampling.
     pub fn discarded_in_dropped_groups(&self, group_size: u32) -> u64 {
-        self.groups_dropped * group_size as u64
+        (self.groups_dropped + self.zero_signal_dropped) * group_size as u64
     }
+}
+
+/// Whether every trajectory of a group has the same reward (bit for bit): no GRPO signal.
+pub fn zero_signal(samples: &[Sample]) -> bool {
+    samples
+        .windows(2)
+        .all(|w| w[0].reward.to_bits() == w[1].reward.to_bits())
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -185,6 +210,9 @@ pub struct DataBuffer {
     /// episodes shows).
     #[serde(default)]
     by_turns: BTreeMap<String, BTreeMap<u32, TurnCounts>>,
+    /// Dynamic sampling's drops at one learner version: (version, groups dropped at it).
+    #[serde(default)]
+    zero_signal_drops: (u64, u64),
 }
 
 impl DataBuffer {
@@ -197,6 +225,7 @@ impl DataBuffer {
             closed: BTreeSet::new(),
             counters: BufferCounters::default(),
             by_turns: BTreeMap::new(),
+            zero_signal_drops: (0, 0),
         }
     }
 
@@ -303,18 +332,30 @@ impl DataBuffer {
             }
         }
         // More than G/2 valid, in integers: 2 * valid > G.
-        if 2 * valid.len() > self.cfg.group_size as usize {
-            Some(Candidate {
-                instance_id,
-                task,
-                valid,
-            })
-        } else {
+        if 2 * valid.len() <= self.cfg.group_size as usize {
             self.counters.groups_dropped += 1;
             self.counters.valid_in_dropped_groups += valid.len() as u64;
             self.closed.insert(instance_id);
-            None
+            return None;
         }
+        if let Some(cap) = self.cfg.dynamic_sampling {
+            if zero_signal(&valid) {
+                if self.zero_signal_drops.0 != learner.0 {
+                    self.zero_signal_drops = (learner.0, 0);
+                }
+                if self.zero_signal_drops.1 < cap {
+                    self.zero_signal_drops.1 += 1;
+                    self.counters.zero_signal_dropped += 1;
+                    self.closed.insert(instance_id);
+                    return None;
+                }
+            }
+        }
+        Some(Candidate {
+            instance_id,
+            task,
+            valid,
+        })
     }
 
     /// Gates every waiting group at `learner`: candidates are judged again (the learner may
@@ -351,6 +392,7 @@ impl DataBuffer {
             .filter(|s| s.terminal_reason == TerminalReason::Environment)
             .count() as u64;
         self.counters.duplicated += duplicated as u64;
+        self.counters.zero_signal_released += u64::from(zero_signal(&samples[..valid]));
         self.counters.groups_released += 1;
         self.counters.trajectories_released += g as u64;
         self.closed.insert(c.instance_id.clone());

@@ -40,6 +40,7 @@ fn buffer(g: u32, tau: u64) -> DataBuffer {
         group_size: g,
         tau,
         env_gate: true,
+        dynamic_sampling: None,
     })
 }
 
@@ -222,6 +223,7 @@ fn without_the_environment_gate_env_ended_trajectories_are_released_and_counted_
             group_size: 2,
             tau: 4,
             env_gate,
+            dynamic_sampling: None,
         });
         b.insert(traj("i", 0, &[0, 0], TerminalReason::Environment, 0.0))
             .unwrap();
@@ -265,4 +267,52 @@ fn drops_are_counted_per_task_and_number_of_model_turns() {
     assert_eq!(t[&2].trajectories_in, 1);
     assert_eq!(t[&2].stale_dropped, 1);
     assert_eq!(sluice_runtime::buffer::model_turns(&ok("x", 0, &[1, 1])), 1);
+}
+
+/// Dynamic sampling (DAPO's filter): with G = 2 and a cap of 2 per learner version, of four
+/// groups (rewards [1, 1], [0, 1], [0, 0], [1, 1] in completion order) at version 3 the first
+/// and third are dropped, the fourth passes the spent cap and is released, counted; at version
+/// 4 the cap starts again. Off, every group is released and the zero-signal ones are counted.
+#[test]
+fn dynamic_sampling_drops_groups_without_reward_variance_up_to_its_cap() {
+    let with_rewards = |b: &mut DataBuffer, inst: &str, r: [f32; 2]| {
+        for (gi, &reward) in r.iter().enumerate() {
+            b.insert(traj(inst, gi as u32, &[3], TerminalReason::Success, reward))
+                .unwrap();
+        }
+    };
+    let mut b = DataBuffer::new(BufferConfig {
+        group_size: 2,
+        tau: 4,
+        env_gate: true,
+        dynamic_sampling: Some(2),
+    });
+    with_rewards(&mut b, "a", [1.0, 1.0]);
+    with_rewards(&mut b, "b", [0.0, 1.0]);
+    with_rewards(&mut b, "c", [0.0, 0.0]);
+    with_rewards(&mut b, "d", [1.0, 1.0]);
+    let got = b.take(WeightVersion(3), 2).expect("b and d pass");
+    let ids: Vec<&str> = got.iter().map(|g| g.instance_id.as_str()).collect();
+    assert_eq!(ids, ["b", "d"]);
+    let c = b.counters();
+    assert_eq!((c.zero_signal_dropped, c.zero_signal_released), (2, 1));
+    assert_eq!((c.groups_released, c.groups_dropped), (2, 0));
+    // The dropped groups count as discarded, so rollout may start their trajectories again.
+    assert_eq!(c.discarded_in_dropped_groups(2), 4);
+    // A dropped instance is closed: a late member is a replay.
+    assert!(matches!(
+        b.insert(ok("a", 0, &[3])),
+        Err(BufferError::Replay { .. })
+    ));
+    // A new version, a new cap: the next zero-signal group is dropped.
+    with_rewards(&mut b, "e", [0.5, 0.5]);
+    assert!(b.take(WeightVersion(4), 1).is_none());
+    assert_eq!(b.counters().zero_signal_dropped, 3);
+
+    let mut off = buffer(2, 4);
+    with_rewards(&mut off, "a", [1.0, 1.0]);
+    with_rewards(&mut off, "b", [0.0, 1.0]);
+    assert_eq!(off.take(WeightVersion(3), 2).map(|g| g.len()), Some(2));
+    let c = off.counters();
+    assert_eq!((c.zero_signal_dropped, c.zero_signal_released), (0, 1));
 }

@@ -242,6 +242,7 @@ fn sampled_ids_that_do_not_survive_a_round_trip_are_trained_as_sampled() {
         group_size: 4,
         tau: 4,
         env_gate: true,
+        dynamic_sampling: None,
     });
     let stage = StageConfig {
         name: "rl".into(),

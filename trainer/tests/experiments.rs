@@ -146,6 +146,15 @@ fn without_the_environment_gate_crashed_episodes_are_trained() {
 }
 
 #[test]
+fn dynamic_sampling_drops_the_groups_without_signal() {
+    let r = experiment("dynamic-sampling", "off,on", &[]);
+    assert_eq!(value(&r, "off", "zero-signal groups dropped"), 0.0);
+    assert!(value(&r, "off", "zero-signal groups trained") > 0.0);
+    assert!(value(&r, "on", "zero-signal groups dropped") > 0.0);
+    assert_eq!(value(&r, "on", "zero-signal groups trained"), 0.0);
+}
+
+#[test]
 fn share_correction_keeps_the_long_task_near_its_target() {
     let r = experiment("share", "correction,no-correction", &[]);
     let col = "mean |share - target| per step";

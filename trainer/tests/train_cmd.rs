@@ -397,6 +397,21 @@ fn bad_configs_name_the_key_exit_2_and_leave_no_folder() {
             vec!["--set".into(), "rollout.heartbeat_timeout_s=0.001".into()],
             "rollout.heartbeat_timeout_s",
         ),
+        // Dynamic sampling with groups of one: every group would be dropped (the message
+        // names buffer.group_size too).
+        (
+            vec![
+                "--set".into(),
+                "buffer.dynamic_sampling=true".into(),
+                "--set".into(),
+                "buffer.group_size=1".into(),
+            ],
+            "buffer.dynamic_sampling",
+        ),
+        (
+            vec!["--set".into(), "buffer.dynamic_sampling_max_drops=0".into()],
+            "buffer.dynamic_sampling_max_drops",
+        ),
     ];
     for (i, (args, key)) in cases.into_iter().enumerate() {
         let out = dir.join(format!("run{i}"));
@@ -419,6 +434,41 @@ fn bad_configs_name_the_key_exit_2_and_leave_no_folder() {
         assert_eq!(err.lines().count(), 1, "{args:?}: one clear line: {err}");
         assert!(!out.exists(), "{args:?}: a run folder was created");
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Dynamic sampling (issue 28 item 3) on the virtual clock: the same replayed run with the
+/// filter off and on. Off, groups whose rewards are all equal reach the learner (counted); on,
+/// they are dropped and rollout samples others in their place: none is trained (the cap of 32
+/// drops per learner step is never reached here), the run still makes its 12 steps, and the
+/// lag-0 tokens still match the rollout bit for bit.
+#[test]
+fn dynamic_sampling_trains_no_group_without_reward_variance() {
+    let dir = scratch("dynamic-sampling");
+    let cfg = short_config(&dir);
+    let run = |name: &str, on: bool| {
+        let out = dir.join(name);
+        run_ok(&[
+            "train",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--set",
+            "run.replay=true",
+            "--set",
+            &format!("buffer.dynamic_sampling={on}"),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        summary(&out)
+    };
+    let (off, on) = (run("off", false), run("on", true));
+    let n = |s: &serde_json::Value, k: &str| s[k].as_u64().unwrap_or_else(|| panic!("{k}: {s}"));
+    assert_eq!(n(&off, "zero_signal_groups_dropped"), 0, "{off}");
+    assert!(n(&off, "zero_signal_groups_trained") > 0, "{off}");
+    assert!(n(&on, "zero_signal_groups_dropped") > 0, "{on}");
+    assert_eq!(n(&on, "zero_signal_groups_trained"), 0, "{on}");
+    assert_eq!(on["learner_steps"], 12);
+    assert_zero_mismatch(&on, 500, "dynamic sampling");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

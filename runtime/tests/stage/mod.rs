@@ -166,6 +166,7 @@ impl Setup {
             group_size: self.group_size,
             tau: self.tau,
             env_gate: true,
+            dynamic_sampling: None,
         });
         let stage = StageConfig {
             name: "rl".into(),

@@ -125,6 +125,9 @@ pub struct BufferSection {
     pub groups_per_step: usize,
     /// Drop environment-ended trajectories (false: train them as failures).
     pub env_gate: bool,
+    /// Dynamic sampling: at most this many groups without reward variance dropped per learner
+    /// step (None: off).
+    pub dynamic_sampling: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq)]

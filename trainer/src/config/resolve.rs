@@ -273,13 +273,27 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
     };
 
     let buffer = Get::section(&table, "buffer")?;
-    let buffer_s = BufferSection {
+    let mut buffer_s = BufferSection {
         group_size: buffer.int("group_size", 1, 4096)? as u32,
         tau: buffer.int("tau", 0, MAX)? as u64,
         eta: buffer.int("eta", 0, MAX)? as u64,
         groups_per_step: buffer.int("groups_per_step", 1, 1 << 20)? as usize,
         env_gate: buffer.bool("env_gate")?,
+        dynamic_sampling: None,
     };
+    let max_drops = buffer.int("dynamic_sampling_max_drops", 1, MAX)? as u64;
+    if buffer.bool("dynamic_sampling")? {
+        if buffer_s.group_size < 2 {
+            return Err(err(
+                "buffer.dynamic_sampling",
+                format!(
+                    "needs buffer.group_size >= 2: with group_size = {} every group has one                      reward and no GRPO signal, so every group would be dropped",
+                    buffer_s.group_size
+                ),
+            ));
+        }
+        buffer_s.dynamic_sampling = Some(max_drops);
+    }
 
     let loss = Get::section(&table, "loss")?;
     let mode = sluice_kernels::ops::is_gate_loss::GateMode::parse(loss.str("mode")?)

@@ -153,6 +153,7 @@ pub fn run(backend: &Backend, preset: Preset) -> Result<Vec<Output>, DetError> {
         group_size: 4,
         tau: 4,
         env_gate: true,
+        dynamic_sampling: None,
     });
     let stage = StageConfig {
         name: "rl".into(),

@@ -179,6 +179,14 @@ fn env_trained(r: &ArmRun) -> Option<f64> {
     num(&r.summary, "env_trained_rate")
 }
 
+fn zero_signal_trained(r: &ArmRun) -> Option<f64> {
+    num(&r.summary, "zero_signal_groups_trained")
+}
+
+fn zero_signal_dropped(r: &ArmRun) -> Option<f64> {
+    num(&r.summary, "zero_signal_groups_dropped")
+}
+
 fn sets(pairs: &[(&str, String)]) -> Vec<String> {
     pairs.iter().map(|(k, v)| format!("{k}={v}")).collect()
 }
@@ -248,6 +256,18 @@ fn share_arms() -> Vec<Arm> {
             arm(
                 if *on { "correction" } else { "no-correction" },
                 &sets(&[("rollout.share_correction", on.to_string())]),
+            )
+        })
+        .collect()
+}
+
+fn dynamic_sampling_arms() -> Vec<Arm> {
+    [false, true]
+        .iter()
+        .map(|on| {
+            arm(
+                if *on { "on" } else { "off" },
+                &sets(&[("buffer.dynamic_sampling", on.to_string())]),
             )
         })
         .collect()
@@ -415,6 +435,23 @@ pub static EXPERIMENTS: &[Experiment] = &[
             ("effective tok/s", eff),
         ],
         chart: ChartKind::Bars(3),
+        unavailable: None,
+    },
+    Experiment {
+        name: "dynamic-sampling",
+        about: "DAPO's dynamic sampling off and on: groups whose rewards are all equal (no \
+                GRPO signal) trained or dropped and re-sampled, and what the re-sampling costs \
+                in RL time for the reward and gradient-carrying tokens it buys",
+        base_sets: &[],
+        arms: dynamic_sampling_arms,
+        columns: &[
+            ("zero-signal groups trained", zero_signal_trained),
+            ("zero-signal groups dropped", zero_signal_dropped),
+            ("reward", reward),
+            ("gradient tok/s", grad),
+            ("RL time (s)", rl_time),
+        ],
+        chart: ChartKind::Bars(2),
         unavailable: None,
     },
     Experiment {

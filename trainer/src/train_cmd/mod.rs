@@ -628,6 +628,12 @@ struct RlTotals {
     /// Environment-ended trajectories trained (buffer.env_gate = false).
     #[serde(default)]
     env_trained: u64,
+    /// Groups without reward variance: dropped by dynamic sampling, and trained (all of them
+    /// with dynamic sampling off; past its cap with it on).
+    #[serde(default)]
+    zero_signal_dropped: u64,
+    #[serde(default)]
+    zero_signal_trained: u64,
     /// Per task and number of model turns: trajectories in, stale drops, environment drops.
     #[serde(default)]
     by_turns: BTreeMap<String, BTreeMap<u32, (u64, u64, u64)>>,

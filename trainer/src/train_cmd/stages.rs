@@ -297,6 +297,7 @@ impl RunContext<'_> {
             group_size: cfg.buffer.group_size,
             tau: cfg.buffer.tau,
             env_gate: cfg.buffer.env_gate,
+            dynamic_sampling: cfg.buffer.dynamic_sampling,
         });
         let mut totals = LearnerTotals::new();
         let mut stage_trace = Trace::default();
@@ -410,6 +411,8 @@ impl RunContext<'_> {
         t.stale += report.buffer.stale_dropped;
         t.env += report.buffer.env_dropped;
         t.env_trained += report.buffer.env_trained;
+        t.zero_signal_dropped += report.buffer.zero_signal_dropped;
+        t.zero_signal_trained += report.buffer.zero_signal_released;
         t.env_calls += report.rollout.env_calls;
         for (k, n) in &report.rollout.env_faults {
             *t.env_faults.entry(k.clone()).or_default() += n;

@@ -84,6 +84,10 @@ impl RunContext<'_> {
             "env_drop_rate": t.map_or(0.0, |t| ratio(t.env, t.buffer_in)),
             // Environment-ended trajectories trained as failures (buffer.env_gate = false).
             "env_trained_rate": t.map_or(0.0, |t| ratio(t.env_trained, t.buffer_in)),
+            // Groups whose rewards were all equal (no GRPO signal): dropped by dynamic
+            // sampling (buffer.dynamic_sampling), and trained.
+            "zero_signal_groups_dropped": t.map_or(0, |t| t.zero_signal_dropped),
+            "zero_signal_groups_trained": t.map_or(0, |t| t.zero_signal_trained),
             // RL's environment calls, the failed ones by kind, and trajectories by how they
             // ended.
             "env_calls": tt.env_calls,
