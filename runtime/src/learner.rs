@@ -2,14 +2,21 @@
 //! is_gate_loss objective at the rollout's temperature, the backward, Muon + AdamW, and weight
 //! publications with a version.
 //!
-//! Versions count optimizer steps: the learner's parameters after `s` steps are version `s`,
-//! and a publication after step `s` carries version `s`. A token's lag is the learner's version
-//! minus the token's version when the learner trains on it.
+//! Versions count learner steps (calls of [`Learner::train`]): the learner's parameters after
+//! `s` steps are version `s`, and a publication after step `s` carries version `s`. A token's
+//! lag is the learner's version minus the token's version when the learner trains on it. A
+//! step is one optimizer step, or with minibatches and epochs ([`LearnerConfig::minibatches`],
+//! [`LearnerConfig::epochs`]) `minibatches x epochs` of them: the batch's groups split in order
+//! into contiguous minibatches, each its own token mean and optimizer step, the sequence
+//! repeated `epochs` times (AReaL's and verl's PPO minibatches; the version moves once per
+//! batch, as their policy versions do).
 //!
 //! Zero-lag audit: a generated token is *zero-lag* when its version equals the learner's and
 //! every earlier token of its trajectory carries that version too (the engine records on
 //! prompt and observation tokens the version that computed their K/V), i.e. its whole context
-//! came from the learner's current weights. For those tokens the design promises that the
+//! came from the learner's current weights. With minibatches only the first optimizer step of
+//! a batch runs on the weights of the learner's version; tokens of later minibatches are
+//! counted as drift (`mismatch_lagpos`), never as zero-lag. For those tokens the design promises that the
 //! learner's logp equals the rollout's behavior_logp bit for bit (same kernels, batch-invariant,
 //! the sampler and the loss sharing one row reduction); the learner counts them and every one
 //! whose bits differ (`zero_lag_mismatch_tokens`, expected 0).
@@ -44,6 +51,11 @@ pub struct LearnerConfig {
     pub adv_eps: f32,
     /// Token budget of one micro-batch (a longer sequence gets one of its own).
     pub micro_batch_tokens: usize,
+    /// Optimizer steps per pass over a batch: its groups split in order into this many
+    /// contiguous minibatches (fewer when the batch has fewer groups). 1: one step per batch.
+    pub minibatches: usize,
+    /// Passes over a batch's minibatches.
+    pub epochs: usize,
 }
 
 impl Default for LearnerConfig {
@@ -53,6 +65,8 @@ impl Default for LearnerConfig {
             std_free: false,
             adv_eps: 1e-6,
             micro_batch_tokens: 4096,
+            minibatches: 1,
+            epochs: 1,
         }
     }
 }
@@ -82,9 +96,13 @@ pub struct TaskStep {
 pub struct StepReport {
     /// The learner's version after the step.
     pub version: WeightVersion,
-    /// The loss (sum over micro-batches of their share of the global token mean).
+    /// The loss: the mean over the first epoch's minibatches of each one's token mean (the
+    /// batch's token mean with one minibatch).
     pub loss: f64,
+    /// The last optimizer step's statistics.
     pub optim: Option<StepStats>,
+    /// Optimizer steps taken (minibatches x epochs).
+    pub optimizer_steps: u64,
     pub micro_batches: u64,
     /// Tokens in the packed batches (prompts and observations included).
     pub tokens: u64,
@@ -188,6 +206,17 @@ impl std::fmt::Debug for Learner {
     }
 }
 
+/// How one optimizer step of a learner step is counted in its report.
+#[derive(Clone, Copy)]
+struct Pass {
+    /// The first epoch: its tokens are counted (each once) and audited.
+    count: bool,
+    /// The batch's first optimizer step: the weights are those of the learner's version.
+    at_version: bool,
+    /// Its loss's weight in the report's loss (1 / minibatches).
+    loss_weight: f64,
+}
+
 /// One packed row set: the sequences of a micro-batch and their per-token inputs.
 struct MicroBatch {
     /// Indices into the flattened trajectory list.
@@ -210,6 +239,15 @@ impl Learner {
             return Err(Error::param(
                 "micro_batch_tokens",
                 "must be at least 1 token",
+            ));
+        }
+        if cfg.minibatches == 0 || cfg.epochs == 0 {
+            return Err(Error::param(
+                "minibatches",
+                format!(
+                    "{} minibatches x {} epochs: both must be at least 1",
+                    cfg.minibatches, cfg.epochs
+                ),
             ));
         }
         if !(cfg.adv_eps.is_finite() && cfg.adv_eps > 0.0) {
@@ -284,8 +322,11 @@ impl Learner {
         Ok(())
     }
 
-    /// One optimizer step on `groups` (each of G trajectories). Errors leave the weights as
-    /// they were (the optimizer checks everything before it writes).
+    /// One learner step on `groups` (each of G trajectories): one optimizer step, or
+    /// `minibatches x epochs` of them (see the module docs). Errors before the first optimizer
+    /// step leave the weights as they were (the optimizer checks everything before it writes);
+    /// with several optimizer steps, an error in a later one leaves the earlier ones applied and
+    /// the version unchanged (the run stops on a learner error).
     pub fn train(&mut self, groups: &[ReadyGroup]) -> Result<StepReport> {
         // The step's temporaries go back to this thread's cache when dropped and serve the
         // next step (kernels/src/tensor/pool.rs): a steady-state step allocates nothing.
@@ -297,9 +338,11 @@ impl Learner {
             ratio_max: f32::NEG_INFINITY,
             ..StepReport::default()
         };
-        // Flatten: (sample, advantage, is a repeat).
+        // Flatten: (sample, advantage, is a repeat); `group_start[g]` is group g's first.
         let mut flat: Vec<(&Sample, f32, bool)> = Vec::new();
+        let mut group_start = Vec::with_capacity(groups.len() + 1);
         for g in groups {
+            group_start.push(flat.len());
             let adv = advantages(&g.samples, self.cfg.std_free, self.cfg.adv_eps);
             let unique = g.samples.len() - g.duplicated;
             let t = report.per_task.entry(g.task.clone()).or_default();
@@ -321,16 +364,48 @@ impl Learner {
                 flat.push((s, a, i >= unique));
             }
         }
+        group_start.push(flat.len());
         if flat.is_empty() {
             return Err(Error::Invalid(
                 "a learner step needs at least one group".into(),
             ));
         }
-        let total_masked: usize = flat
+        // Minibatch i: groups [i n / m, (i + 1) n / m), in order.
+        let m = self.cfg.minibatches.min(groups.len());
+        for epoch in 0..self.cfg.epochs {
+            for i in 0..m {
+                let range =
+                    group_start[i * groups.len() / m]..group_start[(i + 1) * groups.len() / m];
+                let pass = Pass {
+                    count: epoch == 0,
+                    at_version: epoch == 0 && i == 0,
+                    loss_weight: 1.0 / m as f64,
+                };
+                let stats = self.optimizer_step(&flat, range, &mut report, version, pass)?;
+                report.optim = Some(stats);
+                report.optimizer_steps += 1;
+            }
+        }
+        self.steps += 1;
+        report.version = self.version();
+        report.compute = start.elapsed();
+        Ok(report)
+    }
+
+    /// One optimizer step on the trajectories `flat[range]`: their loss is their own token mean.
+    fn optimizer_step(
+        &mut self,
+        flat: &[(&Sample, f32, bool)],
+        range: std::ops::Range<usize>,
+        report: &mut StepReport,
+        version: WeightVersion,
+        pass: Pass,
+    ) -> Result<StepStats> {
+        let total_masked: usize = flat[range.clone()]
             .iter()
             .map(|(s, _, _)| s.loss_mask[1..].iter().filter(|&&m| m).count())
             .sum();
-        let batches = self.micro_batches(&flat);
+        let batches = self.micro_batches(flat, range);
         let mut acc: Option<Arena> = None;
         for mb in &batches {
             let seqs: Vec<Vec<i32>> = mb
@@ -359,7 +434,7 @@ impl Learner {
                 }
             }
             // Each micro-batch's loss is its own token mean; scaling its advantages by
-            // D_mb / D_total makes the sum over micro-batches the global token mean (every
+            // D_mb / D_total makes the sum over micro-batches the step's token mean (every
             // mode is linear in positive scalings of A).
             let share = if total_masked > 0 {
                 masked_here as f32 / total_masked as f32
@@ -382,10 +457,12 @@ impl Learner {
             };
             let out =
                 policy_loss_and_grad_on(&self.backend, &mut self.model, &batch, &inputs, &params)?;
-            report.loss += out.loss as f64;
-            report.micro_batches += 1;
-            report.tokens += n as u64;
-            self.audit(&mut report, &flat, mb, &batch, &out, version);
+            if pass.count {
+                report.loss += out.loss as f64 * pass.loss_weight;
+                report.micro_batches += 1;
+                report.tokens += n as u64;
+                self.audit(report, flat, mb, &batch, &out, version, pass.at_version);
+            }
             // Several micro-batches: sum their gradients (the backward overwrites the
             // gradient arena), in micro-batch order.
             if batches.len() > 1 {
@@ -403,25 +480,24 @@ impl Learner {
         if let Some(a) = acc {
             self.model.grads = a;
         }
-        let stats = self.optimizer.step(
+        self.optimizer.step(
             &self.backend,
             &mut self.model.params,
             &self.model.grads,
             &mut self.state,
             self.model.compute.as_mut(),
-        )?;
-        self.steps += 1;
-        report.version = self.version();
-        report.optim = Some(stats);
-        report.compute = start.elapsed();
-        Ok(report)
+        )
     }
 
-    /// Groups trajectories by sampling temperature, then packs them in order into micro-batches
-    /// of at most `micro_batch_tokens` tokens.
-    fn micro_batches(&self, flat: &[(&Sample, f32, bool)]) -> Vec<MicroBatch> {
+    /// Groups the trajectories `flat[range]` by sampling temperature, then packs them in order
+    /// into micro-batches of at most `micro_batch_tokens` tokens.
+    fn micro_batches(
+        &self,
+        flat: &[(&Sample, f32, bool)],
+        range: std::ops::Range<usize>,
+    ) -> Vec<MicroBatch> {
         let mut by_temp: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
-        for (i, (s, _, _)) in flat.iter().enumerate() {
+        for (i, (s, _, _)) in flat.iter().enumerate().take(range.end).skip(range.start) {
             by_temp
                 .entry(loss_temperature(s).to_bits())
                 .or_default()
@@ -458,6 +534,9 @@ impl Learner {
     }
 
     /// Counts acceptance, ratios, lags and the zero-lag audit of one micro-batch.
+    /// `at_version`: the weights are still those of `learner` (the batch's first optimizer
+    /// step); otherwise no token is zero-lag.
+    #[allow(clippy::too_many_arguments)]
     fn audit(
         &self,
         report: &mut StepReport,
@@ -466,16 +545,20 @@ impl Learner {
         batch: &PackedBatch,
         out: &sluice_kernels::ops::is_gate_loss::GateReference,
         learner: WeightVersion,
+        at_version: bool,
     ) {
         for (b, &i) in mb.seqs.iter().enumerate() {
             let (s, advantage, repeat) = flat[i];
             let r0 = batch.seq_range(b).start;
-            // Tokens [0, same) all carry the learner's version.
-            let same = s
-                .weight_version
-                .iter()
-                .position(|&v| v != learner)
-                .unwrap_or(s.tokens.len());
+            // Tokens [0, same) all carry the learner's version (and the weights are it).
+            let same = if at_version {
+                s.weight_version
+                    .iter()
+                    .position(|&v| v != learner)
+                    .unwrap_or(s.tokens.len())
+            } else {
+                0
+            };
             for j in 1..s.tokens.len() {
                 if !s.loss_mask[j] {
                     continue;

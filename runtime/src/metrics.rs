@@ -104,6 +104,9 @@ pub struct TaskTotals {
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LearnerTotals {
     pub steps: u64,
+    /// Optimizer steps (more than `steps` with minibatches or epochs).
+    #[serde(default)]
+    pub optimizer_steps: u64,
     pub samples: u64,
     pub accepted_tokens: u64,
     /// Accepted tokens with a non-zero advantage (see [`StepReport::gradient_unique_tokens`]).
@@ -144,6 +147,7 @@ impl LearnerTotals {
     /// Adds one step's report.
     pub fn add(&mut self, r: &StepReport) {
         self.steps += 1;
+        self.optimizer_steps += r.optimizer_steps;
         self.accepted_tokens += r.accepted_unique_tokens;
         self.gradient_tokens += r.gradient_unique_tokens;
         self.masked_tokens += r.masked_tokens;

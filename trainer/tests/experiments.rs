@@ -146,6 +146,24 @@ fn without_the_environment_gate_crashed_episodes_are_trained() {
 }
 
 #[test]
+fn minibatches_take_more_optimizer_steps_on_older_weights() {
+    let r = experiment("minibatches", "mb1-ep1,mb4-ep1", &[]);
+    let (one, four) = (
+        value(&r, "mb1-ep1", "optimizer steps"),
+        value(&r, "mb4-ep1", "optimizer steps"),
+    );
+    assert_eq!((one, four), (3.0, 12.0));
+    let (z1, z4) = (
+        value(&r, "mb1-ep1", "zero-lag share"),
+        value(&r, "mb4-ep1", "zero-lag share"),
+    );
+    assert!(
+        z4 < z1,
+        "zero-lag share: 1 minibatch {z1}, 4 minibatches {z4}"
+    );
+}
+
+#[test]
 fn dynamic_sampling_drops_the_groups_without_signal() {
     let r = experiment("dynamic-sampling", "off,on", &[]);
     assert_eq!(value(&r, "off", "zero-signal groups dropped"), 0.0);

@@ -412,6 +412,15 @@ fn bad_configs_name_the_key_exit_2_and_leave_no_folder() {
             vec!["--set".into(), "buffer.dynamic_sampling_max_drops=0".into()],
             "buffer.dynamic_sampling_max_drops",
         ),
+        // More minibatches than a learner step has groups.
+        (
+            vec!["--set".into(), "optim.minibatches=999".into()],
+            "optim.minibatches",
+        ),
+        (
+            vec!["--set".into(), "optim.epochs=0".into()],
+            "optim.epochs",
+        ),
     ];
     for (i, (args, key)) in cases.into_iter().enumerate() {
         let out = dir.join(format!("run{i}"));
@@ -437,38 +446,61 @@ fn bad_configs_name_the_key_exit_2_and_leave_no_folder() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Dynamic sampling (issue 28 item 3) on the virtual clock: the same replayed run with the
-/// filter off and on. Off, groups whose rewards are all equal reach the learner (counted); on,
-/// they are dropped and rollout samples others in their place: none is trained (the cap of 32
-/// drops per learner step is never reached here), the run still makes its 12 steps, and the
-/// lag-0 tokens still match the rollout bit for bit.
+/// The rollout strategies and objectives of issue 28 on the virtual clock, on the same replayed
+/// run: off (the defaults), and with every switch built so far on together (dynamic sampling,
+/// 2 minibatches x 2 epochs), twice. Off, groups whose rewards are all equal reach the learner
+/// (counted); on, they are dropped and re-sampled: none is trained (the cap of 32 drops per
+/// learner step is never reached here); the 12 learner steps are 48 optimizer steps; the
+/// lag-0 tokens still match the rollout bit for bit; and the two runs are the same run.
 #[test]
-fn dynamic_sampling_trains_no_group_without_reward_variance() {
-    let dir = scratch("dynamic-sampling");
+fn issue_28_switches_together_keep_zero_mismatch_and_replay() {
+    let dir = scratch("issue28-switches");
     let cfg = short_config(&dir);
     let run = |name: &str, on: bool| {
         let out = dir.join(name);
-        run_ok(&[
-            "train",
-            "--config",
-            cfg.to_str().unwrap(),
-            "--set",
-            "run.replay=true",
-            "--set",
-            &format!("buffer.dynamic_sampling={on}"),
-            "--out",
-            out.to_str().unwrap(),
-        ]);
-        summary(&out)
+        let mut args = vec![
+            "train".to_string(),
+            "--config".into(),
+            cfg.to_str().unwrap().into(),
+            "--set".into(),
+            "run.replay=true".into(),
+            "--out".into(),
+            out.to_str().unwrap().into(),
+        ];
+        if on {
+            for set in [
+                "buffer.dynamic_sampling=true",
+                "optim.minibatches=2",
+                "optim.epochs=2",
+            ] {
+                args.push("--set".into());
+                args.push(set.into());
+            }
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run_ok(&args);
+        out
     };
-    let (off, on) = (run("off", false), run("on", true));
+    let (off_dir, on_dir, again_dir) = (run("off", false), run("on", true), run("again", true));
+    let (off, on) = (summary(&off_dir), summary(&on_dir));
     let n = |s: &serde_json::Value, k: &str| s[k].as_u64().unwrap_or_else(|| panic!("{k}: {s}"));
     assert_eq!(n(&off, "zero_signal_groups_dropped"), 0, "{off}");
     assert!(n(&off, "zero_signal_groups_trained") > 0, "{off}");
+    assert_eq!(n(&off, "optimizer_steps"), 12, "{off}");
     assert!(n(&on, "zero_signal_groups_dropped") > 0, "{on}");
     assert_eq!(n(&on, "zero_signal_groups_trained"), 0, "{on}");
     assert_eq!(on["learner_steps"], 12);
-    assert_zero_mismatch(&on, 500, "dynamic sampling");
+    assert_eq!(n(&on, "optimizer_steps"), 48, "{on}");
+    assert_zero_mismatch(&on, 200, "issue 28 switches");
+    assert_eq!(
+        metrics_without_wall(&on_dir),
+        metrics_without_wall(&again_dir),
+        "two replays with the switches on wrote different metrics"
+    );
+    assert_eq!(
+        on["final_weights_sha256"],
+        summary(&again_dir)["final_weights_sha256"]
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -150,6 +150,9 @@ pub struct OptimSection {
     pub weight_decay: f32,
     pub sft_batch: usize,
     pub sft_warmup: u64,
+    /// RL: optimizer steps per pass over a learner step's groups, and passes.
+    pub minibatches: usize,
+    pub epochs: usize,
 }
 
 #[derive(Clone, Debug, PartialEq)]

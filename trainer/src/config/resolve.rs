@@ -317,7 +317,19 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         weight_decay: optim.float("weight_decay", |x| x >= 0.0, ">= 0")? as f32,
         sft_batch: optim.int("sft_batch", 1, 1 << 20)? as usize,
         sft_warmup: optim.int("sft_warmup", 0, MAX)? as u64,
+        minibatches: optim.int("minibatches", 1, 1 << 20)? as usize,
+        epochs: optim.int("epochs", 1, 1024)? as usize,
     };
+    if optim_s.minibatches > buffer_s.groups_per_step {
+        return Err(err(
+            "optim.minibatches",
+            format!(
+                "{} minibatches of a learner step's {} groups (buffer.groups_per_step): at most \
+                 one minibatch per group",
+                optim_s.minibatches, buffer_s.groups_per_step
+            ),
+        ));
+    }
 
     let sync = Get::section(&table, "sync")?;
     let path = sync.str("path")?.to_string();

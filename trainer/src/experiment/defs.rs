@@ -187,6 +187,10 @@ fn zero_signal_dropped(r: &ArmRun) -> Option<f64> {
     num(&r.summary, "zero_signal_groups_dropped")
 }
 
+fn optimizer_steps(r: &ArmRun) -> Option<f64> {
+    num(&r.summary, "optimizer_steps")
+}
+
 fn sets(pairs: &[(&str, String)]) -> Vec<String> {
     pairs.iter().map(|(k, v)| format!("{k}={v}")).collect()
 }
@@ -256,6 +260,21 @@ fn share_arms() -> Vec<Arm> {
             arm(
                 if *on { "correction" } else { "no-correction" },
                 &sets(&[("rollout.share_correction", on.to_string())]),
+            )
+        })
+        .collect()
+}
+
+fn minibatch_arms() -> Vec<Arm> {
+    [(1, 1), (2, 1), (4, 1), (2, 2)]
+        .iter()
+        .map(|(m, e)| {
+            arm(
+                format!("mb{m}-ep{e}"),
+                &sets(&[
+                    ("optim.minibatches", m.to_string()),
+                    ("optim.epochs", e.to_string()),
+                ]),
             )
         })
         .collect()
@@ -433,6 +452,23 @@ pub static EXPERIMENTS: &[Experiment] = &[
             ("IS gated", is_clip),
             ("reward", reward),
             ("effective tok/s", eff),
+        ],
+        chart: ChartKind::Bars(3),
+        unavailable: None,
+    },
+    Experiment {
+        name: "minibatches",
+        about: "a learner step's groups as 1, 2 or 4 optimizer steps (minibatches), and 2 \
+                passes (epochs): later minibatches train on weights past the rollout's, so \
+                fewer tokens are zero-lag and the IS gate sees larger ratios",
+        base_sets: &[],
+        arms: minibatch_arms,
+        columns: &[
+            ("optimizer steps", optimizer_steps),
+            ("zero-lag share", zero_lag_share),
+            ("IS gated", is_clip),
+            ("reward", reward),
+            ("RL time (s)", rl_time),
         ],
         chart: ChartKind::Bars(3),
         unavailable: None,

@@ -630,6 +630,9 @@ struct RlTotals {
     env_trained: u64,
     /// Groups without reward variance: dropped by dynamic sampling, and trained (all of them
     /// with dynamic sampling off; past its cap with it on).
+    /// Optimizer steps of the RL stages (learner steps x minibatches x epochs).
+    #[serde(default)]
+    optimizer_steps: u64,
     #[serde(default)]
     zero_signal_dropped: u64,
     #[serde(default)]

@@ -247,6 +247,8 @@ impl RunContext<'_> {
                 std_free: cfg.loss.std_free,
                 adv_eps: 1e-6,
                 micro_batch_tokens: cfg.loss.micro_batch_tokens,
+                minibatches: cfg.optim.minibatches,
+                epochs: cfg.optim.epochs,
             },
             self.state.rl_version,
         )
@@ -396,6 +398,7 @@ impl RunContext<'_> {
         let t = self.state.rl_totals.get_or_insert_with(RlTotals::default);
         let l = &report.learner;
         t.samples += l.samples;
+        t.optimizer_steps += l.optimizer_steps;
         t.accepted_tokens += l.accepted_tokens;
         t.gradient_tokens += l.gradient_tokens;
         t.sampled_tokens += report.rollout.sampled_tokens;

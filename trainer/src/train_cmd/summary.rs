@@ -73,6 +73,8 @@ impl RunContext<'_> {
             "clock": self.clock().as_str(),
             "final_weights_sha256": sha,
             "learner_steps": self.state.learner_steps,
+            // RL optimizer steps: learner steps x optim.minibatches x optim.epochs.
+            "optimizer_steps": t.map_or(0, |t| t.optimizer_steps),
             "samples_trained": t.map_or(0, |t| t.samples),
             "wall_s": wall_s,
             "rl_time_s": t.map_or(0.0, |t| t.elapsed_s),

@@ -1,0 +1,165 @@
+//! Minibatches and epochs (issue 28 item 1, `LearnerConfig::{minibatches, epochs}`), against
+//! the hand-made sequence they promise, bit for bit on cpu: a learner step with m minibatches
+//! is m optimizer steps, each on a contiguous slice of the batch's groups with its own token
+//! mean, which is what m learner steps on those slices do; epochs repeat the pass. The version
+//! moves once per learner step, and the zero-lag audit covers only the batch's first optimizer
+//! step (the only one on the weights of the learner's version).
+
+use sluice_kernels::Backend;
+use sluice_model::optim::OptimConfig;
+use sluice_model::{Model, ModelConfig, Precision};
+use sluice_runtime::buffer::ReadyGroup;
+use sluice_runtime::engine::{Engine, EngineConfig, Event, Request};
+use sluice_runtime::learner::{Learner, LearnerConfig};
+use sluice_runtime::trajectory::{SamplingParams, WeightVersion};
+
+fn model() -> Model {
+    let mut cfg = ModelConfig::tiny();
+    cfg.vocab = 16;
+    Model::new(cfg, &Backend::Cpu).unwrap()
+}
+
+/// Four groups of two trajectories sampled by the model at version 0 (rewards 0 and 1 in
+/// each, so every advantage is non-zero), on cpu.
+fn groups(m: &Model) -> Vec<ReadyGroup> {
+    let cfg = &m.config;
+    let mut engine = Engine::new(
+        Backend::Cpu,
+        cfg,
+        m.compute_weights(),
+        WeightVersion(0),
+        EngineConfig {
+            kv_bytes: EngineConfig::kv_bytes_for_blocks(cfg, Precision::F32, 16, 64),
+            max_seqs: 8,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    for g in 0..4u32 {
+        let mut req = Request::new(&format!("s{g}"), vec![1, 2 + g, 5, 7], 5);
+        req.instance_id = format!("inst{g}");
+        req.group_size = 2;
+        req.sampling = SamplingParams {
+            max_new_tokens: 5,
+            seed: 10 + g as u64,
+            ..SamplingParams::default()
+        };
+        engine.submit(req).unwrap();
+    }
+    let mut out: Vec<ReadyGroup> = (0..4)
+        .map(|g| ReadyGroup {
+            instance_id: format!("inst{g}"),
+            task: "t".into(),
+            samples: Vec::new(),
+            duplicated: 0,
+        })
+        .collect();
+    for e in engine.run_until_idle().unwrap() {
+        if let Event::Finished { sample, .. } = e {
+            let g: usize = sample.instance_id["inst".len()..].parse().unwrap();
+            out[g].samples.push(*sample);
+        }
+    }
+    for g in &mut out {
+        g.samples.sort_by_key(|s| s.group_index);
+        assert_eq!(g.samples.len(), 2);
+        for (i, s) in g.samples.iter_mut().enumerate() {
+            s.reward = i as f32;
+        }
+    }
+    out
+}
+
+fn learner(m: Model, minibatches: usize, epochs: usize) -> Learner {
+    let cfg = LearnerConfig {
+        minibatches,
+        epochs,
+        ..LearnerConfig::default()
+    };
+    Learner::new(Backend::Cpu, m, OptimConfig::default(), cfg, 0).unwrap()
+}
+
+fn weight_bits(l: &Learner) -> Vec<u32> {
+    l.model()
+        .params
+        .tensor()
+        .to_vec::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+#[test]
+fn two_minibatches_are_two_optimizer_steps_on_the_halves() {
+    let m = model();
+    let batch = groups(&m);
+    let mut split = learner(model(), 2, 1);
+    let r = split.train(&batch).unwrap();
+    assert_eq!(r.optimizer_steps, 2);
+    assert_eq!(r.version, WeightVersion(1), "one version per learner step");
+    let mut by_hand = learner(model(), 1, 1);
+    by_hand.train(&batch[..2]).unwrap();
+    by_hand.train(&batch[2..]).unwrap();
+    let w = weight_bits(&split);
+    assert_eq!(w, weight_bits(&by_hand));
+    assert_ne!(
+        w,
+        weight_bits(&learner(model(), 1, 1)),
+        "the steps moved the weights"
+    );
+
+    // The audit: the first minibatch's generated tokens are zero-lag (and match bit for bit);
+    // the second's are drift, on weights one optimizer step past version 0.
+    let first_half: u64 = batch[..2]
+        .iter()
+        .flat_map(|g| &g.samples)
+        .map(|s| s.loss_mask[1..].iter().filter(|&&x| x).count() as u64)
+        .sum();
+    assert!(first_half > 0);
+    assert_eq!(r.zero_lag_tokens, first_half);
+    assert_eq!(r.zero_lag_mismatch_tokens, 0);
+    assert_eq!(r.mismatch_lag0.tokens, first_half);
+    assert_eq!(r.mismatch_lag0.abs_diff_max, 0.0);
+    assert_eq!(r.mismatch_lagpos.tokens, r.masked_tokens - first_half);
+    assert!(r.mismatch_lagpos.abs_diff_max > 0.0);
+}
+
+#[test]
+fn epochs_repeat_the_pass_and_more_minibatches_than_groups_give_one_a_group() {
+    let m = model();
+    let batch = groups(&m);
+    let mut twice = learner(model(), 1, 2);
+    let r = twice.train(&batch).unwrap();
+    assert_eq!((r.optimizer_steps, r.version), (2, WeightVersion(1)));
+    // Tokens counted once, not once per epoch.
+    let masked: u64 = batch
+        .iter()
+        .flat_map(|g| &g.samples)
+        .map(|s| s.loss_mask[1..].iter().filter(|&&x| x).count() as u64)
+        .sum();
+    assert_eq!(r.masked_tokens, masked);
+    let mut by_hand = learner(model(), 1, 1);
+    by_hand.train(&batch).unwrap();
+    by_hand.train(&batch).unwrap();
+    assert_eq!(weight_bits(&twice), weight_bits(&by_hand));
+
+    // 8 minibatches of 4 groups: 4 of one group each.
+    let mut many = learner(model(), 8, 1);
+    assert_eq!(many.train(&batch).unwrap().optimizer_steps, 4);
+    let mut one_by_one = learner(model(), 1, 1);
+    for g in &batch {
+        one_by_one.train(std::slice::from_ref(g)).unwrap();
+    }
+    assert_eq!(weight_bits(&many), weight_bits(&one_by_one));
+
+    let cfg = LearnerConfig {
+        minibatches: 0,
+        ..LearnerConfig::default()
+    };
+    let e = Learner::new(Backend::Cpu, model(), OptimConfig::default(), cfg, 0)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("minibatches"), "{e}");
+}
