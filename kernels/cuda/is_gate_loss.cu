@@ -45,10 +45,19 @@ struct TokenTerm {
     bool accepted;
 };
 
+// The clip bounds of a token with advantage `adv`: (el, eh), or (el_neg, eh_neg) when adv < 0
+// (ops/is_gate_loss.rs GateParams::bounds; the host passes the positive pair twice when unset).
+struct Bounds {
+    float el, eh, el_neg, eh_neg;
+    __device__ __forceinline__ float low(float adv) const { return adv < 0.0f ? el_neg : el; }
+    __device__ __forceinline__ float high(float adv) const { return adv < 0.0f ? eh_neg : eh; }
+};
+
 // One token's ratio, gate, loss term and d term / d logp (ops/is_gate_loss.rs token_term).
-__device__ __forceinline__ TokenTerm token_term(int mode, float el, float eh, float beta, float logp,
+__device__ __forceinline__ TokenTerm token_term(int mode, Bounds b, float beta, float logp,
                                                 float behavior, float adv, float m, float c) {
     TokenTerm r;
+    const float el = b.low(adv), eh = b.high(adv);
     r.rho = expf(logp - behavior);
     const int gate = gate_of(mode, r.rho, el, eh, beta);
     const bool masked = m != 0.0f;
@@ -84,7 +93,7 @@ __device__ __forceinline__ void loss_row(const T* logits, T* dlogits, const int*
                                          const float* __restrict__ mask, const float* __restrict__ weight,
                                          int has_weight, float* __restrict__ logp_out,
                                          float* __restrict__ ratio_out, unsigned char* __restrict__ accepted_out,
-                                         float* __restrict__ scratch, int n, int V, int mode, float el, float eh,
+                                         float* __restrict__ scratch, int n, int V, int mode, Bounds bounds,
                                          float beta, float scale) {
     __shared__ LseState sh_lse[ROW_THREADS];
     const int row = blockIdx.x;
@@ -100,7 +109,7 @@ __device__ __forceinline__ void loss_row(const T* logits, T* dlogits, const int*
     const float lse = lse_value(st);
     const float logp = row_logprob(z_tok, lse);
     const float c = has_weight ? weight[row] : 1.0f;
-    const TokenTerm tt = token_term(mode, el, eh, beta, logp, behavior[row], adv[row], mask[row], c);
+    const TokenTerm tt = token_term(mode, bounds, beta, logp, behavior[row], adv[row], mask[row], c);
     const float d = scratch[n];
     const bool live = lse != SLUICE_NEG_INF;
     // A row with no mass (all -inf) has no softmax to move: zero gradient in every mode.
@@ -183,9 +192,10 @@ extern "C" __global__ void __launch_bounds__(256) is_gate_loss_f32(
     const float* logits, float* dlogits, const int* __restrict__ tokens, const float* __restrict__ behavior,
     const float* __restrict__ adv, const float* __restrict__ mask, const float* __restrict__ weight,
     int has_weight, float* __restrict__ logp, float* __restrict__ ratio, unsigned char* __restrict__ accepted,
-    float* __restrict__ scratch, int n, int V, int mode, float eps_low, float eps_high, float beta, float scale) {
+    float* __restrict__ scratch, int n, int V, int mode, float eps_low, float eps_high, float eps_low_neg,
+    float eps_high_neg, float beta, float scale) {
     loss_row<float>(logits, dlogits, tokens, behavior, adv, mask, weight, has_weight, logp, ratio, accepted,
-                    scratch, n, V, mode, eps_low, eps_high, beta, scale);
+                    scratch, n, V, mode, Bounds{eps_low, eps_high, eps_low_neg, eps_high_neg}, beta, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(256) is_gate_loss_bf16(
@@ -193,24 +203,26 @@ extern "C" __global__ void __launch_bounds__(256) is_gate_loss_bf16(
     const float* __restrict__ behavior, const float* __restrict__ adv, const float* __restrict__ mask,
     const float* __restrict__ weight, int has_weight, float* __restrict__ logp, float* __restrict__ ratio,
     unsigned char* __restrict__ accepted, float* __restrict__ scratch, int n, int V, int mode, float eps_low,
-    float eps_high, float beta, float scale) {
+    float eps_high, float eps_low_neg, float eps_high_neg, float beta, float scale) {
     loss_row<__nv_bfloat16>(logits, dlogits, tokens, behavior, adv, mask, weight, has_weight, logp, ratio,
-                            accepted, scratch, n, V, mode, eps_low, eps_high, beta, scale);
+                            accepted, scratch, n, V, mode,
+                            Bounds{eps_low, eps_high, eps_low_neg, eps_high_neg}, beta, scale);
 }
 
 // Loss and counters from the per-row values, in the fixed lane order. One block.
 extern "C" __global__ void __launch_bounds__(256) is_gate_loss_finish(
-    const float* __restrict__ mask, const float* __restrict__ behavior, const float* __restrict__ logp,
-    const float* __restrict__ ratio, const unsigned char* __restrict__ accepted,
-    const float* __restrict__ scratch, int n, int mode, float eps_low, float eps_high, float beta,
-    float* __restrict__ loss, float* __restrict__ counters) {
+    const float* __restrict__ mask, const float* __restrict__ behavior, const float* __restrict__ adv,
+    const float* __restrict__ logp, const float* __restrict__ ratio, const unsigned char* __restrict__ accepted,
+    const float* __restrict__ scratch, int n, int mode, float eps_low, float eps_high, float eps_low_neg,
+    float eps_high_neg, float beta, float* __restrict__ loss, float* __restrict__ counters) {
+    const Bounds bounds{eps_low, eps_high, eps_low_neg, eps_high_neg};
     __shared__ Partial sh[ROW_THREADS];
     Partial p = {0.0f, 0.0f, 0.0f, 0.0f, INFINITY, SLUICE_NEG_INF, 0.0f, 0.0f, 0.0f};
     for (int t = threadIdx.x; t < n; t += ROW_THREADS) {
         p.term = rr_add(p.term, scratch[t]);
         if (mask[t] != 0.0f) {
             const float rho = ratio[t];
-            const int gate = gate_of(mode, rho, eps_low, eps_high, beta);
+            const int gate = gate_of(mode, rho, bounds.low(adv[t]), bounds.high(adv[t]), beta);
             p.masked = rr_add(p.masked, 1.0f);
             p.accepted = rr_add(p.accepted, accepted[t] ? 1.0f : 0.0f);
             p.ratio_sum = rr_add(p.ratio_sum, rho);

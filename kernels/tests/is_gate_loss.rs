@@ -120,7 +120,13 @@ struct Oracle {
 
 fn oracle(pb: &Problem, x: &[f64], p: &GateParams, frozen: Option<&[Frozen]>) -> Oracle {
     let (n, v) = (pb.n, pb.v);
-    let (el, eh, beta) = (p.eps_low as f64, p.eps_high as f64, p.beta as f64);
+    let beta = p.beta as f64;
+    // The four bounds: the pair for negative advantages where one is given (written here
+    // independently of GateParams::bounds).
+    let eps = |a: f64| match p.eps_neg {
+        Some((lo, hi)) if a < 0.0 => (lo as f64, hi as f64),
+        _ => (p.eps_low as f64, p.eps_high as f64),
+    };
     let c = |t: usize| pb.weight.as_ref().map_or(1.0, |w| w[t] as f64);
     let d: f64 = (0..n).map(|t| pb.mask[t] as f64 * c(t)).sum();
     let mut loss = 0.0;
@@ -134,6 +140,7 @@ fn oracle(pb: &Problem, x: &[f64], p: &GateParams, frozen: Option<&[Frozen]>) ->
         let rho = (logp - pb.behavior[t] as f64).exp();
         let a = pb.adv[t] as f64;
         let k = pb.mask[t] as f64 * c(t);
+        let (el, eh) = eps(a);
         let f = frozen.map(|f| f[t]).unwrap_or(Frozen {
             inside: match p.mode {
                 GateMode::Dis => rho > 1.0 - el && rho < 1.0 + eh,
@@ -444,6 +451,64 @@ fn gate_boundaries_on_emu() {
             assert_eq!(got.accepted, want.accepted, "{mode:?} on emu");
         }
     }
+}
+
+/// Four clip bounds (issue 28 item 5): tokens with a negative advantage take `eps_neg`. Ratios
+/// 0.9, 1.1 and 1.2 with advantages +1 and -1, (eps_low, eps_high) = (0.2, 0.28) and
+/// eps_neg = (0.05, 0.05): dis keeps all three positive tokens and gates the negative ones
+/// (0.9 low; 1.1 and 1.2 high); ppo clips the negative ones at 0.95 / 1.05. The CPU reference
+/// against the f64 oracle; emu against the reference: gate decisions and counters exactly, the
+/// rest to f32 tolerance (the device's expf is not Rust's); unset, the pair applies to every
+/// token.
+#[test]
+fn four_clip_bounds_split_by_the_advantage_sign() {
+    let targets = [0.9f32, 1.1, 1.2, 0.9, 1.1, 1.2];
+    let mut pb = boundary_problem(&targets);
+    pb.adv = vec![1.0, 1.0, 1.0, -1.0, -1.0, -1.0];
+    let four = GateParams {
+        eps_neg: Some((0.05, 0.05)),
+        ..params(GateMode::Dis)
+    };
+    let (r, _) = pb.reference(&four);
+    assert_eq!(r.accepted, vec![1, 1, 1, 0, 0, 0]);
+    assert_eq!(
+        (r.counters[5], r.counters[6]),
+        (1.0, 2.0),
+        "gated low, high"
+    );
+    let (two, _) = pb.reference(&params(GateMode::Dis));
+    assert_eq!(
+        two.accepted,
+        vec![1, 1, 1, 1, 1, 1],
+        "one pair for every token"
+    );
+    let emu = Backend::emu_with_seed(1);
+    let mut checked = 0;
+    for mode in [GateMode::Dis, GateMode::Ppo] {
+        let p = GateParams { mode, ..four };
+        let (want, wg) = pb.reference(&p);
+        let x: Vec<f64> = pb.logits.iter().map(|&v| v as f64).collect();
+        let o = oracle(&pb, &x, &p, None);
+        assert!(
+            rel_scalar(want.loss, o.loss) < 1e-5,
+            "{mode:?}: {} vs {}",
+            want.loss,
+            o.loss
+        );
+        let (got, gg) = run_device(&emu, &pb, DType::F32, &p);
+        assert_eq!(got.accepted, want.accepted, "{mode:?}: emu's gate");
+        assert_eq!(got.counters, want.counters, "{mode:?}: emu's counters");
+        assert_close(&got, &gg, &want, &wg, F32_TOL, &format!("{mode:?} on emu"));
+        checked += 1;
+    }
+    assert_eq!(checked, 2);
+    // ppo: the negative tokens' clip makes their terms differ from the one-pair run.
+    let (ppo4, _) = pb.reference(&GateParams {
+        mode: GateMode::Ppo,
+        ..four
+    });
+    let (ppo2, _) = pb.reference(&params(GateMode::Ppo));
+    assert_ne!(ppo4.loss.to_bits(), ppo2.loss.to_bits());
 }
 
 #[test]

@@ -51,6 +51,8 @@ pub struct LearnerConfig {
     pub adv_eps: f32,
     /// Token budget of one micro-batch (a longer sequence gets one of its own).
     pub micro_batch_tokens: usize,
+    /// How the per-token terms are averaged into an optimizer step's loss.
+    pub aggregation: Aggregation,
     /// Optimizer steps per pass over a batch: its groups split in order into this many
     /// contiguous minibatches (fewer when the batch has fewer groups). 1: one step per batch.
     pub minibatches: usize,
@@ -65,10 +67,25 @@ impl Default for LearnerConfig {
             std_free: false,
             adv_eps: 1e-6,
             micro_batch_tokens: 4096,
+            aggregation: Aggregation::Token,
             minibatches: 1,
             epochs: 1,
         }
     }
+}
+
+/// How an optimizer step's loss averages its tokens' terms.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Aggregation {
+    /// The mean over the step's masked tokens (DESIGN 3.6's `D = sum m`).
+    #[default]
+    Token,
+    /// The mean over each prompt's group of masked tokens first, then over the step's groups:
+    /// per-token weights `c = 1 / (masked tokens of the token's group)`, so `D = sum m c` is
+    /// the number of groups (the loss kernel's weight input; its structure unchanged). Long
+    /// answers then weigh no more than short ones (MiMo's "prompt-mean"; DAPO's token mean is
+    /// the other choice).
+    Prompt,
 }
 
 /// Weights published to the rollout side.
@@ -339,10 +356,17 @@ impl Learner {
             ..StepReport::default()
         };
         // Flatten: (sample, advantage, is a repeat); `group_start[g]` is group g's first.
+        // Prompt aggregation: each trajectory's token weight, 1 / its group's masked tokens.
         let mut flat: Vec<(&Sample, f32, bool)> = Vec::new();
         let mut group_start = Vec::with_capacity(groups.len() + 1);
+        let mut token_weight: Vec<f32> = Vec::new();
         for g in groups {
             group_start.push(flat.len());
+            if self.cfg.aggregation == Aggregation::Prompt {
+                let masked: usize = g.samples.iter().map(masked_tokens).sum();
+                let w = if masked > 0 { 1.0 / masked as f32 } else { 0.0 };
+                token_weight.extend(std::iter::repeat_n(w, g.samples.len()));
+            }
             let adv = advantages(&g.samples, self.cfg.std_free, self.cfg.adv_eps);
             let unique = g.samples.len() - g.duplicated;
             let t = report.per_task.entry(g.task.clone()).or_default();
@@ -381,7 +405,9 @@ impl Learner {
                     at_version: epoch == 0 && i == 0,
                     loss_weight: 1.0 / m as f64,
                 };
-                let stats = self.optimizer_step(&flat, range, &mut report, version, pass)?;
+                let weights = (!token_weight.is_empty()).then_some(token_weight.as_slice());
+                let stats =
+                    self.optimizer_step(&flat, weights, range, &mut report, version, pass)?;
                 report.optim = Some(stats);
                 report.optimizer_steps += 1;
             }
@@ -392,10 +418,12 @@ impl Learner {
         Ok(report)
     }
 
-    /// One optimizer step on the trajectories `flat[range]`: their loss is their own token mean.
+    /// One optimizer step on the trajectories `flat[range]`: their loss is their own token mean,
+    /// or with `weights` (one per trajectory of `flat`) their own weighted mean.
     fn optimizer_step(
         &mut self,
         flat: &[(&Sample, f32, bool)],
+        weights: Option<&[f32]>,
         range: std::ops::Range<usize>,
         report: &mut StepReport,
         version: WeightVersion,
@@ -403,8 +431,14 @@ impl Learner {
     ) -> Result<StepStats> {
         let total_masked: usize = flat[range.clone()]
             .iter()
-            .map(|(s, _, _)| s.loss_mask[1..].iter().filter(|&&m| m).count())
+            .map(|(s, _, _)| masked_tokens(s))
             .sum();
+        // With weights, D = sum of the weights over masked tokens, in flat order.
+        let total_weight: f32 = weights.map_or(0.0, |w| {
+            range.clone().fold(0.0f32, |acc, i| {
+                acc + w[i] * masked_tokens(flat[i].0) as f32
+            })
+        });
         let batches = self.micro_batches(flat, range);
         let mut acc: Option<Arena> = None;
         for mb in &batches {
@@ -419,7 +453,9 @@ impl Learner {
             let mut mask = vec![0.0f32; n];
             let mut behavior = vec![0.0f32; n];
             let mut adv = vec![0.0f32; n];
+            let mut weight = vec![0.0f32; if weights.is_some() { n } else { 0 }];
             let mut masked_here = 0usize;
+            let mut weight_here = 0.0f32;
             for (b, &i) in mb.seqs.iter().enumerate() {
                 let (s, a, _) = flat[i];
                 let r = batch.seq_range(b);
@@ -430,16 +466,22 @@ impl Learner {
                         behavior[r.start + j] = s.behavior_logp[j + 1];
                         adv[r.start + j] = a;
                         masked_here += 1;
+                        if let Some(w) = weights {
+                            weight[r.start + j] = w[i];
+                        }
                     }
                 }
+                if let Some(w) = weights {
+                    weight_here += w[i] * masked_tokens(s) as f32;
+                }
             }
-            // Each micro-batch's loss is its own token mean; scaling its advantages by
-            // D_mb / D_total makes the sum over micro-batches the step's token mean (every
-            // mode is linear in positive scalings of A).
-            let share = if total_masked > 0 {
-                masked_here as f32 / total_masked as f32
-            } else {
-                0.0
+            // Each micro-batch's loss is its own (weighted) token mean; scaling its advantages
+            // by D_mb / D_total makes the sum over micro-batches the step's mean (every mode is
+            // linear in positive scalings of A).
+            let share = match weights {
+                None if total_masked > 0 => masked_here as f32 / total_masked as f32,
+                Some(_) if total_weight > 0.0 => weight_here / total_weight,
+                _ => 0.0,
             };
             for a in adv.iter_mut() {
                 *a *= share;
@@ -449,7 +491,7 @@ impl Learner {
                 behavior_logp: &behavior,
                 advantages: &adv,
                 mask: &mask,
-                weight: None,
+                weight: weights.map(|_| weight.as_slice()),
             };
             let params = GateParams {
                 temperature: mb.temperature,
@@ -606,6 +648,11 @@ impl Learner {
             }
         }
     }
+}
+
+/// A trajectory's masked (trained-on) tokens after the first.
+fn masked_tokens(s: &Sample) -> usize {
+    s.loss_mask[1..].iter().filter(|&&m| m).count()
 }
 
 /// The temperature the learner computes a trajectory's log-probs at: its sampling temperature,

@@ -164,6 +164,21 @@ fn minibatches_take_more_optimizer_steps_on_older_weights() {
 }
 
 #[test]
+fn tight_bounds_for_negative_advantages_gate_more_tokens() {
+    let r = experiment(
+        "objectives",
+        "token-two-bounds,four-bounds,prompt-mean",
+        &[],
+    );
+    let (two, four) = (
+        value(&r, "token-two-bounds", "IS gated"),
+        value(&r, "four-bounds", "IS gated"),
+    );
+    assert!(four > two, "gated: two bounds {two}, four bounds {four}");
+    assert!(value(&r, "prompt-mean", "reward").is_finite());
+}
+
+#[test]
 fn dynamic_sampling_drops_the_groups_without_signal() {
     let r = experiment("dynamic-sampling", "off,on", &[]);
     assert_eq!(value(&r, "off", "zero-signal groups dropped"), 0.0);

@@ -412,6 +412,14 @@ fn bad_configs_name_the_key_exit_2_and_leave_no_folder() {
             vec!["--set".into(), "buffer.dynamic_sampling_max_drops=0".into()],
             "buffer.dynamic_sampling_max_drops",
         ),
+        (
+            vec!["--set".into(), "loss.aggregation=\"sequence\"".into()],
+            "loss.aggregation",
+        ),
+        (
+            vec!["--set".into(), "loss.eps_low_neg=1.5".into()],
+            "loss.eps_low_neg",
+        ),
         // More minibatches than a learner step has groups.
         (
             vec!["--set".into(), "optim.minibatches=999".into()],
@@ -448,7 +456,7 @@ fn bad_configs_name_the_key_exit_2_and_leave_no_folder() {
 
 /// The rollout strategies and objectives of issue 28 on the virtual clock, on the same replayed
 /// run: off (the defaults), and with every switch built so far on together (dynamic sampling,
-/// 2 minibatches x 2 epochs), twice. Off, groups whose rewards are all equal reach the learner
+/// 2 minibatches x 2 epochs, four clip bounds, the prompt mean), twice. Off, groups whose rewards are all equal reach the learner
 /// (counted); on, they are dropped and re-sampled: none is trained (the cap of 32 drops per
 /// learner step is never reached here); the 12 learner steps are 48 optimizer steps; the
 /// lag-0 tokens still match the rollout bit for bit; and the two runs are the same run.
@@ -472,6 +480,10 @@ fn issue_28_switches_together_keep_zero_mismatch_and_replay() {
                 "buffer.dynamic_sampling=true",
                 "optim.minibatches=2",
                 "optim.epochs=2",
+                "loss.four_bounds=true",
+                "loss.eps_low_neg=0.1",
+                "loss.eps_high_neg=0.1",
+                "loss.aggregation=\"prompt\"",
             ] {
                 args.push("--set".into());
                 args.push(set.into());

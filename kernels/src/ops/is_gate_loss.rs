@@ -14,6 +14,9 @@
 //!   `L = 0` and a zero gradient, never NaN. Weights must be finite and non-negative.
 //! - `logp_t = logits[t, token_t] - lse_t` (-inf when the row is all -inf),
 //!   `rho_t = exp(logp_t - behavior_logp_t)`.
+//! - Clip bounds: `(eps_low, eps_high)` for a token whose advantage is >= 0, and
+//!   [`GateParams::eps_neg`] (default the same pair) for one whose advantage is < 0: the four
+//!   bounds of MiMo's recipe; `dis`'s gate and `ppo`'s clamp below use the token's pair.
 //! - `dis`: inside = `1 - eps_low < rho < 1 + eps_high` (open); `term = -k * rho * A * logp`
 //!   (rho a stop-gradient weight); d term / d logp = `-k * rho * A`. Gated low: `rho <= 1 -
 //!   eps_low`; high: `rho >= 1 + eps_high`.
@@ -98,6 +101,9 @@ pub struct GateParams {
     pub mode: GateMode,
     pub eps_low: f32,
     pub eps_high: f32,
+    /// (eps_low, eps_high) for tokens with a negative advantage; None: the pair above for every
+    /// token (see the module docs).
+    pub eps_neg: Option<(f32, f32)>,
     pub beta: f32,
     /// The sampling temperature the tokens were drawn at: logp is taken under
     /// log_softmax(logits * (1 / temperature)), the sampler's exact scaling (one f32 multiply
@@ -113,6 +119,7 @@ impl Default for GateParams {
             mode: GateMode::Dis,
             eps_low: 0.2,
             eps_high: 0.28,
+            eps_neg: None,
             beta: 2.0,
             temperature: 1.0,
         }
@@ -126,6 +133,14 @@ impl GateParams {
         }
         if !(self.eps_high.is_finite() && self.eps_high >= 0.0) {
             return Err(Error::param("eps_high", "must be finite and >= 0"));
+        }
+        if let Some((lo, hi)) = self.eps_neg {
+            if !(lo.is_finite() && (0.0..1.0).contains(&lo)) {
+                return Err(Error::param("eps_low_neg", "must be in [0, 1)"));
+            }
+            if !(hi.is_finite() && hi >= 0.0) {
+                return Err(Error::param("eps_high_neg", "must be finite and >= 0"));
+            }
         }
         if !(self.beta.is_finite() && self.beta >= 1.0) {
             return Err(Error::param("beta", "must be finite and >= 1"));
@@ -141,6 +156,19 @@ impl GateParams {
             ));
         }
         Ok(())
+    }
+
+    /// The (eps_low, eps_high) of a token with advantage `adv` (the device picks the same).
+    pub fn bounds(&self, adv: f32) -> (f32, f32) {
+        match self.eps_neg {
+            Some(neg) if adv < 0.0 => neg,
+            _ => (self.eps_low, self.eps_high),
+        }
+    }
+
+    /// The pair for negative advantages as the kernels take it (the positive pair when unset).
+    fn neg_pair(&self) -> (f32, f32) {
+        self.eps_neg.unwrap_or((self.eps_low, self.eps_high))
     }
 
     /// The multiplier applied to the logits: `1 / temperature`, computed exactly as the
@@ -160,13 +188,15 @@ pub enum Gate {
     Undefined,
 }
 
-/// The gate of a ratio (the device's `gate_of`, expression for expression).
+/// The gate of a ratio, for a token with advantage `adv` (the device's `gate_of`, expression
+/// for expression).
 #[inline]
-pub fn gate_of(p: &GateParams, rho: f32) -> Gate {
+pub fn gate_of(p: &GateParams, rho: f32, adv: f32) -> Gate {
+    let (eps_low, eps_high) = p.bounds(adv);
     let (inside, low, high) = match p.mode {
         GateMode::Dis => {
-            let lo = 1.0 - p.eps_low;
-            let hi = 1.0 + p.eps_high;
+            let lo = 1.0 - eps_low;
+            let hi = 1.0 + eps_high;
             (rho > lo && rho < hi, rho <= lo, rho >= hi)
         }
         GateMode::Icepop => {
@@ -201,7 +231,7 @@ pub struct TokenTerm {
 #[inline]
 pub fn token_term(p: &GateParams, logp: f32, behavior: f32, adv: f32, m: f32, c: f32) -> TokenTerm {
     let rho = (logp - behavior).exp();
-    let gate = gate_of(p, rho);
+    let gate = gate_of(p, rho, adv);
     let masked = m != 0.0;
     let k = m * c;
     let accepted = masked && gate == Gate::Inside;
@@ -225,7 +255,8 @@ pub fn token_term(p: &GateParams, logp: f32, behavior: f32, adv: f32, m: f32, c:
             }
             GateMode::Icepop | GateMode::Ppo => {
                 let s1 = rho * adv;
-                let clipped = rho.max(1.0 - p.eps_low).min(1.0 + p.eps_high);
+                let (eps_low, eps_high) = p.bounds(adv);
+                let clipped = rho.max(1.0 - eps_low).min(1.0 + eps_high);
                 let s2 = clipped * adv;
                 term = -(k * s1.min(s2));
                 if s1 <= s2 {
@@ -792,6 +823,8 @@ fn device_run(
             .arg_i32(params.mode.code())
             .arg_f32(params.eps_low)
             .arg_f32(params.eps_high)
+            .arg_f32(params.neg_pair().0)
+            .arg_f32(params.neg_pair().1)
             .arg_f32(params.beta)
             .arg_f32(params.scale()),
     )?;
@@ -799,6 +832,7 @@ fn device_run(
         &Launch::new("is_gate_loss_finish", [1, 1, 1], [THREADS, 1, 1])
             .arg_tensor(mask)
             .arg_tensor(batch.behavior_logp)
+            .arg_tensor(batch.advantages)
             .arg_tensor(&logp)
             .arg_tensor(&ratio)
             .arg_tensor(&accepted)
@@ -807,6 +841,8 @@ fn device_run(
             .arg_i32(params.mode.code())
             .arg_f32(params.eps_low)
             .arg_f32(params.eps_high)
+            .arg_f32(params.neg_pair().0)
+            .arg_f32(params.neg_pair().1)
             .arg_f32(params.beta)
             .arg_tensor(&loss)
             .arg_tensor(&counters),
@@ -825,6 +861,13 @@ fn run_spec(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
         mode: GateMode::parse(call.param("mode")?)?,
         eps_low: call.param_f32("eps_low")?,
         eps_high: call.param_f32("eps_high")?,
+        eps_neg: match (call.param("eps_low_neg")?, call.param("eps_high_neg")?) {
+            ("same", "same") => None,
+            _ => Some((
+                call.param_f32("eps_low_neg")?,
+                call.param_f32("eps_high_neg")?,
+            )),
+        },
         beta: call.param_f32("beta")?,
         temperature: call.param_f32("temperature")?,
     };
@@ -864,6 +907,8 @@ pub static SPEC: OpSpec = OpSpec {
         ParamSpec { name: "mode", default: Some("dis"), help: "dis | icepop | ppo | pg" },
         ParamSpec { name: "eps_low", default: Some("0.2"), help: "lower clip/gate epsilon" },
         ParamSpec { name: "eps_high", default: Some("0.28"), help: "upper clip/gate epsilon" },
+        ParamSpec { name: "eps_low_neg", default: Some("same"), help: "lower epsilon for tokens with a negative advantage (same: eps_low; set both _neg params or neither)" },
+        ParamSpec { name: "eps_high_neg", default: Some("same"), help: "upper epsilon for tokens with a negative advantage (same: eps_high)" },
         ParamSpec { name: "beta", default: Some("2"), help: "icepop gate [1/beta, beta]" },
         ParamSpec {
             name: "temperature",

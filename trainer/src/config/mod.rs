@@ -135,8 +135,11 @@ pub struct LossSection {
     pub mode: sluice_kernels::ops::is_gate_loss::GateMode,
     pub eps_low: f32,
     pub eps_high: f32,
+    /// The bounds of tokens with a negative advantage (`loss.four_bounds`); None: one pair.
+    pub eps_neg: Option<(f32, f32)>,
     pub beta: f32,
     pub std_free: bool,
+    pub aggregation: sluice_runtime::learner::Aggregation,
     pub micro_batch_tokens: usize,
 }
 

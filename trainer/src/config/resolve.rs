@@ -302,8 +302,25 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         mode,
         eps_low: loss.float("eps_low", |x| (0.0..1.0).contains(&x), "in [0, 1)")? as f32,
         eps_high: loss.float("eps_high", |x| x >= 0.0, ">= 0")? as f32,
+        eps_neg: {
+            let pair = (
+                loss.float("eps_low_neg", |x| (0.0..1.0).contains(&x), "in [0, 1)")? as f32,
+                loss.float("eps_high_neg", |x| x >= 0.0, ">= 0")? as f32,
+            );
+            loss.bool("four_bounds")?.then_some(pair)
+        },
         beta: loss.float("beta", |x| x >= 1.0, ">= 1")? as f32,
         std_free: loss.bool("std_free")?,
+        aggregation: match loss.str("aggregation")? {
+            "token" => sluice_runtime::learner::Aggregation::Token,
+            "prompt" => sluice_runtime::learner::Aggregation::Prompt,
+            other => {
+                return Err(err(
+                    "loss.aggregation",
+                    format!("{other:?} is not token or prompt"),
+                ))
+            }
+        },
         micro_batch_tokens: loss.int("micro_batch_tokens", 1, 1 << 24)? as usize,
     };
 

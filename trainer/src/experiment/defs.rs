@@ -280,6 +280,24 @@ fn minibatch_arms() -> Vec<Arm> {
         .collect()
 }
 
+fn objective_arms() -> Vec<Arm> {
+    vec![
+        arm("token-two-bounds", &[]),
+        arm(
+            "four-bounds",
+            &sets(&[
+                ("loss.four_bounds", "true".into()),
+                ("loss.eps_low_neg", "0.02".into()),
+                ("loss.eps_high_neg", "0.02".into()),
+            ]),
+        ),
+        arm(
+            "prompt-mean",
+            &sets(&[("loss.aggregation", "\"prompt\"".into())]),
+        ),
+    ]
+}
+
 fn dynamic_sampling_arms() -> Vec<Arm> {
     [false, true]
         .iter()
@@ -471,6 +489,23 @@ pub static EXPERIMENTS: &[Experiment] = &[
             ("RL time (s)", rl_time),
         ],
         chart: ChartKind::Bars(3),
+        unavailable: None,
+    },
+    Experiment {
+        name: "objectives",
+        about: "the loss's token mean with one pair of clip bounds (the default), four bounds \
+                (tokens with a negative advantage gated at 1 -/+ 0.02, positive ones at the \
+                default 0.2 / 0.28), and the prompt mean (each group's token mean, then the \
+                mean over groups)",
+        base_sets: &[],
+        arms: objective_arms,
+        columns: &[
+            ("IS gated", is_clip),
+            ("reward", reward),
+            ("gradient tok/s", grad),
+            ("RL time (s)", rl_time),
+        ],
+        chart: ChartKind::Bars(1),
         unavailable: None,
     },
     Experiment {

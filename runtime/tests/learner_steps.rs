@@ -1,16 +1,20 @@
-//! Minibatches and epochs (issue 28 item 1, `LearnerConfig::{minibatches, epochs}`), against
-//! the hand-made sequence they promise, bit for bit on cpu: a learner step with m minibatches
-//! is m optimizer steps, each on a contiguous slice of the batch's groups with its own token
-//! mean, which is what m learner steps on those slices do; epochs repeat the pass. The version
-//! moves once per learner step, and the zero-lag audit covers only the batch's first optimizer
-//! step (the only one on the weights of the learner's version).
+//! The learner's step structure and objectives of issue 28, against hand-made equivalents on
+//! cpu:
+//! - minibatches and epochs (item 1, `LearnerConfig::{minibatches, epochs}`), bit for bit: a
+//!   learner step with m minibatches is m optimizer steps, each on a contiguous slice of the
+//!   batch's groups with its own token mean, which is what m learner steps on those slices do;
+//!   epochs repeat the pass. The version moves once per learner step, and the zero-lag audit
+//!   covers only the batch's first optimizer step (the only one on the weights of the learner's
+//!   version);
+//! - prompt-mean aggregation (item 5, `Aggregation::Prompt`): the loss is the mean over groups
+//!   of each group's token mean, checked against token-mean steps on each group alone.
 
 use sluice_kernels::Backend;
 use sluice_model::optim::OptimConfig;
 use sluice_model::{Model, ModelConfig, Precision};
 use sluice_runtime::buffer::ReadyGroup;
 use sluice_runtime::engine::{Engine, EngineConfig, Event, Request};
-use sluice_runtime::learner::{Learner, LearnerConfig};
+use sluice_runtime::learner::{Aggregation, Learner, LearnerConfig};
 use sluice_runtime::trajectory::{SamplingParams, WeightVersion};
 
 fn model() -> Model {
@@ -162,4 +166,67 @@ fn epochs_repeat_the_pass_and_more_minibatches_than_groups_give_one_a_group() {
         .unwrap()
         .to_string();
     assert!(e.contains("minibatches"), "{e}");
+}
+
+/// Groups 0 and 1 of `groups`, the second with its last trajectory cut short so the two have
+/// different token counts (the case where the two aggregations differ).
+fn unequal(m: &Model) -> Vec<ReadyGroup> {
+    let mut g: Vec<ReadyGroup> = groups(m).into_iter().take(2).collect();
+    let s = &mut g[1].samples[1];
+    let keep = s.prompt_len + 2;
+    s.tokens.truncate(keep);
+    s.loss_mask.truncate(keep);
+    s.behavior_logp.truncate(keep);
+    s.weight_version.truncate(keep);
+    s.turns.clear();
+    g
+}
+
+#[test]
+fn prompt_aggregation_is_the_mean_of_the_groups_token_means() {
+    let m = model();
+    let batch = unequal(&m);
+    let count = |g: &ReadyGroup| -> usize {
+        g.samples
+            .iter()
+            .map(|s| s.loss_mask[1..].iter().filter(|&&x| x).count())
+            .sum()
+    };
+    assert_ne!(
+        count(&batch[0]),
+        count(&batch[1]),
+        "the test needs unequal groups"
+    );
+    let step = |aggregation: Aggregation, groups: &[ReadyGroup]| {
+        let cfg = LearnerConfig {
+            aggregation,
+            ..LearnerConfig::default()
+        };
+        let mut l = Learner::new(Backend::Cpu, model(), OptimConfig::default(), cfg, 0).unwrap();
+        l.train(groups).unwrap().loss
+    };
+    let (l0, l1) = (
+        step(Aggregation::Token, &batch[..1]),
+        step(Aggregation::Token, &batch[1..]),
+    );
+    let prompt = step(Aggregation::Prompt, &batch);
+    let token = step(Aggregation::Token, &batch);
+    let want = 0.5 * (l0 + l1);
+    assert!(
+        (prompt - want).abs() <= 1e-6 * want.abs().max(1e-3),
+        "prompt mean {prompt} against the groups' token means' mean {want}"
+    );
+    let n = (count(&batch[0]) as f64, count(&batch[1]) as f64);
+    let token_want = (l0 * n.0 + l1 * n.1) / (n.0 + n.1);
+    assert!((token - token_want).abs() <= 1e-6 * token_want.abs().max(1e-3));
+    assert!(
+        (prompt - token).abs() > 1e-6,
+        "the aggregations must differ here"
+    );
+    // One group: the two are the same mean.
+    let one = step(Aggregation::Prompt, &batch[..1]);
+    assert!(
+        (one - l0).abs() <= 1e-6 * l0.abs().max(1e-3),
+        "{one} vs {l0}"
+    );
 }
