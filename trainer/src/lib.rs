@@ -13,6 +13,7 @@ pub mod experiment;
 pub mod kernel_cmd;
 pub mod progress;
 pub mod report;
+pub mod serve;
 pub mod sft_cmd;
 pub mod tasks;
 pub mod tasks_cmd;

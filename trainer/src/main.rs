@@ -218,6 +218,26 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// One rollout engine as an HTTP server (docs/runtime.md, "Rollout servers"): token
+    /// generation with log-probs and versions, streaming, abort, weight installs, OpenAI-style
+    /// endpoints. Prints `listening on http://ADDR` as its first line.
+    Serve {
+        /// The config (TOML): the model, tokenizer, [rollout] engine and sampling defaults.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// A checkpoint to serve (default: the config's model, freshly initialised).
+        #[arg(long)]
+        weights: Option<PathBuf>,
+        /// The weight version the starting weights are served as.
+        #[arg(long, default_value_t = 0)]
+        weights_version: u64,
+        /// host:port to bind (default 127.0.0.1:0, a port from the OS).
+        #[arg(long)]
+        listen: Option<String>,
+        /// Override one config key: --set section.key=value (repeatable).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
+    },
     /// A checkpoint's pass rate on a task's held-out problems, greedy and sampled.
     Eval {
         /// The checkpoint (final.safetensors or a checkpoint of a run folder).
@@ -560,6 +580,28 @@ fn main() -> ExitCode {
             };
             match run_experiment(&opts, &mut std::io::stdout()) {
                 Ok(_) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(if e.is_bad_input() { 2 } else { 1 })
+                }
+            }
+        }
+        Command::Serve {
+            config,
+            weights,
+            weights_version,
+            listen,
+            sets,
+        } => {
+            let opts = sluice_trainer::serve::ServeOptions {
+                config,
+                sets,
+                weights,
+                weights_version,
+                listen,
+            };
+            match sluice_trainer::serve::run(&opts, &mut std::io::stdout()) {
+                Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("error: {e}");
                     ExitCode::from(if e.is_bad_input() { 2 } else { 1 })
