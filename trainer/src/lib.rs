@@ -2,6 +2,7 @@
 
 pub mod arms;
 pub mod bench_cmd;
+pub mod bench_serve;
 pub mod bench_steps;
 pub mod config;
 pub mod delta_cmd;
