@@ -169,10 +169,10 @@ fn over_http(
     vocab: usize,
     batch: usize,
 ) -> Result<(f64, Generated), TrainError> {
-    // The client threads start together once all exist: spawning them is not HTTP's cost.
-    let ready = std::sync::Barrier::new(batch + 1);
-    let mut start = Instant::now();
-    let answers: Vec<Result<Value, TrainError>> = std::thread::scope(|scope| {
+    // The client threads start together once all exist (spawning them is not HTTP's cost);
+    // the clock starts when the first of them starts.
+    let ready = std::sync::Barrier::new(batch);
+    let answers: Vec<(Instant, Result<Value, TrainError>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..batch)
             .map(|s| {
                 let body = json!({
@@ -185,21 +185,26 @@ fn over_http(
                 let ready = &ready;
                 scope.spawn(move || {
                     ready.wait();
-                    post(agent, &url, &body)
+                    (Instant::now(), post(agent, &url, &body))
                 })
             })
             .collect();
-        ready.wait();
-        start = Instant::now();
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(run_err("client thread"))))
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| (Instant::now(), Err(run_err("client thread"))))
+            })
             .collect()
     });
-    let secs = start.elapsed().as_secs_f64();
+    let secs = answers
+        .iter()
+        .map(|(t, _)| *t)
+        .min()
+        .map_or(0.0, |t| t.elapsed().as_secs_f64());
     let mut out = Vec::with_capacity(batch);
     let mut tokens = 0;
-    for (s, a) in answers.into_iter().enumerate() {
+    for (s, (_, a)) in answers.into_iter().enumerate() {
         let a = a?;
         let ids: Vec<TokenId> = serde_json::from_value(a["ids"].clone()).map_err(run_err)?;
         let bits: Vec<u32> = serde_json::from_value(a["logprob_bits"].clone()).map_err(run_err)?;
