@@ -9,9 +9,9 @@
 //! the same session ids (the sampler is keyed by session and position, every op is batch
 //! invariant), and the bench checks that they did, log-prob bits included.
 //!
-//! Then the server's resident memory (VmRSS of the child, /proc/PID/status) before and after
-//! opening `idle` sessions that stay open (one short turn each, K/V kept): the growth beyond
-//! the bytes of the KV blocks they hold is what a session costs on the server.
+//! Then, on a fresh server, its resident memory (VmRSS of the child, /proc/PID/status) before
+//! and after opening `idle` sessions that stay open (one short turn each, K/V kept): the
+//! growth beyond the bytes of the KV blocks they hold is what a session costs on the server.
 
 use crate::serve::{prepare, ServeOptions};
 use crate::train_cmd::TrainError;
@@ -291,7 +291,10 @@ pub fn run(
             identical,
         });
     }
-    // Idle sessions: one 1-token turn each, then left open.
+    drop(server);
+    // Idle sessions, on a fresh server (the batches above left K/V pages resident that the
+    // idle sessions' blocks would reuse): one 1-token turn each, then left open.
+    let server = start_server(&o.serve)?;
     let pid = server.child.id();
     let rss_before_kib = vm_rss_kib(pid)?;
     let url = format!("{}/generate", server.url);

@@ -255,7 +255,7 @@ enum Command {
         #[arg(long, default_value_t = 8)]
         prompt: usize,
         /// Generated tokens per session.
-        #[arg(long, default_value_t = 128)]
+        #[arg(long, default_value_t = 512)]
         tokens: u32,
         /// Repetitions per B (the best is reported).
         #[arg(long, default_value_t = 5)]
