@@ -450,6 +450,13 @@ fn streaming_abort_and_bad_requests() {
             "the only parameter is version=N",
         ),
         (
+            "/health",
+            "application/json",
+            b"{}".to_vec(),
+            405,
+            "/health does not take POST",
+        ),
+        (
             "/nowhere",
             "application/json",
             b"{}".to_vec(),
@@ -639,6 +646,20 @@ fn chat_reuses_the_sessions_ids_and_flags_an_edited_history() {
     let h = server.get("/health");
     assert_eq!(h["counters"]["reencoded_turns"], 1);
     assert_eq!(h["sessions"], 1, "the chat session is kept open");
+    // A bad history for the open session is refused and leaves the session as it was.
+    let (status, v) = server.post(
+        "/v1/chat/completions",
+        &json!({"session_id": "c", "messages": [{"role": "robot", "content": "x"}]}),
+    );
+    assert_eq!(status, 400, "{v}");
+    let h = server.get("/health");
+    assert_eq!(
+        (
+            h["sessions"].clone(),
+            h["counters"]["reencoded_turns"].clone()
+        ),
+        (json!(1), json!(1))
+    );
     // Completions: text in, text and ids out; one turn, nothing kept.
     let c = server.ok(
         "/v1/completions",

@@ -274,7 +274,8 @@ impl EngineThread {
             }
         }
         let Some(session) = self.sessions.get(&id) else {
-            return self.open_session(ep, id, keep, req);
+            let base = self.defaults;
+            return self.open_session(ep, id, keep, req, base, StopConfig::default());
         };
         if session.turn.is_some() {
             return Err(ApiError::conflict(format!(
@@ -302,8 +303,9 @@ impl EngineThread {
                     ),
                     None => {
                         // The client's history is not what this session holds: start over
-                        // from the text (flagged: its ids were not all sampled here).
-                        self.close(&id);
+                        // from the text (flagged: its ids were not all sampled here), with the
+                        // session's sampling; the old trajectory ends once the new one is in.
+                        let (base, base_stop) = (session.sampling, session.stop.clone());
                         return self.open_session(
                             ep,
                             id,
@@ -312,6 +314,8 @@ impl EngineThread {
                                 input: TurnInput::Chat(messages),
                                 ..req
                             },
+                            base,
+                            base_stop,
                         );
                     }
                 }
@@ -333,15 +337,19 @@ impl EngineThread {
         ))
     }
 
-    /// Submits a new session's first turn.
+    /// Submits a session's first turn: the request's sampling and stop ids over `base` and
+    /// `base_stop`. A session already under this id (a chat history that had to be encoded
+    /// again) is replaced only once the new trajectory is accepted.
     fn open_session(
         &mut self,
         ep: &'static str,
         id: String,
         keep: bool,
         req: TurnRequest,
+        base: SamplingParams,
+        base_stop: StopConfig,
     ) -> Result<(String, TurnStart), ApiError> {
-        let mut sampling = self.defaults;
+        let mut sampling = base;
         let f = req.sampling;
         sampling.temperature = f.temperature.unwrap_or(sampling.temperature);
         sampling.top_k = f.top_k.unwrap_or(sampling.top_k);
@@ -358,7 +366,7 @@ impl EngineThread {
                 (prompt, reencoded, Some(messages))
             }
         };
-        let stop = req.stop.unwrap_or_default();
+        let stop = req.stop.unwrap_or(base_stop);
         let handles = self
             .engine
             .submit(Request {
@@ -373,6 +381,7 @@ impl EngineThread {
             })
             .map_err(|e| engine_error(ep, e))?;
         let chat = history.as_ref().map(|_| Vec::new());
+        self.close(&id);
         self.sessions.insert(
             id.clone(),
             Session {

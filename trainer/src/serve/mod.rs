@@ -320,6 +320,20 @@ async fn not_found(State(state): State<Arc<AppState>>, uri: axum::http::Uri) -> 
     })
 }
 
+async fn wrong_method(
+    State(state): State<Arc<AppState>>,
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+) -> Response {
+    state.reject(ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message: format!(
+            "{} does not take {method}: /health and /version are GET, the others POST",
+            uri.path()
+        ),
+    })
+}
+
 /// The routes (every request body is read whole: the engine needs all of it).
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
@@ -335,6 +349,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .fallback(not_found)
+        .method_not_allowed_fallback(wrong_method)
         .with_state(state)
 }
 
