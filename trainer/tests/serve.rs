@@ -481,11 +481,46 @@ fn streaming_abort_and_bad_requests() {
         );
         assert_eq!(server.get("/health")["status"], "ok");
     }
+    // A body over the limit: answered 413 from its Content-Length, before it is sent (a raw
+    // socket, since a client that insists on sending the body may meet a closed connection).
+    {
+        use std::io::{Read, Write};
+        let addr = server.url.strip_prefix("http://").unwrap();
+        let mut sock = std::net::TcpStream::connect(addr).unwrap();
+        write!(
+            sock,
+            "POST /generate HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n",
+            17 << 20
+        )
+        .unwrap();
+        // The answer's head and its JSON body (the server may keep the socket open).
+        sock.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        let answer = loop {
+            let n = sock.read(&mut buf).unwrap();
+            assert!(
+                n > 0,
+                "connection closed: {}",
+                String::from_utf8_lossy(&got)
+            );
+            got.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&got).to_string();
+            if text.contains("\r\n\r\n") && text.trim_end().ends_with('}') {
+                break text;
+            }
+        };
+        assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+        assert!(answer.contains("within 16777216 bytes"), "{answer}");
+        assert_eq!(server.get("/health")["status"], "ok");
+    }
     let h = server.get("/health");
     assert_eq!(
         h["counters"]["rejected"],
-        cases.len() as u64 + 1,
-        "the 409 above counts too"
+        cases.len() as u64 + 2,
+        "the 409 and the 413 above count too"
     );
     assert_eq!(h["sessions"], 0);
     assert_eq!(

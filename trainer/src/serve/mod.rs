@@ -193,7 +193,47 @@ impl AppState {
     }
 }
 
-async fn generate(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+/// The most bytes of a JSON request (a prompt of a million ids fits).
+pub const MAX_JSON_BODY: usize = 16 << 20;
+
+/// A JSON endpoint's body, read whole; a larger one is a 413 with a JSON error (counted).
+pub struct JsonBody(pub Bytes);
+
+impl axum::extract::FromRequest<Arc<AppState>> for JsonBody {
+    type Rejection = Response;
+
+    async fn from_request(
+        req: axum::extract::Request,
+        state: &Arc<AppState>,
+    ) -> Result<Self, Self::Rejection> {
+        let path = req.uri().path().to_string();
+        // Refused from its Content-Length at once, before any of it is read.
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        if let Some(n) = declared.filter(|&n| n > MAX_JSON_BODY as u64) {
+            return Err(state.reject(ApiError {
+                status: StatusCode::PAYLOAD_TOO_LARGE,
+                message: format!(
+                    "{path}: a body of {n} bytes is over the limit: it must fit within \
+                     {MAX_JSON_BODY} bytes"
+                ),
+            }));
+        }
+        match axum::body::to_bytes(req.into_body(), MAX_JSON_BODY).await {
+            Ok(b) => Ok(JsonBody(b)),
+            Err(e) => Err(state.reject(ApiError {
+                status: StatusCode::PAYLOAD_TOO_LARGE,
+                message: format!(
+                    "{path}: the body could not be read whole within {MAX_JSON_BODY} bytes: {e}"
+                ),
+            })),
+        }
+    }
+}
+
+async fn generate(State(state): State<Arc<AppState>>, JsonBody(body): JsonBody) -> Response {
     let b: GenerateBody = match api::parse_body("/generate", &body) {
         Ok(b) => b,
         Err(e) => return state.reject(e),
@@ -236,7 +276,7 @@ async fn generate(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         .into_response()
 }
 
-async fn abort(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn abort(State(state): State<Arc<AppState>>, JsonBody(body): JsonBody) -> Response {
     let b: api::AbortBody = match api::parse_body("/abort", &body) {
         Ok(b) => b,
         Err(e) => return state.reject(e),

@@ -19,9 +19,8 @@
 
 use super::api::{ApiError, FinishReason, SamplingFields, TurnResult};
 use super::engine_thread::{TurnInput, TurnRequest};
-use super::AppState;
+use super::{AppState, JsonBody};
 use crate::tasks::text::TextTokenizer;
-use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -243,7 +242,7 @@ fn merge(mut a: Value, b: Value) -> Value {
 }
 
 /// `POST /v1/completions`.
-pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+pub async fn completions(State(state): State<Arc<AppState>>, JsonBody(body): JsonBody) -> Response {
     let ep = "/v1/completions";
     let r = match run(&state, ep, &body, false).await {
         Ok(r) => r,
@@ -273,7 +272,10 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Res
 }
 
 /// `POST /v1/chat/completions`.
-pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+pub async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    JsonBody(body): JsonBody,
+) -> Response {
     let ep = "/v1/chat/completions";
     let r = match run(&state, ep, &body, true).await {
         Ok(r) => r,
