@@ -669,7 +669,7 @@ fn chat_reuses_the_sessions_ids_and_flags_an_edited_history() {
     let r2_reply = r2["choices"][0]["message"].clone();
     let r3 = server.ok(
         "/v1/chat/completions",
-        &json!({"session_id": "c", "messages": [user, edited, next, r2_reply, {"role": "user", "content": "?"}],
+        &json!({"session_id": "c", "messages": [user, edited, next, r2_reply.clone(), {"role": "user", "content": "?"}],
                 "max_tokens": 3}),
     );
     assert_eq!(r3["reencoded"], true);
@@ -695,6 +695,37 @@ fn chat_reuses_the_sessions_ids_and_flags_an_edited_history() {
         ),
         (json!(1), json!(1))
     );
+    // Ids appended to the chat session through /generate: the recorded messages no longer
+    // describe its ids, so the next chat turn, even with the history as returned, is
+    // encoded again and flagged.
+    // (After the re-encode, the new trajectory's history is reused as before.)
+    let r3_reply = r3["choices"][0]["message"].clone();
+    let mut history = vec![
+        user.clone(),
+        edited,
+        next,
+        r2_reply,
+        json!({"role": "user", "content": "?"}),
+        r3_reply,
+    ];
+    history.push(json!({"role": "user", "content": "1"}));
+    let r3b = server.ok(
+        "/v1/chat/completions",
+        &json!({"session_id": "c", "messages": history, "max_tokens": 2}),
+    );
+    assert_eq!(r3b["reencoded"], false);
+    history.push(r3b["choices"][0]["message"].clone());
+    history.push(json!({"role": "user", "content": "2"}));
+    server.ok(
+        "/generate",
+        &json!({"session_id": "c", "prompt": [5], "max_new_tokens": 1}),
+    );
+    let r4 = server.ok(
+        "/v1/chat/completions",
+        &json!({"session_id": "c", "messages": history, "max_tokens": 2}),
+    );
+    assert_eq!(r4["reencoded"], true);
+    assert_eq!(server.get("/health")["counters"]["reencoded_turns"], 2);
     // Completions: text in, text and ids out; one turn, nothing kept.
     let c = server.ok(
         "/v1/completions",

@@ -324,6 +324,13 @@ impl EngineThread {
         self.engine
             .observe(handle, &observation, max_new)
             .map_err(|e| engine_error(ep, e))?;
+        if history.is_none() {
+            // Ids appended outside the chat template: the recorded messages no longer
+            // describe the session's ids, so a later chat turn is encoded again (flagged).
+            if let Some(s) = self.sessions.get_mut(&id) {
+                s.chat = None;
+            }
+        }
         let len = self.engine.trajectory(handle).map_or(0, |v| v.tokens.len());
         self.counters.turns_started += 1;
         Ok((
