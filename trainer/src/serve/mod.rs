@@ -7,11 +7,13 @@
 //! port from the OS), so a caller that started the process reads its address there.
 //!
 //! - [`api`]: the token endpoints' JSON and the errors (a 4xx with `{"error": ...}`).
+//! - [`commands`]: what the handlers send the engine thread and what it answers.
 //! - [`engine_thread`]: sessions, turns, streaming, abort, weight installs, counters.
 //! - [`openai`]: `/v1/completions` and `/v1/chat/completions` through the run's tokenizer.
 //! - [`weights`]: `/weights` (a full checkpoint or a verified delta, by upload or by path).
 
 pub mod api;
+pub mod commands;
 pub mod engine_thread;
 pub mod openai;
 pub mod weights;
@@ -26,7 +28,8 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use engine_thread::{Command, EngineThread, Reply, TurnInput, TurnRequest};
+use commands::{Command, Reply, TurnInput, TurnRequest};
+use engine_thread::EngineThread;
 use sluice_kernels::Backend;
 use sluice_model::{Model, ModelConfig};
 use sluice_runtime::engine::{Engine, EngineConfig};

@@ -18,7 +18,7 @@
 //! policy did not sample.
 
 use super::api::{ApiError, FinishReason, SamplingFields, TurnResult};
-use super::engine_thread::{TurnInput, TurnRequest};
+use super::commands::{TurnInput, TurnRequest};
 use super::{AppState, JsonBody};
 use crate::tasks::text::TextTokenizer;
 use axum::extract::State;
