@@ -534,3 +534,50 @@ fn kv_pool_from_a_byte_budget_holds_twice_the_tokens_in_bf16() {
     .to_string();
     assert!(err.contains("kv_bytes"), "{err}");
 }
+
+#[test]
+fn trajectory_view_follows_each_step_and_matches_the_sample() {
+    // A server streams a turn's tokens from this view after every step and reports its
+    // log-probs and versions while the session stays open: the view must grow one token per
+    // step and end equal to what `finish` returns.
+    let m = model(ModelConfig::small(), 3, &Backend::Cpu);
+    let mut rng = Rng::new(9);
+    let p = prompt(&mut rng, 5, m.config.vocab);
+    let mut eng = engine(&m, Backend::Cpu, config(&m.config, 64, 4, 48));
+    let mut r = Request::new("view", p.clone(), 6);
+    r.multi_turn = true;
+    let h = eng.submit(r).unwrap()[0];
+    let mut seen = Vec::new();
+    let mut ended = None;
+    while eng.has_work() {
+        for e in eng.step().unwrap() {
+            ended = Some(e);
+        }
+        let v = eng.trajectory(h).unwrap();
+        assert_eq!(
+            v.tokens.len(),
+            p.len() + seen.len() + 1,
+            "one new token per step"
+        );
+        assert_eq!(&v.tokens[..p.len() + seen.len()][p.len()..], &seen[..]);
+        seen.push(*v.tokens.last().unwrap());
+        assert_eq!(v.behavior_logp.len(), v.tokens.len());
+        assert_eq!(v.versions.len(), v.tokens.len());
+    }
+    assert_eq!(seen.len(), 6);
+    assert!(eng.trajectory(h).unwrap().paused);
+    match ended {
+        Some(Event::TurnEnded { generated, .. }) => assert_eq!(generated, seen),
+        other => panic!("{other:?}"),
+    }
+    let v = eng.trajectory(h).unwrap();
+    let (tokens, logp) = (v.tokens.to_vec(), v.behavior_logp.to_vec());
+    let s = eng.finish(h, 0.0, TerminalReason::Budget).unwrap();
+    assert_eq!(s.tokens, tokens);
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&s.behavior_logp), bits(&logp));
+    assert!(
+        eng.trajectory(h).is_none(),
+        "a finished trajectory is no longer held"
+    );
+}

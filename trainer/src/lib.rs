@@ -2,6 +2,7 @@
 
 pub mod arms;
 pub mod bench_cmd;
+pub mod bench_serve;
 pub mod bench_steps;
 pub mod config;
 pub mod delta_cmd;
@@ -13,6 +14,7 @@ pub mod experiment;
 pub mod kernel_cmd;
 pub mod progress;
 pub mod report;
+pub mod serve;
 pub mod sft_cmd;
 pub mod tasks;
 pub mod tasks_cmd;

@@ -218,6 +218,52 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// One rollout engine as an HTTP server (docs/runtime.md, "Rollout servers"): token
+    /// generation with log-probs and versions, streaming, abort, weight installs, OpenAI-style
+    /// endpoints. Prints `listening on http://ADDR` as its first line.
+    Serve {
+        /// The config (TOML): the model, tokenizer, [rollout] engine and sampling defaults.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// A checkpoint to serve (default: the config's model, freshly initialised).
+        #[arg(long)]
+        weights: Option<PathBuf>,
+        /// The weight version the starting weights are served as.
+        #[arg(long, default_value_t = 0)]
+        weights_version: u64,
+        /// host:port to bind (default 127.0.0.1:0, a port from the OS).
+        #[arg(long)]
+        listen: Option<String>,
+        /// Override one config key: --set section.key=value (repeatable).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
+    },
+    /// The same decode workload through one `sluice serve` process over loopback and through
+    /// an in-process engine, side by side (tokens/s on the wall clock), and the server's
+    /// resident memory per idle session (docs/perf/serve.md).
+    BenchServe {
+        /// The config (default: configs/tiny.toml).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Override one config key (repeatable).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
+        /// Concurrent sessions per measurement (comma-separated).
+        #[arg(long, default_value = "1,16,64")]
+        batches: String,
+        /// Prompt tokens per session.
+        #[arg(long, default_value_t = 8)]
+        prompt: usize,
+        /// Generated tokens per session.
+        #[arg(long, default_value_t = 512)]
+        tokens: u32,
+        /// Repetitions per B (the best is reported).
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+        /// Idle sessions for the memory measurement.
+        #[arg(long, default_value_t = 1000)]
+        idle: usize,
+    },
     /// A checkpoint's pass rate on a task's held-out problems, greedy and sampled.
     Eval {
         /// The checkpoint (final.safetensors or a checkpoint of a run folder).
@@ -560,6 +606,63 @@ fn main() -> ExitCode {
             };
             match run_experiment(&opts, &mut std::io::stdout()) {
                 Ok(_) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(if e.is_bad_input() { 2 } else { 1 })
+                }
+            }
+        }
+        Command::BenchServe {
+            config,
+            sets,
+            batches,
+            prompt,
+            tokens,
+            reps,
+            idle,
+        } => {
+            let batches: Result<Vec<usize>, _> =
+                batches.split(',').map(|b| b.trim().parse()).collect();
+            let Ok(batches) = batches else {
+                eprintln!("error: --batches: give numbers separated by commas, e.g. 1,16,64");
+                return ExitCode::from(2);
+            };
+            let opts = sluice_trainer::bench_serve::BenchServeOptions {
+                serve: sluice_trainer::serve::ServeOptions {
+                    config: Some(config.unwrap_or_else(|| PathBuf::from("configs/tiny.toml"))),
+                    sets,
+                    ..Default::default()
+                },
+                batches,
+                prompt,
+                tokens,
+                reps,
+                idle,
+            };
+            match sluice_trainer::bench_serve::run(&opts, &mut std::io::stdout()) {
+                Ok(_) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(if e.is_bad_input() { 2 } else { 1 })
+                }
+            }
+        }
+        Command::Serve {
+            config,
+            weights,
+            weights_version,
+            listen,
+            sets,
+        } => {
+            let opts = sluice_trainer::serve::ServeOptions {
+                config,
+                sets,
+                weights,
+                weights_version,
+                listen,
+            };
+            match sluice_trainer::serve::run(&opts, &mut std::io::stdout()) {
+                Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("error: {e}");
                     ExitCode::from(if e.is_bad_input() { 2 } else { 1 })

@@ -207,6 +207,20 @@ pub enum Event {
     },
 }
 
+/// A trajectory the engine holds, read without ending it: what a server streams as tokens are
+/// sampled, and the log-probs and versions of a turn it reports while the session stays open.
+#[derive(Clone, Copy, Debug)]
+pub struct TrajectoryView<'a> {
+    /// Prompt, generated and observation tokens so far.
+    pub tokens: &'a [TokenId],
+    /// Per token: the behavior log-prob of a generated token, 0 elsewhere.
+    pub behavior_logp: &'a [f32],
+    /// Per token: the weight version that sampled it (generated) or computed its K/V.
+    pub versions: &'a [WeightVersion],
+    /// Between turns (waiting for `observe` or `finish`).
+    pub paused: bool,
+}
+
 /// An event as an environment reads it: which trajectory, the tokens of the turn that just
 /// ended, whether a length limit cut that turn, and the whole sample when the engine is done
 /// with the trajectory (single-turn).
@@ -481,6 +495,17 @@ impl Engine {
 
     pub fn is_empty(&self) -> bool {
         self.seqs.is_empty()
+    }
+
+    /// The tokens, log-probs and versions of a trajectory held (active or paused); None for a
+    /// handle the engine does not hold (finished, aborted or never issued).
+    pub fn trajectory(&self, handle: SeqHandle) -> Option<TrajectoryView<'_>> {
+        self.seqs.get(&handle).map(|s| TrajectoryView {
+            tokens: &s.tokens,
+            behavior_logp: &s.logp,
+            versions: &s.versions,
+            paused: s.phase == Phase::Paused,
+        })
     }
 
     /// Queues a request; returns the handles of its G trajectories (group indices 0..G).
