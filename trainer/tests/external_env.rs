@@ -342,6 +342,63 @@ fn the_python_port_of_tool_gives_the_builtin_rewards() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Issue 27 item 6's third figure as a test: one Python environment process (the tool port)
+/// with 256 sessions in flight at once (64 held-out problems x 4 responses, every request sent
+/// before the first reply is read), each reply the built-in task's for its (problem, response).
+#[test]
+fn one_python_process_serves_256_sessions_in_flight() {
+    let (builtin, problems) = builtin_tool(64);
+    let dir = scratch("ext-256");
+    let file = dir.join("held_out.jsonl");
+    let lines: String = problems
+        .iter()
+        .map(|p| {
+            export::line(&sluice_trainer::tasks::text::TextTokenizer::Char, p).to_string() + "\n"
+        })
+        .collect();
+    std::fs::write(&file, lines).unwrap();
+    let port = ExternalTask::new(
+        "tool_py",
+        Endpoint::Process {
+            program: python3().into(),
+            args: vec![
+                root().join("examples/tool/env.py").to_str().unwrap().into(),
+                "--held-out".into(),
+                file.to_str().unwrap().into(),
+            ],
+        },
+        64,
+        EnvIo {
+            timeout: Duration::from_secs(60),
+            retries: 0,
+            ..EnvIo::default()
+        },
+    )
+    .unwrap();
+    let mut calls = Vec::new();
+    for (i, p) in problems.iter().enumerate() {
+        let external = Problem {
+            id: format!("tool_py:{}", p.spec),
+            prompt: p.prompt.clone(),
+            spec: p.spec.clone(),
+        };
+        for (j, (turn, text)) in responses(&p.spec).into_iter().take(4).enumerate() {
+            let session = format!("many/{i}#{j}");
+            let generated = ids(&text);
+            port.prefetch(key(&session, turn), &external, &generated);
+            calls.push((session, turn, external.clone(), generated, p));
+        }
+    }
+    assert_eq!(calls.len(), 256);
+    for (session, turn, external, generated, p) in &calls {
+        let got = port.call(key(session, *turn), external, generated).unwrap();
+        let want = builtin.respond(p, *turn, generated).unwrap();
+        assert_eq!(got, want, "session {session}");
+    }
+    assert_eq!(port.restarts(), 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn the_http_kind_speaks_the_same_messages() {
     let mut server = Command::new(python3())
