@@ -296,11 +296,9 @@ fn assert_same_rewards(builtin: &dyn Task, port: &ExternalTask, problems: &[Prob
     pairs
 }
 
-#[test]
-fn the_python_port_of_tool_gives_the_builtin_rewards() {
-    let (builtin, problems) = builtin_tool(64);
-    // The port serves the built-in task's own held-out problems from the export.
-    let dir = scratch("ext-port");
+/// The Python port of the tool task (examples/tool/env.py) serving `problems` (written to
+/// dir/held_out.jsonl by `sluice tasks export`'s line format) as its held-out problems.
+fn tool_port(dir: &Path, problems: &[Problem], io: EnvIo) -> ExternalTask {
     let file = dir.join("held_out.jsonl");
     let lines: String = problems
         .iter()
@@ -309,7 +307,7 @@ fn the_python_port_of_tool_gives_the_builtin_rewards() {
         })
         .collect();
     std::fs::write(&file, lines).unwrap();
-    let port = ExternalTask::new(
+    ExternalTask::new(
         "tool_py",
         Endpoint::Process {
             program: python3().into(),
@@ -320,13 +318,22 @@ fn the_python_port_of_tool_gives_the_builtin_rewards() {
             ],
         },
         64,
-        EnvIo {
-            timeout: Duration::from_secs(20),
-            retries: 1,
-            ..EnvIo::default()
-        },
+        io,
     )
-    .unwrap();
+    .unwrap()
+}
+
+#[test]
+fn the_python_port_of_tool_gives_the_builtin_rewards() {
+    let (builtin, problems) = builtin_tool(64);
+    // The port serves the built-in task's own held-out problems from the export.
+    let dir = scratch("ext-port");
+    let io = EnvIo {
+        timeout: Duration::from_secs(20),
+        retries: 1,
+        ..EnvIo::default()
+    };
+    let port = tool_port(&dir, &problems, io);
     let pairs = assert_same_rewards(builtin.as_ref(), &port, &problems);
     assert_eq!(pairs, 64 * responses("1*1").len());
     // Its problems are the exported ones, prompt ids and all.
@@ -349,32 +356,12 @@ fn the_python_port_of_tool_gives_the_builtin_rewards() {
 fn one_python_process_serves_256_sessions_in_flight() {
     let (builtin, problems) = builtin_tool(64);
     let dir = scratch("ext-256");
-    let file = dir.join("held_out.jsonl");
-    let lines: String = problems
-        .iter()
-        .map(|p| {
-            export::line(&sluice_trainer::tasks::text::TextTokenizer::Char, p).to_string() + "\n"
-        })
-        .collect();
-    std::fs::write(&file, lines).unwrap();
-    let port = ExternalTask::new(
-        "tool_py",
-        Endpoint::Process {
-            program: python3().into(),
-            args: vec![
-                root().join("examples/tool/env.py").to_str().unwrap().into(),
-                "--held-out".into(),
-                file.to_str().unwrap().into(),
-            ],
-        },
-        64,
-        EnvIo {
-            timeout: Duration::from_secs(60),
-            retries: 0,
-            ..EnvIo::default()
-        },
-    )
-    .unwrap();
+    let io = EnvIo {
+        timeout: Duration::from_secs(60),
+        retries: 0,
+        ..EnvIo::default()
+    };
+    let port = tool_port(&dir, &problems, io);
     let mut calls = Vec::new();
     for (i, p) in problems.iter().enumerate() {
         let external = Problem {
