@@ -29,7 +29,7 @@
 use crate::buffer::ReadyGroup;
 use crate::trajectory::{Sample, WeightVersion};
 use sluice_kernels::ops::elementwise::residual_add;
-use sluice_kernels::ops::is_gate_loss::{GateParams, TokenInputs};
+use sluice_kernels::ops::is_gate_loss::{GateMode, GateParams, TokenInputs};
 use sluice_kernels::{Backend, DType, Error, Result};
 use sluice_model::forward::policy_loss_and_grad_on;
 use sluice_model::optim::{OptimConfig, OptimState, Optimizer, StepStats};
@@ -58,6 +58,10 @@ pub struct LearnerConfig {
     pub minibatches: usize,
     /// Passes over a batch's minibatches.
     pub epochs: usize,
+    /// Decoupled PPO (AReaL): `Some(cap)` clips the ratio to the proximal policy (the weights
+    /// at the start of the learner step) and weights each token by the stop-gradient
+    /// pi_prox / mu, zeroed above `cap` (see [`Learner::train`]). Needs the `ppo` mode.
+    pub decoupled: Option<f32>,
 }
 
 impl Default for LearnerConfig {
@@ -70,6 +74,7 @@ impl Default for LearnerConfig {
             aggregation: Aggregation::Token,
             minibatches: 1,
             epochs: 1,
+            decoupled: None,
         }
     }
 }
@@ -120,6 +125,9 @@ pub struct StepReport {
     pub optim: Option<StepStats>,
     /// Optimizer steps taken (minibatches x epochs).
     pub optimizer_steps: u64,
+    /// Masked tokens (repeats included) whose clipped surrogate took the clipped branch
+    /// (`ppo` and `icepop`: A > 0 and rho > 1 + eps_high, or A < 0 and rho < 1 - eps_low).
+    pub clipped: u64,
     pub micro_batches: u64,
     /// Tokens in the packed batches (prompts and observations included).
     pub tokens: u64,
@@ -223,6 +231,14 @@ impl std::fmt::Debug for Learner {
     }
 }
 
+/// What every optimizer step of a learner step reads: the flattened trajectories (sample,
+/// advantage, is a repeat), prompt-aggregation weights, and decoupled PPO's proximal log-probs.
+struct StepInputs<'a, 's> {
+    flat: &'a [(&'s Sample, f32, bool)],
+    weights: Option<&'a [f32]>,
+    prox: Option<&'a [Vec<f32>]>,
+}
+
 /// How one optimizer step of a learner step is counted in its report.
 #[derive(Clone, Copy)]
 struct Pass {
@@ -266,6 +282,23 @@ impl Learner {
                     cfg.minibatches, cfg.epochs
                 ),
             ));
+        }
+        if let Some(cap) = cfg.decoupled {
+            if cfg.loss.mode != GateMode::Ppo {
+                return Err(Error::param(
+                    "decoupled",
+                    format!(
+                        "decoupled PPO clips a PPO surrogate: the mode is {:?}",
+                        cfg.loss.mode
+                    ),
+                ));
+            }
+            if !(cap.is_finite() && cap > 0.0) {
+                return Err(Error::param(
+                    "decoupled",
+                    format!("weight cap {cap} must be > 0"),
+                ));
+            }
         }
         if !(cfg.adv_eps.is_finite() && cfg.adv_eps > 0.0) {
             return Err(Error::param(
@@ -394,6 +427,12 @@ impl Learner {
                 "a learner step needs at least one group".into(),
             ));
         }
+        // Decoupled PPO: every masked token's log-prob under the proximal policy, the weights
+        // now, before any optimizer step of this learner step.
+        let prox = match self.cfg.decoupled {
+            Some(_) => Some(self.proximal_logps(&flat)?),
+            None => None,
+        };
         // Minibatch i: groups [i n / m, (i + 1) n / m), in order.
         let m = self.cfg.minibatches.min(groups.len());
         for epoch in 0..self.cfg.epochs {
@@ -406,8 +445,12 @@ impl Learner {
                     loss_weight: 1.0 / m as f64,
                 };
                 let weights = (!token_weight.is_empty()).then_some(token_weight.as_slice());
-                let stats =
-                    self.optimizer_step(&flat, weights, range, &mut report, version, pass)?;
+                let inputs = StepInputs {
+                    flat: &flat,
+                    weights,
+                    prox: prox.as_deref(),
+                };
+                let stats = self.optimizer_step(&inputs, range, &mut report, version, pass)?;
                 report.optim = Some(stats);
                 report.optimizer_steps += 1;
             }
@@ -418,17 +461,73 @@ impl Learner {
         Ok(report)
     }
 
+    /// The proximal policy's log-prob of every token of `flat` (decoupled PPO): the learner's
+    /// current weights, through the same micro-batches and loss kernel as the training pass
+    /// (so at zero lag they equal the rollout's bits). Indexed [trajectory][position]; 0 where
+    /// not masked. Costs one forward and backward per micro-batch (the kernel's row log-prob;
+    /// a forward-only path would halve it).
+    fn proximal_logps(&mut self, flat: &[(&Sample, f32, bool)]) -> Result<Vec<Vec<f32>>> {
+        let mut prox: Vec<Vec<f32>> = flat
+            .iter()
+            .map(|(s, _, _)| vec![0.0; s.tokens.len()])
+            .collect();
+        for mb in self.micro_batches(flat, 0..flat.len()) {
+            let seqs: Vec<Vec<i32>> = mb
+                .seqs
+                .iter()
+                .map(|&i| flat[i].0.tokens.iter().map(|&t| t as i32).collect())
+                .collect();
+            let batch = PackedBatch::pack(&seqs, self.model.config.vocab)?;
+            let n = batch.len();
+            let (mut targets, mut mask) = (vec![0i32; n], vec![0.0f32; n]);
+            for (b, &i) in mb.seqs.iter().enumerate() {
+                let s = flat[i].0;
+                let r = batch.seq_range(b);
+                for j in 0..s.tokens.len() - 1 {
+                    targets[r.start + j] = s.tokens[j + 1] as i32;
+                    mask[r.start + j] = if s.loss_mask[j + 1] { 1.0 } else { 0.0 };
+                }
+            }
+            let zeros = vec![0.0f32; n];
+            let inputs = TokenInputs {
+                tokens: &targets,
+                behavior_logp: &zeros,
+                advantages: &zeros,
+                mask: &mask,
+                weight: None,
+            };
+            let params = GateParams {
+                temperature: mb.temperature,
+                ..self.cfg.loss
+            };
+            let out =
+                policy_loss_and_grad_on(&self.backend, &mut self.model, &batch, &inputs, &params)?;
+            for (b, &i) in mb.seqs.iter().enumerate() {
+                let r = batch.seq_range(b);
+                for j in 0..flat[i].0.tokens.len() - 1 {
+                    if flat[i].0.loss_mask[j + 1] {
+                        prox[i][j + 1] = out.logp[r.start + j];
+                    }
+                }
+            }
+        }
+        Ok(prox)
+    }
+
     /// One optimizer step on the trajectories `flat[range]`: their loss is their own token mean,
-    /// or with `weights` (one per trajectory of `flat`) their own weighted mean.
+    /// or with `weights` (one per trajectory of `flat`) their own weighted mean. With `prox`
+    /// (decoupled PPO) the kernel's ratio is pi_theta / pi_prox and each advantage carries the
+    /// stop-gradient weight pi_prox / mu (0 above the cap): every mode is linear in a positive
+    /// scaling of A, so the kernel needs nothing new.
     fn optimizer_step(
         &mut self,
-        flat: &[(&Sample, f32, bool)],
-        weights: Option<&[f32]>,
+        inputs_in: &StepInputs<'_, '_>,
         range: std::ops::Range<usize>,
         report: &mut StepReport,
         version: WeightVersion,
         pass: Pass,
     ) -> Result<StepStats> {
+        let (flat, weights) = (inputs_in.flat, inputs_in.weights);
         let total_masked: usize = flat[range.clone()]
             .iter()
             .map(|(s, _, _)| masked_tokens(s))
@@ -465,6 +564,12 @@ impl Learner {
                         mask[r.start + j] = 1.0;
                         behavior[r.start + j] = s.behavior_logp[j + 1];
                         adv[r.start + j] = a;
+                        if let (Some(prox), Some(cap)) = (inputs_in.prox, self.cfg.decoupled) {
+                            let p = prox[i][j + 1];
+                            let w = (p - s.behavior_logp[j + 1]).exp();
+                            behavior[r.start + j] = p;
+                            adv[r.start + j] = if w <= cap { a * w } else { 0.0 };
+                        }
                         masked_here += 1;
                         if let Some(w) = weights {
                             weight[r.start + j] = w[i];
@@ -617,6 +722,12 @@ impl Learner {
                 report.ratio_min = report.ratio_min.min(rho);
                 report.ratio_max = report.ratio_max.max(rho);
                 let accepted = out.accepted[row] != 0;
+                if matches!(self.cfg.loss.mode, GateMode::Ppo | GateMode::Icepop) && accepted {
+                    let (el, eh) = self.cfg.loss.bounds(advantage);
+                    if (advantage > 0.0 && rho > 1.0 + eh) || (advantage < 0.0 && rho < 1.0 - el) {
+                        report.clipped += 1;
+                    }
+                }
                 if !repeat {
                     report.masked_unique_tokens += 1;
                     report.accepted_unique_tokens += u64::from(accepted);

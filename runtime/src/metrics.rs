@@ -107,6 +107,9 @@ pub struct LearnerTotals {
     /// Optimizer steps (more than `steps` with minibatches or epochs).
     #[serde(default)]
     pub optimizer_steps: u64,
+    /// Tokens whose PPO surrogate took its clipped branch (see [`StepReport::clipped`]).
+    #[serde(default)]
+    pub clipped: u64,
     pub samples: u64,
     pub accepted_tokens: u64,
     /// Accepted tokens with a non-zero advantage (see [`StepReport::gradient_unique_tokens`]).
@@ -148,6 +151,7 @@ impl LearnerTotals {
     pub fn add(&mut self, r: &StepReport) {
         self.steps += 1;
         self.optimizer_steps += r.optimizer_steps;
+        self.clipped += r.clipped;
         self.accepted_tokens += r.accepted_unique_tokens;
         self.gradient_tokens += r.gradient_unique_tokens;
         self.masked_tokens += r.masked_tokens;

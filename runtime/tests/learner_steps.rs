@@ -9,6 +9,7 @@
 //! - prompt-mean aggregation (item 5, `Aggregation::Prompt`): the loss is the mean over groups
 //!   of each group's token mean, checked against token-mean steps on each group alone.
 
+use sluice_kernels::ops::is_gate_loss::{GateMode, GateParams};
 use sluice_kernels::Backend;
 use sluice_model::optim::OptimConfig;
 use sluice_model::{Model, ModelConfig, Precision};
@@ -229,4 +230,61 @@ fn prompt_aggregation_is_the_mean_of_the_groups_token_means() {
         (one - l0).abs() <= 1e-6 * l0.abs().max(1e-3),
         "{one} vs {l0}"
     );
+}
+
+fn ppo(minibatches: usize, decoupled: Option<f32>, eps: f32) -> LearnerConfig {
+    LearnerConfig {
+        loss: GateParams {
+            mode: GateMode::Ppo,
+            eps_low: eps,
+            eps_high: eps,
+            ..GateParams::default()
+        },
+        minibatches,
+        decoupled,
+        ..LearnerConfig::default()
+    }
+}
+
+/// Decoupled PPO (issue 28 item 4) at zero lag is PPO: the proximal log-probs are the rollout's
+/// bits (same weights, same kernels), so the ratio to pi_prox is exactly 1 and the weight
+/// pi_prox / mu is exactly 1: the same step, bit for bit. With two minibatches the second
+/// runs on weights one step past pi_prox, and its clip acts (a tight eps of 1e-3); with one
+/// minibatch it never does.
+#[test]
+fn decoupled_ppo_is_ppo_at_zero_lag_and_clips_across_minibatches() {
+    let m = model();
+    let batch = groups(&m);
+    let step = |cfg: LearnerConfig| {
+        let mut l = Learner::new(Backend::Cpu, model(), OptimConfig::default(), cfg, 0).unwrap();
+        let r = l.train(&batch).unwrap();
+        (weight_bits(&l), r)
+    };
+    let (plain, rp) = step(ppo(1, None, 0.2));
+    let (decoupled, rd) = step(ppo(1, Some(5.0), 0.2));
+    assert_eq!(plain, decoupled, "zero lag: decoupled PPO takes PPO's step");
+    assert_eq!(rd.loss.to_bits(), rp.loss.to_bits());
+    assert_eq!(rd.zero_lag_mismatch_tokens, 0);
+    assert!(rd.zero_lag_tokens > 0);
+
+    let (_, one) = step(ppo(1, Some(5.0), 1e-3));
+    assert_eq!(
+        one.clipped, 0,
+        "one minibatch: pi_theta = pi_prox, nothing to clip"
+    );
+    let (_, two) = step(ppo(2, Some(5.0), 1e-3));
+    assert!(
+        two.clipped > 0,
+        "the second minibatch's ratios left [1 - eps, 1 + eps]"
+    );
+
+    let bad = LearnerConfig {
+        decoupled: Some(5.0),
+        ..LearnerConfig::default()
+    };
+    let e = Learner::new(Backend::Cpu, model(), OptimConfig::default(), bad, 0)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("decoupled"), "{e}");
 }

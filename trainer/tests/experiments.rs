@@ -179,6 +179,16 @@ fn tight_bounds_for_negative_advantages_gate_more_tokens() {
 }
 
 #[test]
+fn decoupled_ppo_runs_four_optimizer_steps_per_learner_step() {
+    let r = experiment("decoupled-ppo", "coupled,decoupled", &[]);
+    for arm in ["coupled", "decoupled"] {
+        assert_eq!(value(&r, arm, "optimizer steps"), 12.0, "{arm}");
+        let clipped = value(&r, arm, "PPO clipped");
+        assert!((0.0..=1.0).contains(&clipped), "{arm}: {clipped}");
+    }
+}
+
+#[test]
 fn dynamic_sampling_drops_the_groups_without_signal() {
     let r = experiment("dynamic-sampling", "off,on", &[]);
     assert_eq!(value(&r, "off", "zero-signal groups dropped"), 0.0);

@@ -420,6 +420,11 @@ fn bad_configs_name_the_key_exit_2_and_leave_no_folder() {
             vec!["--set".into(), "loss.eps_low_neg=1.5".into()],
             "loss.eps_low_neg",
         ),
+        // Decoupled PPO needs the PPO surrogate (the default mode is dis).
+        (
+            vec!["--set".into(), "loss.decoupled=true".into()],
+            "loss.decoupled",
+        ),
         // More minibatches than a learner step has groups.
         (
             vec!["--set".into(), "optim.minibatches=999".into()],
@@ -456,7 +461,7 @@ fn bad_configs_name_the_key_exit_2_and_leave_no_folder() {
 
 /// The rollout strategies and objectives of issue 28 on the virtual clock, on the same replayed
 /// run: off (the defaults), and with every switch built so far on together (dynamic sampling,
-/// 2 minibatches x 2 epochs, four clip bounds, the prompt mean), twice. Off, groups whose rewards are all equal reach the learner
+/// 2 minibatches x 2 epochs, four clip bounds, the prompt mean, decoupled PPO), twice. Off, groups whose rewards are all equal reach the learner
 /// (counted); on, they are dropped and re-sampled: none is trained (the cap of 32 drops per
 /// learner step is never reached here); the 12 learner steps are 48 optimizer steps; the
 /// lag-0 tokens still match the rollout bit for bit; and the two runs are the same run.
@@ -484,6 +489,8 @@ fn issue_28_switches_together_keep_zero_mismatch_and_replay() {
                 "loss.eps_low_neg=0.1",
                 "loss.eps_high_neg=0.1",
                 "loss.aggregation=\"prompt\"",
+                "loss.mode=\"ppo\"",
+                "loss.decoupled=true",
             ] {
                 args.push("--set".into());
                 args.push(set.into());

@@ -140,6 +140,8 @@ pub struct LossSection {
     pub beta: f32,
     pub std_free: bool,
     pub aggregation: sluice_runtime::learner::Aggregation,
+    /// Decoupled PPO's weight cap (`loss.decoupled`); None: off.
+    pub decoupled: Option<f32>,
     pub micro_batch_tokens: usize,
 }
 

@@ -311,6 +311,21 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         },
         beta: loss.float("beta", |x| x >= 1.0, ">= 1")? as f32,
         std_free: loss.bool("std_free")?,
+        decoupled: {
+            let cap = loss.float("decoupled_weight_cap", |x| x > 0.0, "> 0")? as f32;
+            let on = loss.bool("decoupled")?;
+            if on && mode != sluice_kernels::ops::is_gate_loss::GateMode::Ppo {
+                return Err(err(
+                    "loss.decoupled",
+                    format!(
+                        "decoupled PPO clips a PPO surrogate: it needs loss.mode = \"ppo\", not \
+                         {:?}",
+                        loss.str("mode")?
+                    ),
+                ));
+            }
+            on.then_some(cap)
+        },
         aggregation: match loss.str("aggregation")? {
             "token" => sluice_runtime::learner::Aggregation::Token,
             "prompt" => sluice_runtime::learner::Aggregation::Prompt,

@@ -187,6 +187,10 @@ fn zero_signal_dropped(r: &ArmRun) -> Option<f64> {
     num(&r.summary, "zero_signal_groups_dropped")
 }
 
+fn ppo_clipped(r: &ArmRun) -> Option<f64> {
+    num(&r.summary, "ppo_clipped_fraction")
+}
+
 fn optimizer_steps(r: &ArmRun) -> Option<f64> {
     num(&r.summary, "optimizer_steps")
 }
@@ -275,6 +279,18 @@ fn minibatch_arms() -> Vec<Arm> {
                     ("optim.minibatches", m.to_string()),
                     ("optim.epochs", e.to_string()),
                 ]),
+            )
+        })
+        .collect()
+}
+
+fn decoupled_arms() -> Vec<Arm> {
+    [false, true]
+        .iter()
+        .map(|on| {
+            arm(
+                if *on { "decoupled" } else { "coupled" },
+                &sets(&[("loss.decoupled", on.to_string())]),
             )
         })
         .collect()
@@ -489,6 +505,22 @@ pub static EXPERIMENTS: &[Experiment] = &[
             ("RL time (s)", rl_time),
         ],
         chart: ChartKind::Bars(3),
+        unavailable: None,
+    },
+    Experiment {
+        name: "decoupled-ppo",
+        about: "PPO with 4 minibatches per learner step, the clip on pi_theta / mu (coupled) \
+                against AReaL's decoupled form (the clip on pi_theta / pi_prox, the weights at \
+                the step's start, and pi_prox / mu as a stop-gradient weight)",
+        base_sets: &["loss.mode=\"ppo\"", "optim.minibatches=4"],
+        arms: decoupled_arms,
+        columns: &[
+            ("PPO clipped", ppo_clipped),
+            ("optimizer steps", optimizer_steps),
+            ("reward", reward),
+            ("RL time (s)", rl_time),
+        ],
+        chart: ChartKind::Bars(2),
         unavailable: None,
     },
     Experiment {

@@ -633,6 +633,9 @@ struct RlTotals {
     /// Optimizer steps of the RL stages (learner steps x minibatches x epochs).
     #[serde(default)]
     optimizer_steps: u64,
+    /// Tokens whose PPO surrogate took its clipped branch.
+    #[serde(default)]
+    clipped: u64,
     #[serde(default)]
     zero_signal_dropped: u64,
     #[serde(default)]

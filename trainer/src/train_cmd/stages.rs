@@ -251,6 +251,7 @@ impl RunContext<'_> {
                 aggregation: cfg.loss.aggregation,
                 minibatches: cfg.optim.minibatches,
                 epochs: cfg.optim.epochs,
+                decoupled: cfg.loss.decoupled,
             },
             self.state.rl_version,
         )
@@ -401,6 +402,7 @@ impl RunContext<'_> {
         let l = &report.learner;
         t.samples += l.samples;
         t.optimizer_steps += l.optimizer_steps;
+        t.clipped += l.clipped;
         t.accepted_tokens += l.accepted_tokens;
         t.gradient_tokens += l.gradient_tokens;
         t.sampled_tokens += report.rollout.sampled_tokens;

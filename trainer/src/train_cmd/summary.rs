@@ -75,6 +75,8 @@ impl RunContext<'_> {
             "learner_steps": self.state.learner_steps,
             // RL optimizer steps: learner steps x optim.minibatches x optim.epochs.
             "optimizer_steps": t.map_or(0, |t| t.optimizer_steps),
+            // Trained tokens (repeats included) on the clipped branch of the ppo/icepop surrogate.
+            "ppo_clipped_fraction": t.map_or(0.0, |t| ratio(t.clipped, t.masked_tokens)),
             "samples_trained": t.map_or(0, |t| t.samples),
             "wall_s": wall_s,
             "rl_time_s": t.map_or(0.0, |t| t.elapsed_s),
