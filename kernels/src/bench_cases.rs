@@ -219,6 +219,18 @@ fn moe_path(wgmma: bool, default: &'static str) -> (&'static str, &'static str) 
     }
 }
 
+/// The MoE rows' inputs, the same in the forward and backward rows: x [T,d], the router
+/// [E,d], W1 and W3 [E,f,d], W2 [E,d,f].
+fn moe_inputs(b: &Backend, [t, d, e, f]: [usize; 4], dtype: DType) -> Result<[Tensor; 5]> {
+    Ok([
+        random(b, &[t, d], dtype, 15)?,
+        random(b, &[e, d], dtype, 16)?,
+        random(b, &[e, f, d], dtype, 17)?,
+        random(b, &[e, f, d], dtype, 18)?,
+        random(b, &[e, d, f], dtype, 19)?,
+    ])
+}
+
 /// An MoE layer forward: router, top-k, sort, three grouped expert GEMMs, combine; `wgmma`
 /// puts its BF16 GEMMs on the Hopper path.
 fn moe_case(
@@ -243,11 +255,7 @@ fn moe_case(
         bytes: ((t * d + e * d + 3 * e * f * d) * dtype.size_bytes() + t * d * 4) as f64,
         flops: expert_flops + router_flops,
         prepare: Box::new(move |b| {
-            let x = random(b, &[t, d], dtype, 15)?;
-            let wr = random(b, &[e, d], dtype, 16)?;
-            let w1 = random(b, &[e, f, d], dtype, 17)?;
-            let w3 = random(b, &[e, f, d], dtype, 18)?;
-            let w2 = random(b, &[e, d, f], dtype, 19)?;
+            let [x, wr, w1, w3, w2] = moe_inputs(b, [t, d, e, f], dtype)?;
             let cfg = ops::moe::MoeConfig::new(k);
             let run: BenchRun = Box::new(move |b: &Backend| {
                 let _path = wgmma.then(|| GemmPath::scoped(GemmPath::Wgmma));
@@ -487,11 +495,7 @@ fn moe_backward_case(
             + (t * d + e * d + 3 * e * f * d) * 4) as f64,
         flops: 2.0 * fwd_flops,
         prepare: Box::new(move |b| {
-            let x = random(b, &[t, d], dtype, 15)?;
-            let wr = random(b, &[e, d], dtype, 16)?;
-            let w1 = random(b, &[e, f, d], dtype, 17)?;
-            let w3 = random(b, &[e, f, d], dtype, 18)?;
-            let w2 = random(b, &[e, d, f], dtype, 19)?;
+            let [x, wr, w1, w3, w2] = moe_inputs(b, [t, d, e, f], dtype)?;
             let dy = random(b, &[t, d], DType::F32, 24)?;
             let cfg = ops::moe::MoeConfig::new(k);
             let (_, saved) = {
