@@ -90,6 +90,94 @@ pub struct RolloutCounters {
     /// Sessions of lost replicas started again on another replica.
     #[serde(default)]
     pub sessions_restarted: u64,
+    /// Over-sampling (sync mode): groups still in flight when a step had its groups, aborted
+    /// whole (discarded, or suspended with their partial trajectories).
+    #[serde(default)]
+    pub groups_aborted: u64,
+    /// Generated tokens those groups' unfinished trajectories held at the abort.
+    #[serde(default)]
+    pub aborted_tokens: u64,
+    /// Suspended groups resumed in a later batch, and the generated tokens their unfinished
+    /// trajectories carried into it.
+    #[serde(default)]
+    pub groups_resumed: u64,
+    #[serde(default)]
+    pub resumed_tokens: u64,
+    /// Trajectories of discarded groups that had not ended (never trained), and the tokens
+    /// thrown away with them: discarded aborts, and suspended groups dropped at a checkpoint
+    /// barrier (a checkpoint holds nothing in flight).
+    #[serde(default)]
+    pub trajectories_discarded: u64,
+    #[serde(default)]
+    pub discarded_tokens: u64,
+    /// Generated length of every trajectory that started, at its end (or its discard), and of
+    /// every trajectory the learner took: aborts favour short trajectories, and these two
+    /// distributions show by how much.
+    #[serde(default)]
+    pub started_lengths: LengthHistogram,
+    #[serde(default)]
+    pub trained_lengths: LengthHistogram,
+}
+
+/// Counts of generated lengths in power-of-two buckets: bucket 0 holds length 0, bucket k
+/// lengths in [2^(k-1), 2^k), the last one everything longer.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LengthHistogram {
+    pub buckets: Vec<u64>,
+    pub count: u64,
+    pub sum: u64,
+}
+
+impl LengthHistogram {
+    const BUCKETS: usize = 18;
+
+    /// Counts one length.
+    pub fn add(&mut self, len: usize) {
+        if self.buckets.is_empty() {
+            self.buckets = vec![0; Self::BUCKETS];
+        }
+        let k = ((usize::BITS - len.leading_zeros()) as usize).min(Self::BUCKETS - 1);
+        self.buckets[k] += 1;
+        self.count += 1;
+        self.sum += len as u64;
+    }
+
+    pub fn merge(&mut self, other: &LengthHistogram) {
+        if other.buckets.is_empty() {
+            return;
+        }
+        if self.buckets.is_empty() {
+            self.buckets = vec![0; Self::BUCKETS];
+        }
+        for (a, b) in self.buckets.iter_mut().zip(&other.buckets) {
+            *a += b;
+        }
+        self.count += other.count;
+        self.sum += other.sum;
+    }
+
+    /// The mean length (0 when empty).
+    pub fn mean(&self) -> f64 {
+        if self.count == 0 {
+            0.0
+        } else {
+            self.sum as f64 / self.count as f64
+        }
+    }
+
+    /// The q-quantile to a power of two: the exclusive upper bound of the bucket that holds it
+    /// (1 for bucket 0, 2^k for bucket k; 0 when empty).
+    pub fn quantile_bound(&self, q: f64) -> u64 {
+        let need = (q * self.count as f64).ceil() as u64;
+        let mut seen = 0;
+        for (k, &c) in self.buckets.iter().enumerate() {
+            seen += c;
+            if seen >= need.max(1) {
+                return 1u64 << k;
+            }
+        }
+        0
+    }
 }
 
 /// Per task, what reached the learner.

@@ -198,6 +198,24 @@ fn dynamic_sampling_drops_the_groups_without_signal() {
 }
 
 #[test]
+fn over_sampling_shortens_sync_rl_at_equal_samples() {
+    let r = experiment("over-sampling", "off,discard,partial", &[]);
+    let time = |arm| value(&r, arm, "RL time (s)");
+    assert!(
+        time("discard") < time("off"),
+        "RL time: off {}, discard {}",
+        time("off"),
+        time("discard")
+    );
+    assert_eq!(value(&r, "off", "groups aborted"), 0.0);
+    assert!(value(&r, "discard", "groups aborted") > 0.0);
+    assert!(value(&r, "discard", "discarded tokens") > 0.0);
+    assert_eq!(value(&r, "discard", "resumed tokens"), 0.0);
+    assert!(value(&r, "partial", "resumed tokens") > 0.0);
+    assert_eq!(value(&r, "partial", "discarded tokens"), 0.0);
+}
+
+#[test]
 fn share_correction_keeps_the_long_task_near_its_target() {
     let r = experiment("share", "correction,no-correction", &[]);
     let col = "mean |share - target| per step";

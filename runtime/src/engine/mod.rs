@@ -25,10 +25,14 @@
 //!   and back into fresh blocks on readmission). Either way no sequence is lost, and under the
 //!   same weights the tokens and log-probs are the ones an unconstrained run produces.
 //!
+//! - A whole group can be stopped from outside (over-sampling, [`groups`]): aborted, or
+//!   suspended with its tokens kept and resumed later under whatever weights are installed.
+//!
 //! Every ordering is deterministic (ordered maps, FIFO queues, admission order), so a run is
 //! reproducible; and since every op is batch-invariant, a request's tokens do not depend on
 //! what else is in the batch.
 
+mod groups;
 pub mod replicas;
 
 use crate::hash::{hash_str, mix64};
@@ -344,6 +348,9 @@ enum Phase {
     Active,
     /// A multi-turn trajectory between turns.
     Paused,
+    /// Stopped from outside with its tokens kept and its K/V freed (partial rollout), until
+    /// [`Engine::resume_group`].
+    Suspended,
 }
 
 struct Meta {

@@ -156,6 +156,7 @@ impl Orchestrator {
             Ok(Reply::Observe(tokens)) => {
                 let max_turns = self.policy.max_turns;
                 let max_new = self.policy.sampling.max_new_tokens;
+                let suspended = self.group(call.member.group)?.suspended;
                 let mem = self.member_mut(call.member)?;
                 if mem.cut || mem.turn + 1 >= max_turns {
                     actions.extend(self.end(call.member, 0.0, TerminalReason::Budget, now)?);
@@ -163,6 +164,11 @@ impl Orchestrator {
                     mem.turn += 1;
                     mem.attempt = 0;
                     mem.state = MemberState::Generating;
+                    if suspended {
+                        // Partial rollout: the group generates again when it resumes.
+                        mem.held = Some(tokens);
+                        return Ok(actions);
+                    }
                     let handle = mem
                         .handle
                         .ok_or_else(|| internal("observe before the submit was applied"))?;

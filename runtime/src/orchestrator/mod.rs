@@ -35,7 +35,7 @@
 //! (environment calls, retries, replies) and [`replica_loss`] (a lost engine replica).
 
 use crate::clock::Micros;
-use crate::engine::{EngineError, Event, Request, SeqHandle};
+use crate::engine::{Event, Request, SeqHandle};
 use crate::env::faults::{garbage_tokens, plan_call, CallFault, CallKey, FaultRates};
 use crate::env::latency::LatencyModel;
 use crate::env::{Problem, Reply, Split, Task};
@@ -51,7 +51,13 @@ use std::sync::Arc;
 
 mod admission;
 mod env_calls;
+mod messages;
+mod over_sampling;
 mod replica_loss;
+
+pub use messages::{
+    Action, EngineCmd, EngineResult, EnvCall, GroupControl, MemberRef, ObserveRefusal,
+};
 
 /// One registered task type.
 #[derive(Clone)]
@@ -155,99 +161,6 @@ pub struct LostSessions {
     pub sessions: Vec<String>,
 }
 
-/// A member of a group: (group id, group index).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct MemberRef {
-    pub group: u64,
-    pub index: u32,
-}
-
-/// A command for an engine replica.
-#[derive(Debug)]
-pub enum EngineCmd {
-    Submit {
-        group: u64,
-        request: Request,
-    },
-    Observe {
-        member: MemberRef,
-        handle: SeqHandle,
-        tokens: Vec<TokenId>,
-        max_new_tokens: u32,
-    },
-    Finish {
-        member: MemberRef,
-        handle: SeqHandle,
-        reward: f32,
-        reason: TerminalReason,
-    },
-}
-
-/// The result of an [`EngineCmd`], in command order.
-#[derive(Debug)]
-pub enum EngineResult {
-    Submitted {
-        group: u64,
-        handles: Result<Vec<SeqHandle>, String>,
-    },
-    Observed {
-        member: MemberRef,
-        result: Result<(), ObserveRefusal>,
-    },
-    Finished {
-        member: MemberRef,
-        result: Result<Box<Sample>, String>,
-    },
-}
-
-/// Why the engine refused an observation, and so how the trajectory ends.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ObserveRefusal {
-    /// The trajectory would outgrow the engine's KV pool: a length limit, so a `budget` end.
-    Capacity(String),
-    /// The observation itself is unusable (empty, ids outside the model's vocabulary): the
-    /// environment's failure, an `environment` end (never trained as a policy failure).
-    Observation(String),
-    /// Anything else (an unknown handle, a trajectory still generating, a kernel error) is a
-    /// bug or a device failure: the run stops.
-    Engine(String),
-}
-
-impl From<EngineError> for ObserveRefusal {
-    fn from(e: EngineError) -> Self {
-        match e {
-            EngineError::Capacity(_) => ObserveRefusal::Capacity(e.to_string()),
-            EngineError::Observation(_) => ObserveRefusal::Observation(e.to_string()),
-            e => ObserveRefusal::Engine(e.to_string()),
-        }
-    }
-}
-
-/// An environment call that comes due.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct EnvCall {
-    pub member: MemberRef,
-    pub turn: u32,
-    pub attempt: u32,
-}
-
-/// What the orchestrator asks of the rest of the system.
-#[derive(Debug)]
-pub enum Action {
-    Engine {
-        replica: usize,
-        cmd: EngineCmd,
-    },
-    /// Call `on_env(call)` at `at`.
-    EnvTimer {
-        at: Micros,
-        call: EnvCall,
-    },
-    /// A finished trajectory for the data buffer.
-    Finished(Box<Sample>),
-    Span(Span),
-}
-
 #[derive(Clone, Debug, PartialEq)]
 pub struct OrchestratorError(pub String);
 
@@ -290,6 +203,9 @@ struct Member {
     /// The turn the environment is answering was cut by a length limit: the episode ends
     /// after this call as `budget`.
     cut: bool,
+    /// An observation that came while the member's group was suspended (partial rollout):
+    /// it goes to the engine when the group resumes.
+    held: Option<Vec<TokenId>>,
     state: MemberState,
 }
 
@@ -305,6 +221,9 @@ struct Group {
     members: Vec<Member>,
     /// Members that ended, waiting for the rest of the group.
     ended: Vec<Sample>,
+    /// Aborted by over-sampling with its partial trajectories kept: nothing generates until
+    /// the next batch resumes it ([`over_sampling`]).
+    suspended: bool,
 }
 
 /// The orchestrator. See the module docs.
@@ -316,8 +235,11 @@ pub struct Orchestrator {
     by_handle: BTreeMap<(usize, SeqHandle), MemberRef>,
     next_group: u64,
     counters: RolloutCounters,
-    /// Groups ended by a replica loss; their environment calls still due are ignored.
+    /// Groups ended early (a replica loss, an over-sampling abort); their environment calls
+    /// still due and the engine's late answers about them are ignored.
     lost: BTreeSet<u64>,
+    /// Aborted groups whose engine has not confirmed the abort yet (see [`over_sampling`]).
+    discarding: BTreeMap<u64, over_sampling::Discarding>,
     /// The learner's step count (stamped on trajectories as they end).
     learner_step: u64,
 }
@@ -373,6 +295,7 @@ impl Orchestrator {
             next_group,
             counters: RolloutCounters::default(),
             lost: BTreeSet::new(),
+            discarding: BTreeMap::new(),
             learner_step: 0,
         })
     }
@@ -469,6 +392,7 @@ impl Orchestrator {
                 generated: Vec::new(),
                 sample: None,
                 cut: false,
+                held: None,
                 state: MemberState::Generating,
             })
             .collect();
@@ -483,6 +407,7 @@ impl Orchestrator {
                 started: now,
                 members,
                 ended: Vec::new(),
+                suspended: false,
             },
         );
         let s = &mut self.stats[t];
@@ -516,7 +441,21 @@ impl Orchestrator {
         r: EngineResult,
         now: Micros,
     ) -> OrchResult<Vec<Action>> {
+        let group = match &r {
+            EngineResult::Submitted { group, .. } | EngineResult::Group { group, .. } => *group,
+            EngineResult::Observed { member, .. } | EngineResult::Finished { member, .. } => {
+                member.group
+            }
+        };
+        if self.lost.contains(&group) {
+            return self.after_early_end(replica, r);
+        }
         match r {
+            EngineResult::Group {
+                group,
+                control,
+                generated,
+            } => self.on_group_control(group, control, generated),
             EngineResult::Submitted { group, handles } => {
                 let handles = match handles {
                     Ok(h) => h,
@@ -578,6 +517,10 @@ impl Orchestrator {
                 turn.handle.0
             ))
         })?;
+        if self.lost.contains(&m.group) {
+            // Generated before the group's abort reached the engine.
+            return Ok(Vec::new());
+        }
         // A turn cut by a length limit still goes to the environment (its verifier scores
         // what was written, and a crash there is still an `environment` end), but the episode
         // ends with it as `budget`.
@@ -751,6 +694,7 @@ impl Orchestrator {
         }
         self.counters.trajectories_finished += 1;
         self.counters.finished_generated_tokens += sample.generated_tokens() as u64;
+        self.counters.started_lengths.add(sample.generated_tokens());
         *self
             .counters
             .by_terminal
@@ -834,6 +778,7 @@ impl Orchestrator {
         self.groups.clear();
         self.by_handle.clear();
         self.lost.clear();
+        self.discarding.clear();
         self.counters.abandoned += n;
         n
     }

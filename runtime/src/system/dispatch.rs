@@ -10,6 +10,7 @@ use super::lanes::{
 };
 use super::scheduler::Scheduler;
 use super::stage::{Mode, RunError, StageObserver};
+use crate::buffer::ReadyGroup;
 use crate::clock::Micros;
 use crate::health::FailKind;
 use crate::metrics::{metrics_line, LineInputs, Track};
@@ -45,9 +46,29 @@ impl Scheduler<'_> {
                 }
             }
             Mode::Sync => {
+                let SyncPhase::Rollout { unadmitted } = self.phase else {
+                    return Ok(());
+                };
+                // Over-sampling: the step goes as soon as it has its groups; the rest of the
+                // batch is aborted (suspended or discarded) and what was not started never is.
+                if let Some(os) = self.cfg.over_sampling {
+                    let orch = &self.orch;
+                    if let Some(g) =
+                        self.buffer
+                            .take_by(version, self.cfg.groups_per_step, |tasks, n| {
+                                orch.pick(tasks, n)
+                            })
+                    {
+                        let actions = self.orch.abort_in_flight(os.keep_partial);
+                        self.apply(actions)?;
+                        self.empty_batches = 0;
+                        self.phase = SyncPhase::Train;
+                        self.note_trained_lengths(&g);
+                        return self.step_learner(g, observer);
+                    }
+                }
                 // The whole batch started and finished.
-                if self.phase != (SyncPhase::Rollout { unadmitted: 0 }) || self.orch.in_flight() > 0
-                {
+                if unadmitted > 0 || self.orch.in_flight() > 0 {
                     return Ok(());
                 }
                 let g = self.buffer.take_all(version);
@@ -67,6 +88,23 @@ impl Scheduler<'_> {
                 g
             }
         };
+        self.note_trained_lengths(&groups);
+        self.step_learner(groups, observer)
+    }
+
+    fn note_trained_lengths(&mut self, groups: &[ReadyGroup]) {
+        let c = self.orch.counters_mut();
+        for s in groups.iter().flat_map(|g| g.samples.iter()) {
+            c.trained_lengths.add(s.generated_tokens());
+        }
+    }
+
+    /// Hands the learner its next step on `groups`.
+    fn step_learner(
+        &mut self,
+        groups: Vec<ReadyGroup>,
+        observer: &mut dyn StageObserver,
+    ) -> Result<(), RunError> {
         self.orch
             .on_consumed(groups.iter().map(|g| g.task.as_str()));
         observer.on_learner_batch(&groups);

@@ -49,6 +49,11 @@ impl Scheduler<'_> {
             if self.done() {
                 return Ok(());
             }
+            if self.at_barrier() && self.orch.suspended_groups() > 0 {
+                // A checkpoint holds nothing in flight: partial trajectories are discarded.
+                let actions = self.orch.discard_suspended();
+                self.apply(actions)?;
+            }
             if self.at_barrier() && self.quiescent() {
                 self.barrier(observer)?;
                 continue;
@@ -141,7 +146,17 @@ impl Scheduler<'_> {
             Mode::Sync if self.learner.busy_since.is_some() => 0,
             Mode::Sync => match self.phase {
                 SyncPhase::Start => {
-                    let batch = self.cfg.groups_per_step as u64 * self.group_size;
+                    let mut groups = self.cfg.groups_per_step as u64;
+                    if let Some(os) = self.cfg.over_sampling {
+                        // Partial rollout: the groups suspended at the last step come first
+                        // and count in the batch.
+                        let (actions, resumed) = self.orch.resume_suspended()?;
+                        self.apply(actions)?;
+                        groups = os
+                            .batch_groups(self.cfg.groups_per_step)
+                            .saturating_sub(resumed as u64);
+                    }
+                    let batch = groups * self.group_size;
                     self.phase = SyncPhase::Rollout { unadmitted: batch };
                     batch
                 }

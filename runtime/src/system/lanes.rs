@@ -10,7 +10,7 @@ use crate::clock::Micros;
 use crate::engine::{Engine, EngineConfig, Event};
 use crate::health::{BackendSpec, FailKind};
 use crate::learner::{Learner, Publication, StepReport};
-use crate::orchestrator::{EngineCmd, EngineResult, ObserveRefusal};
+use crate::orchestrator::{EngineCmd, EngineResult, GroupControl, ObserveRefusal};
 use crate::sync::lane::{Delivery, Outgoing, SyncReport, SyncSink, SyncSource};
 use crate::trajectory::WeightVersion;
 use sluice_model::ModelConfig;
@@ -133,6 +133,20 @@ pub(super) fn replica_run(r: &mut Replica, work: EngineWork) -> ReplicaOutcome {
                     .finish(handle, reward, reason)
                     .map(Box::new)
                     .map_err(|e| e.to_string()),
+            },
+            EngineCmd::Group {
+                group,
+                instance,
+                control,
+            } => EngineResult::Group {
+                group,
+                control,
+                generated: match control {
+                    GroupControl::Abort => engine.abort_group(&instance),
+                    GroupControl::Suspend => engine.suspend_group(&instance),
+                    GroupControl::Resume => engine.resume_group(&instance),
+                }
+                .map_err(|e| e.to_string()),
             },
         });
     }

@@ -39,7 +39,10 @@
 //! batch of `groups_per_step` groups is rolled out (started as the tasks' concurrency allows and
 //! topped up as groups finish, so a batch larger than the concurrency is still whole), all of
 //! it finishes, the learner takes every group that passes the gates and steps, the weights are
-//! published, and the next batch starts.
+//! published, and the next batch starts. With over-sampling ([`OverSampling`]) a sync batch
+//! starts more groups than a step needs, the learner steps as soon as the step's groups are
+//! complete, and the groups still in flight are aborted (discarded, or suspended and resumed
+//! first in the next batch); a barrier discards the suspended ones.
 //!
 //! Files, one job each: `stage` the public contract (the stage's settings, its observer,
 //! its report and errors); `scheduler` the scheduler's state, built at the stage's start and
@@ -60,8 +63,8 @@ mod scheduler;
 mod stage;
 
 pub use stage::{
-    BarrierView, Mode, Parts, ReplicaLoss, RunError, StageConfig, StageObserver, StageReport,
-    StageStart, SyncEvent, Tick,
+    BarrierView, Mode, OverSampling, Parts, ReplicaLoss, RunError, StageConfig, StageObserver,
+    StageReport, StageStart, SyncEvent, Tick,
 };
 
 use crate::buffer::DataBuffer;

@@ -57,6 +57,27 @@ pub struct StageConfig {
     pub sync: SyncOptions,
     /// Heartbeats, and an injected replica failure.
     pub health: HealthConfig,
+    /// Over-sampling with abort (sync mode; None: off).
+    pub over_sampling: Option<OverSampling>,
+}
+
+/// Over-sampling with abort (APRIL; `rollout.over_sampling`, `rollout.partial_rollout`): each
+/// sync batch starts ceil(ratio x groups_per_step) groups (the resumed ones included); the
+/// learner steps as soon as groups_per_step of them are complete, and the groups still in
+/// flight are aborted whole: discarded, or (`keep_partial`) suspended with their partial
+/// trajectories and resumed first in the next batch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OverSampling {
+    /// Groups started per batch over groups trained per step, > 1.
+    pub ratio: f64,
+    pub keep_partial: bool,
+}
+
+impl OverSampling {
+    /// Groups a batch holds at its start.
+    pub fn batch_groups(&self, groups_per_step: usize) -> u64 {
+        (self.ratio * groups_per_step as f64).ceil() as u64
+    }
 }
 
 /// One replica's install (see [`StageObserver::on_sync`]).

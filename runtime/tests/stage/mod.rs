@@ -19,8 +19,8 @@ use sluice_runtime::orchestrator::{Orchestrator, RolloutPolicy, TaskSpec};
 use sluice_runtime::sync::lane::arena_bytes;
 use sluice_runtime::sync::{ContentHash, SyncOptions};
 use sluice_runtime::system::{
-    run_stage, BarrierView, Mode, Parts, ReplicaLoss, RunError, StageConfig, StageObserver,
-    StageReport, StageStart, SyncEvent,
+    run_stage, BarrierView, Mode, OverSampling, Parts, ReplicaLoss, RunError, StageConfig,
+    StageObserver, StageReport, StageStart, SyncEvent,
 };
 use sluice_runtime::trajectory::{SamplingParams, WeightVersion};
 use std::sync::Arc;
@@ -79,6 +79,7 @@ pub struct Setup {
     pub clock: ClockMode,
     pub sync: SyncOptions,
     pub health: HealthConfig,
+    pub over_sampling: Option<OverSampling>,
     pub cost: CostModel,
     pub barrier_every: Option<u64>,
     pub temperature: f32,
@@ -100,6 +101,7 @@ impl Setup {
             clock: ClockMode::Virtual,
             sync: SyncOptions::default(),
             health: HealthConfig::default(),
+            over_sampling: None,
             cost: CostModel::default(),
             barrier_every: None,
             temperature: 1.0,
@@ -181,6 +183,7 @@ impl Setup {
             barrier_every: self.barrier_every,
             sync: self.sync.clone(),
             health: self.health,
+            over_sampling: self.over_sampling,
         };
         let start = StageStart {
             clock: Micros(0),

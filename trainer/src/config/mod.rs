@@ -115,6 +115,8 @@ pub struct RolloutSection {
     pub heartbeat_timeout_s: Option<f64>,
     /// An injected replica failure (tests and drills).
     pub fail: Option<sluice_runtime::health::ReplicaFault>,
+    /// Over-sampling with abort, sync mode (None: off).
+    pub over_sampling: Option<sluice_runtime::system::OverSampling>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -364,6 +366,49 @@ mod tests {
         let c = load(Some(&p), &[]).unwrap();
         assert_eq!(c.buffer.group_size, 1);
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn over_sampling_is_a_sync_ratio_and_partial_rollout_needs_it() {
+        assert_eq!(load(None, &[]).unwrap().rollout.over_sampling, None);
+        let sync = "run.mode=\"sync\"".to_string();
+        let c = load(
+            None,
+            &[
+                sync.clone(),
+                "rollout.over_sampling=1.5".into(),
+                "rollout.partial_rollout=true".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            c.rollout.over_sampling,
+            Some(sluice_runtime::system::OverSampling {
+                ratio: 1.5,
+                keep_partial: true
+            })
+        );
+        for (sets, key, names) in [
+            (
+                vec!["rollout.over_sampling=1.5".to_string()],
+                "rollout.over_sampling",
+                "run.mode",
+            ),
+            (
+                vec![sync.clone(), "rollout.over_sampling=0.5".into()],
+                "rollout.over_sampling",
+                "[1, 8]",
+            ),
+            (
+                vec![sync, "rollout.partial_rollout=true".into()],
+                "rollout.partial_rollout",
+                "rollout.over_sampling",
+            ),
+        ] {
+            let e = load(None, &sets).unwrap_err();
+            assert_eq!(e.key, key, "{sets:?}: {e}");
+            assert!(e.to_string().contains(names), "{sets:?}: {e}");
+        }
     }
 
     #[test]

@@ -81,6 +81,40 @@ const MAX: i64 = i64::MAX;
 pub const HEARTBEAT_FLOOR_S: f64 = 1.0;
 
 /// The optional task parameters that are set (ranges are the task's to check).
+/// `rollout.over_sampling` and `rollout.partial_rollout` (None: off).
+fn over_sampling(
+    rollout: &Get<'_>,
+    mode: sluice_runtime::system::Mode,
+) -> Result<Option<sluice_runtime::system::OverSampling>, ConfigError> {
+    let ratio = rollout.float(
+        "over_sampling",
+        |x| (1.0..=8.0).contains(&x),
+        "in [1, 8]: groups started per batch over groups trained per step (1: off)",
+    )?;
+    let keep_partial = rollout.bool("partial_rollout")?;
+    if ratio == 1.0 {
+        if keep_partial {
+            return Err(err(
+                "rollout.partial_rollout",
+                "needs rollout.over_sampling > 1: only an over-sampled batch aborts groups, \
+                 and partial rollout keeps what they generated",
+            ));
+        }
+        return Ok(None);
+    }
+    if mode != sluice_runtime::system::Mode::Sync {
+        return Err(err(
+            "rollout.over_sampling",
+            "needs run.mode = \"sync\": in async mode rollout never waits for a batch's \
+             slowest groups (its backpressure room, buffer.eta, already starts groups ahead)",
+        ));
+    }
+    Ok(Some(sluice_runtime::system::OverSampling {
+        ratio,
+        keep_partial,
+    }))
+}
+
 fn task_options(g: &Get<'_>) -> Result<crate::tasks::TaskOptions, ConfigError> {
     let int = |k: &str| -> Result<Option<u32>, ConfigError> {
         match g.t.get(k) {
@@ -270,6 +304,7 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         eval_problems: rollout.int("eval_problems", 0, 1 << 20)? as usize,
         heartbeat_timeout_s: (heartbeat > 0.0).then_some(heartbeat),
         fail,
+        over_sampling: over_sampling(&rollout, mode)?,
     };
 
     let buffer = Get::section(&table, "buffer")?;
@@ -287,7 +322,8 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
             return Err(err(
                 "buffer.dynamic_sampling",
                 format!(
-                    "needs buffer.group_size >= 2: with group_size = {} every group has one                      reward and no GRPO signal, so every group would be dropped",
+                    "needs buffer.group_size >= 2: with group_size = {} every group has one \
+                     reward and no GRPO signal, so every group would be dropped",
                     buffer_s.group_size
                 ),
             ));

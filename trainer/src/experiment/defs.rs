@@ -126,6 +126,21 @@ fn engine_busy(r: &ArmRun) -> Option<f64> {
 fn learner_busy(r: &ArmRun) -> Option<f64> {
     num(&r.summary, "learner_busy")
 }
+fn over_sampling(r: &ArmRun, key: &str) -> Option<f64> {
+    num(&r.summary["over_sampling"], key)
+}
+fn groups_aborted(r: &ArmRun) -> Option<f64> {
+    over_sampling(r, "groups_aborted")
+}
+fn discarded_tokens(r: &ArmRun) -> Option<f64> {
+    over_sampling(r, "discarded_tokens")
+}
+fn resumed_tokens(r: &ArmRun) -> Option<f64> {
+    over_sampling(r, "resumed_tokens")
+}
+fn length_bias(r: &ArmRun) -> Option<f64> {
+    over_sampling(r, "length_bias")
+}
 fn rl_time(r: &ArmRun) -> Option<f64> {
     num(&r.summary, "rl_time_s")
 }
@@ -324,6 +339,21 @@ fn dynamic_sampling_arms() -> Vec<Arm> {
             )
         })
         .collect()
+}
+
+/// Sync mode without over-sampling, and with 1.5 groups started per group trained, aborts
+/// discarded or resumed (partial rollout).
+fn over_sampling_arms() -> Vec<Arm> {
+    let sync = ("run.mode", "\"sync\"".to_string());
+    let over = ("rollout.over_sampling", "1.5".to_string());
+    vec![
+        arm("off", &sets(std::slice::from_ref(&sync))),
+        arm("discard", &sets(&[sync.clone(), over.clone()])),
+        arm(
+            "partial",
+            &sets(&[sync, over, ("rollout.partial_rollout", "true".into())]),
+        ),
+    ]
 }
 
 fn is_arms() -> Vec<Arm> {
@@ -555,6 +585,26 @@ pub static EXPERIMENTS: &[Experiment] = &[
             ("RL time (s)", rl_time),
         ],
         chart: ChartKind::Bars(2),
+        unavailable: None,
+    },
+    Experiment {
+        name: "over-sampling",
+        about: "sync mode as is, and over-sampled (APRIL: 1.5 groups started per group \
+                trained; when a step has its groups the rest are aborted, discarded or kept and \
+                resumed in the next batch): RL time at equal samples, what the aborts cost in \
+                tokens, and the length bias of what is trained (trained / started mean length)",
+        base_sets: &[],
+        arms: over_sampling_arms,
+        columns: &[
+            ("RL time (s)", rl_time),
+            ("effective tok/s", eff),
+            ("groups aborted", groups_aborted),
+            ("discarded tokens", discarded_tokens),
+            ("resumed tokens", resumed_tokens),
+            ("length bias", length_bias),
+            ("reward", reward),
+        ],
+        chart: ChartKind::Bars(0),
         unavailable: None,
     },
     Experiment {

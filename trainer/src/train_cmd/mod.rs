@@ -32,7 +32,7 @@ use sluice_runtime::env::external::record::{self, Recorder, ReplayBook};
 use sluice_runtime::env::{Split, Task};
 use sluice_runtime::eval::{pass_rate, PassRate};
 use sluice_runtime::learner::{Learner, LearnerConfig, Mismatch, Publication, StepReport};
-use sluice_runtime::metrics::{insert_mismatch, LearnerTotals, Trace};
+use sluice_runtime::metrics::{insert_mismatch, LearnerTotals, LengthHistogram, Trace};
 use sluice_runtime::orchestrator::{Orchestrator, OrchestratorState, RolloutPolicy, TaskSpec};
 use sluice_runtime::system::{
     run_stage, BarrierView, Parts, RunError, StageConfig, StageObserver, StageStart,
@@ -597,6 +597,56 @@ struct RunContext<'a> {
     pass_after: BTreeMap<String, PassRate>,
 }
 
+/// Over-sampling's counts over the RL stages (`rollout.over_sampling`; summary.json's
+/// `over_sampling`).
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+struct AbortTotals {
+    groups_aborted: u64,
+    aborted_tokens: u64,
+    groups_resumed: u64,
+    resumed_tokens: u64,
+    trajectories_discarded: u64,
+    discarded_tokens: u64,
+    started_lengths: LengthHistogram,
+    trained_lengths: LengthHistogram,
+}
+
+impl AbortTotals {
+    fn add(&mut self, c: &sluice_runtime::metrics::RolloutCounters) {
+        self.groups_aborted += c.groups_aborted;
+        self.aborted_tokens += c.aborted_tokens;
+        self.groups_resumed += c.groups_resumed;
+        self.resumed_tokens += c.resumed_tokens;
+        self.trajectories_discarded += c.trajectories_discarded;
+        self.discarded_tokens += c.discarded_tokens;
+        self.started_lengths.merge(&c.started_lengths);
+        self.trained_lengths.merge(&c.trained_lengths);
+    }
+
+    fn summary(&self) -> Value {
+        let (started, trained) = (&self.started_lengths, &self.trained_lengths);
+        json!({
+            "groups_aborted": self.groups_aborted,
+            "aborted_tokens": self.aborted_tokens,
+            "groups_resumed": self.groups_resumed,
+            "resumed_tokens": self.resumed_tokens,
+            "trajectories_discarded": self.trajectories_discarded,
+            "discarded_tokens": self.discarded_tokens,
+            // Generated tokens per trajectory: of every trajectory that started (at its end or
+            // its discard) and of every trajectory trained. Aborts cut long trajectories
+            // first; length_bias = trained mean / started mean.
+            "started_mean_length": started.mean(),
+            "trained_mean_length": trained.mean(),
+            "length_bias": if started.mean() > 0.0 { trained.mean() / started.mean() } else { 0.0 },
+            "started_p90_length_below": started.quantile_bound(0.9),
+            "trained_p90_length_below": trained.quantile_bound(0.9),
+            // Counts by length: bucket 0 is length 0, bucket k lengths in [2^(k-1), 2^k).
+            "started_length_buckets": started.buckets,
+            "trained_length_buckets": trained.buckets,
+        })
+    }
+}
+
 /// What the RL stages added up to (for summary.json).
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 struct RlTotals {
@@ -628,18 +678,21 @@ struct RlTotals {
     /// Environment-ended trajectories trained (buffer.env_gate = false).
     #[serde(default)]
     env_trained: u64,
-    /// Groups without reward variance: dropped by dynamic sampling, and trained (all of them
-    /// with dynamic sampling off; past its cap with it on).
     /// Optimizer steps of the RL stages (learner steps x minibatches x epochs).
     #[serde(default)]
     optimizer_steps: u64,
     /// Tokens whose PPO surrogate took its clipped branch.
     #[serde(default)]
     clipped: u64,
+    /// Groups without reward variance: dropped by dynamic sampling, and trained (all of them
+    /// with dynamic sampling off; past its cap with it on).
     #[serde(default)]
     zero_signal_dropped: u64,
     #[serde(default)]
     zero_signal_trained: u64,
+    /// Over-sampling's aborts, and the generated lengths of started and trained trajectories.
+    #[serde(default)]
+    aborts: AbortTotals,
     /// Per task and number of model turns: trajectories in, stale drops, environment drops.
     #[serde(default)]
     by_turns: BTreeMap<String, BTreeMap<u32, (u64, u64, u64)>>,

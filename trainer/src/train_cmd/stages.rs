@@ -327,6 +327,7 @@ impl RunContext<'_> {
             barrier_every: (cfg.run.checkpoint_every > 0).then_some(cfg.run.checkpoint_every),
             sync: cfg.sync_options(self.out_dir),
             health: cfg.health(),
+            over_sampling: cfg.rollout.over_sampling,
         };
         let engine_weights = Arc::new(Publication {
             version: WeightVersion(engine_version),
@@ -420,6 +421,7 @@ impl RunContext<'_> {
         t.env_trained += report.buffer.env_trained;
         t.zero_signal_dropped += report.buffer.zero_signal_dropped;
         t.zero_signal_trained += report.buffer.zero_signal_released;
+        t.aborts.add(&report.rollout);
         t.env_calls += report.rollout.env_calls;
         for (k, n) in &report.rollout.env_faults {
             *t.env_faults.entry(k.clone()).or_default() += n;

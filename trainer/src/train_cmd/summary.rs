@@ -92,6 +92,9 @@ impl RunContext<'_> {
             // sampling (buffer.dynamic_sampling), and trained.
             "zero_signal_groups_dropped": t.map_or(0, |t| t.zero_signal_dropped),
             "zero_signal_groups_trained": t.map_or(0, |t| t.zero_signal_trained),
+            // Over-sampling with abort (rollout.over_sampling): aborted, resumed and discarded
+            // groups and tokens, and the length bias of what was trained.
+            "over_sampling": tt.aborts.summary(),
             // RL's environment calls, the failed ones by kind, and trajectories by how they
             // ended.
             "env_calls": tt.env_calls,
