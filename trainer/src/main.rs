@@ -191,7 +191,8 @@ enum Command {
     /// one RL stage, from a shared warm-up) and write its report (report.md, report.json, an
     /// SVG) with the machine, commit, seeds and clock. `--list` names them.
     Experiment {
-        /// refresh, tau, clip, crashes, share, is-modes, tito, async-speedup.
+        /// refresh, tau, clip, crashes, share, is-modes, minibatches, decoupled-ppo,
+        /// objectives, dynamic-sampling, over-sampling, tito, async-speedup (`--list` says each).
         name: Option<String>,
         /// List the experiments and their arms.
         #[arg(long)]

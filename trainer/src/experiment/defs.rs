@@ -388,20 +388,29 @@ fn speedup_arms() -> Vec<Arm> {
     let mut v = Vec::new();
     for timeout in [1.0, 5.0] {
         for median in [None, Some(5.0), Some(50.0), Some(200.0)] {
-            for mode in ["sync", "async"] {
+            // syncos: sync with over-sampling (2 groups started per group trained, the rest
+            // discarded when the step has its groups).
+            for mode in ["sync", "syncos", "async"] {
                 let lat = latency(median);
+                let mut s = vec![
+                    (
+                        "run.mode",
+                        format!("\"{}\"", if mode == "async" { "async" } else { "sync" }),
+                    ),
+                    ("tasks.sort.latency", lat.clone()),
+                    ("tasks.tool.latency", lat),
+                    ("tasks.sort.timeout_s", format!("{timeout:.1}")),
+                    ("tasks.tool.timeout_s", format!("{timeout:.1}")),
+                ];
+                if mode == "syncos" {
+                    s.push(("rollout.over_sampling", "2.0".into()));
+                }
                 v.push(arm(
                     format!(
                         "{mode}-lat{}-to{timeout}",
                         median.map_or("none".to_string(), |m| format!("{m}"))
                     ),
-                    &sets(&[
-                        ("run.mode", format!("\"{mode}\"")),
-                        ("tasks.sort.latency", lat.clone()),
-                        ("tasks.tool.latency", lat),
-                        ("tasks.sort.timeout_s", format!("{timeout:.1}")),
-                        ("tasks.tool.timeout_s", format!("{timeout:.1}")),
-                    ]),
+                    &sets(&s),
                 ));
             }
         }
@@ -625,7 +634,8 @@ pub static EXPERIMENTS: &[Experiment] = &[
     },
     Experiment {
         name: "async-speedup",
-        about: "sync against async at an equal sample budget across environment latency (none; \
+        about: "sync, sync with over-sampling (2 groups started per group trained, the rest \
+                discarded) and async at an equal sample budget across environment latency (none; \
                 lognormal median 5, 50 and 200 ms with p99 = 40 medians) and call timeout (1 s, \
                 5 s): effective and gradient-carrying tokens/s, engine and learner busy \
                 shares, stale drops and accept rates per task, and the tool task's stale drops \

@@ -140,7 +140,8 @@ pub fn write(ctx: &Context<'_>, dir: &Path) -> Result<Value, String> {
 }
 
 /// For arms named `sync-X` and `async-X`: (X, async/sync effective tok/s, the same for
-/// gradient tok/s), when the experiment has those columns.
+/// gradient tok/s), when the experiment has those columns; and the same against an
+/// over-sampled sync arm `syncos-X` where there is one (labelled `X vs syncos`).
 fn speedup_rows(ctx: &Context<'_>, table: &[(String, Vec<Cell>)]) -> Vec<(String, f64, f64)> {
     let col = |label: &str| ctx.exp.columns.iter().position(|(l, _)| *l == label);
     let (Some(e), Some(g)) = (col("effective tok/s"), col("gradient tok/s")) else {
@@ -152,14 +153,19 @@ fn speedup_rows(ctx: &Context<'_>, table: &[(String, Vec<Cell>)]) -> Vec<(String
         let Some(rest) = name.strip_prefix("async-") else {
             continue;
         };
-        let Some(s) = find(&format!("sync-{rest}")) else {
-            continue;
-        };
-        let ratio = |i: usize| match (c[i].mean(), s[i].mean()) {
-            (Some(a), Some(b)) if b > 0.0 => a / b,
-            _ => f64::NAN,
-        };
-        rows.push((rest.to_string(), ratio(e), ratio(g)));
+        for (peer, label) in [
+            (format!("sync-{rest}"), rest.to_string()),
+            (format!("syncos-{rest}"), format!("{rest} vs syncos")),
+        ] {
+            let Some(s) = find(&peer) else {
+                continue;
+            };
+            let ratio = |i: usize| match (c[i].mean(), s[i].mean()) {
+                (Some(a), Some(b)) if b > 0.0 => a / b,
+                _ => f64::NAN,
+            };
+            rows.push((label, ratio(e), ratio(g)));
+        }
     }
     rows
 }
