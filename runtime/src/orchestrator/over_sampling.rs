@@ -34,15 +34,19 @@ impl Orchestrator {
         self.groups.values().filter(|g| g.suspended).count()
     }
 
+    /// The ids of the groups in flight that are (or are not) suspended, oldest first.
+    fn group_ids(&self, suspended: bool) -> Vec<u64> {
+        self.groups
+            .iter()
+            .filter(|(_, g)| g.suspended == suspended)
+            .map(|(&id, _)| id)
+            .collect()
+    }
+
     /// The step has its groups: every group still in flight is aborted whole, suspended
     /// (`keep_partial`) or discarded. Returns the engine commands.
     pub fn abort_in_flight(&mut self, keep_partial: bool) -> Vec<Action> {
-        let ids: Vec<u64> = self
-            .groups
-            .iter()
-            .filter(|(_, g)| !g.suspended)
-            .map(|(&id, _)| id)
-            .collect();
+        let ids = self.group_ids(false);
         self.counters.groups_aborted += ids.len() as u64;
         ids.into_iter()
             .filter_map(|id| {
@@ -58,12 +62,7 @@ impl Orchestrator {
     /// Resumes every suspended group, oldest first: the next batch's first groups. Returns
     /// the engine commands and how many groups resumed.
     pub fn resume_suspended(&mut self) -> OrchResult<(Vec<Action>, usize)> {
-        let ids: Vec<u64> = self
-            .groups
-            .iter()
-            .filter(|(_, g)| g.suspended)
-            .map(|(&id, _)| id)
-            .collect();
+        let ids = self.group_ids(true);
         let max_new = self.policy.sampling.max_new_tokens;
         let mut actions = Vec::new();
         for &id in &ids {
@@ -109,12 +108,7 @@ impl Orchestrator {
     /// Discards every suspended group (a checkpoint barrier holds nothing in flight). Returns
     /// the engine commands.
     pub fn discard_suspended(&mut self) -> Vec<Action> {
-        let ids: Vec<u64> = self
-            .groups
-            .iter()
-            .filter(|(_, g)| g.suspended)
-            .map(|(&id, _)| id)
-            .collect();
+        let ids = self.group_ids(true);
         ids.into_iter().filter_map(|id| self.discard(id)).collect()
     }
 
