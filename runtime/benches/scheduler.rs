@@ -130,6 +130,7 @@ fn run(sessions: u64) {
         barrier_every: None,
         sync: Default::default(),
         health: Default::default(),
+        servers: Vec::new(),
     };
     let start = StageStart {
         clock: Micros(0),

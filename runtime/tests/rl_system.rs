@@ -144,6 +144,7 @@ impl Setup {
             barrier_every: None,
             sync: SyncOptions::default(),
             health: HealthConfig::default(),
+            servers: Vec::new(),
         };
         let start = StageStart {
             clock: Micros(0),

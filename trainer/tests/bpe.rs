@@ -257,6 +257,7 @@ fn sampled_ids_that_do_not_survive_a_round_trip_are_trained_as_sampled() {
         barrier_every: None,
         sync: SyncOptions::default(),
         health: HealthConfig::default(),
+        servers: Vec::new(),
     };
     let start = StageStart {
         clock: Micros(0),

@@ -3,13 +3,14 @@
 //! the failure model.
 
 use super::event_loop::TimerEv;
-use super::lanes::{Exec, Replica, ReplicaIn, ReplicaLane};
+use super::lanes::{Exec, Replica, ReplicaIn, ReplicaLane, ReplicaWorker};
 use super::scheduler::Scheduler;
 use super::stage::{ReplicaLoss, RunError, StageObserver};
 use crate::clock::Micros;
 use crate::engine::Engine;
 use crate::health::Heartbeats;
 use crate::metrics::Track;
+use crate::remote::ServerClient;
 use crate::router::ReplicaId;
 use crate::sync::lane::{restart_replica, FullSync, SyncPath, SyncReport, SyncSink};
 
@@ -141,8 +142,33 @@ impl Scheduler<'_> {
         self.engine_weights.params.tensor().len_bytes() as u64
     }
 
+    /// Replica `i` again from a full sync of the newest weights: a fresh engine, or its server
+    /// joined again (Err while it does not answer).
+    fn fresh_worker(&self, i: usize) -> Result<(ReplicaWorker, SyncReport), String> {
+        let Some(url) = self.cfg.servers.get(i) else {
+            let (engine, sink, report) = self.fresh_engine(i)?;
+            let worker = ReplicaWorker::Local(Replica {
+                engine,
+                sink,
+                fail: None,
+            });
+            return Ok((worker, report));
+        };
+        let full = self
+            .latest_full
+            .as_deref()
+            .ok_or("internal: no full image to join a server with")?;
+        let timeout = self
+            .heartbeats
+            .as_ref()
+            .map_or(Micros::from_secs(30.0), Heartbeats::timeout);
+        let mut client = ServerClient::new(url, std::time::Duration::from_micros(timeout.0));
+        let report = client.join(full).map_err(|e| e.to_string())?;
+        Ok((ReplicaWorker::Remote(Box::new(client)), report))
+    }
+
     /// A fresh engine for replica `i` from a full sync of the newest weights.
-    pub(super) fn fresh_replica(&self, i: usize) -> Result<(Engine, SyncSink, SyncReport), String> {
+    pub(super) fn fresh_engine(&self, i: usize) -> Result<(Engine, SyncSink, SyncReport), String> {
         let spec = &self.specs[i];
         let backend = spec.backend.open()?;
         let full = match &self.cfg.sync.path {
@@ -171,12 +197,15 @@ impl Scheduler<'_> {
         observer: &mut dyn StageObserver,
     ) -> Result<(), RunError> {
         let now = self.clock.now();
-        let (engine, sink, report) = match self.fresh_replica(i) {
+        let (worker, report) = match self.fresh_worker(i) {
             Ok(x) => x,
             Err(e) => {
+                // A server is polled for as long as another replica keeps the run going: it
+                // rejoins when it answers again (restarted by its operator).
+                let patient = i < self.cfg.servers.len() && self.router.replicas().next().is_some();
                 let r = &mut self.replicas[i];
                 r.restart_attempts += 1;
-                if r.restart_attempts >= MAX_RESTART_ATTEMPTS {
+                if r.restart_attempts >= MAX_RESTART_ATTEMPTS && !patient {
                     return Err(RunError::Engine {
                         replica: i,
                         message: format!("restart failed {} times, last: {e}", r.restart_attempts),
@@ -201,11 +230,7 @@ impl Scheduler<'_> {
         let lost_at = r.lost_at.take().unwrap_or(now);
         let incarnation = r.incarnation;
         let pending = std::mem::take(&mut r.pending);
-        *r = ReplicaLane::new(Replica {
-            engine,
-            sink,
-            fail: None,
-        });
+        *r = ReplicaLane::new(worker);
         r.incarnation = incarnation;
         // Sessions re-run while every replica was down waited here.
         r.pending = pending;

@@ -57,6 +57,10 @@ pub struct StageConfig {
     pub sync: SyncOptions,
     /// Heartbeats, and an injected replica failure.
     pub health: HealthConfig,
+    /// Rollout servers (`rollout.servers`, `http://host:port`): each is one replica, driven
+    /// over HTTP ([`crate::remote`]); the stage's `Parts::engines` must then be empty. Empty:
+    /// the engines of `Parts` in this process.
+    pub servers: Vec<String>,
 }
 
 /// One replica's install (see [`StageObserver::on_sync`]).

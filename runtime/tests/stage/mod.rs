@@ -181,6 +181,7 @@ impl Setup {
             barrier_every: self.barrier_every,
             sync: self.sync.clone(),
             health: self.health,
+            servers: Vec::new(),
         };
         let start = StageStart {
             clock: Micros(0),

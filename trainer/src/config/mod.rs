@@ -22,6 +22,7 @@ use toml::{Table, Value};
 
 mod merge;
 mod resolve;
+mod servers;
 
 use merge::{defaults, merge_config, parse_set};
 use resolve::resolve;
@@ -115,6 +116,8 @@ pub struct RolloutSection {
     pub heartbeat_timeout_s: Option<f64>,
     /// An injected replica failure (tests and drills).
     pub fail: Option<sluice_runtime::health::ReplicaFault>,
+    /// Rollout servers (`http://host:port`) driven as the replicas; empty: in-process engines.
+    pub servers: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq)]

@@ -270,6 +270,7 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         eval_problems: rollout.int("eval_problems", 0, 1 << 20)? as usize,
         heartbeat_timeout_s: (heartbeat > 0.0).then_some(heartbeat),
         fail,
+        servers: super::servers::parse(rollout.value("servers")?)?,
     };
 
     let buffer = Get::section(&table, "buffer")?;
@@ -601,7 +602,7 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
             Value::String(model_s.precision.as_str().into()),
         );
     }
-    Ok(TrainConfig {
+    let mut cfg = TrainConfig {
         run: run_s,
         model: model_s,
         stages: stage_s,
@@ -615,5 +616,7 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         cost: cost_s,
         tasks: tasks_s,
         table,
-    })
+    };
+    super::servers::check(&mut cfg, replicas)?;
+    Ok(cfg)
 }

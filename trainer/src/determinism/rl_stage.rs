@@ -168,6 +168,7 @@ pub fn run(backend: &Backend, preset: Preset) -> Result<Vec<Output>, DetError> {
         barrier_every: None,
         sync: SyncOptions::default(),
         health: HealthConfig::default(),
+        servers: Vec::new(),
     };
     let start = StageStart {
         clock: Micros(0),

@@ -36,6 +36,13 @@ pub enum WeightUpdate {
     },
     /// A codec delta's bytes (the versions are in its header).
     Delta { bytes: Vec<u8>, origin: String },
+    /// The engine's image itself (what a trainer's full sync sends), at `version`, checked
+    /// against `hash`.
+    Image {
+        bytes: Vec<u8>,
+        version: WeightVersion,
+        hash: ContentHash,
+    },
 }
 
 /// The JSON form of `/weights`: a file on a shared filesystem.
@@ -48,11 +55,13 @@ struct PathBody {
 }
 
 /// Reads a `/weights` request: `json` when its content type is JSON (a path), else the body
-/// is the file itself; `query_version` is the `version` query parameter.
+/// is the file itself; `query_version` and `query_hash` are the `version` and `blake3` query
+/// parameters (with `blake3`, a body that is not a delta is the raw image).
 pub fn parse_update(
     body: Vec<u8>,
     json: bool,
     query_version: Option<u64>,
+    query_hash: Option<ContentHash>,
 ) -> Result<WeightUpdate, ApiError> {
     let (bytes, version, origin) = if json {
         let p: PathBody = super::api::parse_body("/weights", &body)?;
@@ -69,6 +78,18 @@ pub fn parse_update(
     };
     if bytes.starts_with(&delta::MAGIC) {
         return Ok(WeightUpdate::Delta { bytes, origin });
+    }
+    if let Some(hash) = query_hash {
+        let Some(v) = version else {
+            return Err(ApiError::bad_request(
+                "/weights: a raw image (blake3=HEX) needs its version=N too",
+            ));
+        };
+        return Ok(WeightUpdate::Image {
+            bytes,
+            version: WeightVersion(v),
+            hash,
+        });
     }
     let Some(v) = version else {
         return Err(ApiError::bad_request(format!(
@@ -130,6 +151,14 @@ pub fn install(
 ) -> Result<Installed, ApiError> {
     let dtype = engine.precision().dtype();
     let delta_used = matches!(update, WeightUpdate::Delta { .. });
+    if let WeightUpdate::Image {
+        bytes,
+        version,
+        hash,
+    } = update
+    {
+        return install_image(engine, held, bytes, version, hash, false);
+    }
     // The new weights as an arena in the engine's precision, and the image they make.
     let (arena, image) = match update {
         WeightUpdate::Full {
@@ -185,6 +214,7 @@ pub fn install(
             };
             (arena, image)
         }
+        WeightUpdate::Image { .. } => unreachable!("installed above"),
     };
     engine
         .swap_weights(&arena, image.version, None)
@@ -196,6 +226,62 @@ pub fn install(
         version: held.version,
         hash: held.hash,
         delta: delta_used,
+    })
+}
+
+/// Installs the engine's image `bytes` as `version` when it is as long as the held one and
+/// hashes to `hash`; `any_version`: a joining trainer may install an older version than the
+/// served one (it owns the server from now on). On any error nothing changes.
+pub fn install_image(
+    engine: &mut Engine,
+    held: &mut HeldImage,
+    bytes: Vec<u8>,
+    version: WeightVersion,
+    hash: ContentHash,
+    any_version: bool,
+) -> Result<Installed, ApiError> {
+    if !any_version {
+        not_older(version, engine.version())?;
+    }
+    if bytes.len() != held.bytes.len() {
+        return Err(ApiError::bad_request(format!(
+            "the image is {} bytes and the served model's is {}: another model or precision \
+             (the server's config must be the trainer's)",
+            bytes.len(),
+            held.bytes.len()
+        )));
+    }
+    let got = ContentHash::of(&bytes);
+    if got != hash {
+        return Err(ApiError::bad_request(format!(
+            "the image hashes to {} and blake3={} was given: damaged in transit; nothing was \
+             installed",
+            got.to_hex(),
+            hash.to_hex()
+        )));
+    }
+    let layout = sluice_model::Layout::new(engine.model_config())
+        .map(std::sync::Arc::new)
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let arena =
+        arena_from_bytes(engine.backend(), &layout, &bytes).map_err(ApiError::bad_request)?;
+    engine
+        .swap_weights(&arena, version, None)
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let old = std::mem::replace(
+        held,
+        HeldImage {
+            version,
+            hash,
+            bytes,
+            scratch: Vec::new(),
+        },
+    );
+    held.scratch = old.bytes;
+    Ok(Installed {
+        version,
+        hash,
+        delta: false,
     })
 }
 

@@ -218,8 +218,14 @@ impl RunContext<'_> {
                 self.state.rl_version,
             ),
         };
-        let mut engines = Vec::with_capacity(cfg.rollout.replicas);
-        for _ in 0..cfg.rollout.replicas {
+        // With rollout.servers the servers are the replicas: no engine in this process.
+        let local = if cfg.rollout.servers.is_empty() {
+            cfg.rollout.replicas
+        } else {
+            0
+        };
+        let mut engines = Vec::with_capacity(local);
+        for _ in 0..local {
             let b = Backend::open(cfg.run.device).map_err(run_err)?;
             engines.push(
                 Engine::new(
@@ -327,6 +333,7 @@ impl RunContext<'_> {
             barrier_every: (cfg.run.checkpoint_every > 0).then_some(cfg.run.checkpoint_every),
             sync: cfg.sync_options(self.out_dir),
             health: cfg.health(),
+            servers: cfg.rollout.servers.clone(),
         };
         let engine_weights = Arc::new(Publication {
             version: WeightVersion(engine_version),
