@@ -31,7 +31,7 @@ fn have_python() -> bool {
 
 /// A tiny run: RL only (no warm-up) on the mini model, the tool task's Python port, weights
 /// by delta; the servers serve the same config.
-fn write_config(dir: &Path, steps: u64) -> PathBuf {
+fn write_config(dir: &Path, steps: u64, heartbeat_s: f64) -> PathBuf {
     let text = format!(
         r#"
 [run]
@@ -50,7 +50,7 @@ tasks = ["tool_py"]
 eval_problems = 0
 max_turns = 2
 max_new_tokens = 6
-heartbeat_timeout_s = 2.0
+heartbeat_timeout_s = {heartbeat_s:.1}
 kv_bytes = 4194304
 
 [buffer]
@@ -169,7 +169,7 @@ fn two_servers_train_with_zero_mismatch_across_the_process_boundary() {
         return;
     }
     let dir = scratch("fleet-two");
-    let cfg = write_config(&dir, 10);
+    let cfg = write_config(&dir, 10, 10.0);
     let a = Server::start(&cfg, "127.0.0.1:0", None);
     let b = Server::start(&cfg, "127.0.0.1:0", None);
     let out = dir.join("run");
@@ -222,7 +222,10 @@ fn a_killed_server_is_lost_then_rejoins_after_a_full_sync() {
         return;
     }
     let dir = scratch("fleet-kill");
-    let cfg = write_config(&dir, 24);
+    // The run waits for the loss to be found (the lost server's groups hold the backpressure
+    // room), so the timeout sets the test's length; 3 s leaves the restarted process time to
+    // start before the scheduler first polls it.
+    let cfg = write_config(&dir, 24, 3.0);
     let a = Server::start(&cfg, "127.0.0.1:0", None);
     // Exits when its 41st unit of work arrives, mid-run, without answering it.
     let mut b = Server::start(&cfg, "127.0.0.1:0", Some(40));
@@ -259,5 +262,6 @@ fn a_killed_server_is_lost_then_rejoins_after_a_full_sync() {
     let h = restarted.health();
     assert_eq!(h["counters"]["lane_joins"], 1, "{h}");
     assert!(h["counters"]["lane_steps"].as_u64().unwrap() > 0, "{h}");
+
     let _ = std::fs::remove_dir_all(&dir);
 }

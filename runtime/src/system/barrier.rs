@@ -48,7 +48,7 @@ impl Scheduler<'_> {
             let inline: Vec<&Replica> = workers
                 .iter()
                 .filter_map(|w| match w {
-                    ReplicaWorker::Local(r) => Some(r),
+                    ReplicaWorker::Local(r) => Some(r.as_ref()),
                     ReplicaWorker::Remote(_) => None,
                 })
                 .collect();

@@ -69,8 +69,8 @@ pub(super) enum ReplicaOutcome {
 /// A replica lane's component: an engine in this process, or a `sluice serve` process driven
 /// over HTTP ([`crate::remote`]).
 pub(super) enum ReplicaWorker {
-    Local(Replica),
-    Remote(Box<ServerClient>),
+    Local(Box<Replica>),
+    Remote(ServerClient),
 }
 
 impl ReplicaWorker {

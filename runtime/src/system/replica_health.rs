@@ -147,11 +147,11 @@ impl Scheduler<'_> {
     fn fresh_worker(&self, i: usize) -> Result<(ReplicaWorker, SyncReport), String> {
         let Some(url) = self.cfg.servers.get(i) else {
             let (engine, sink, report) = self.fresh_engine(i)?;
-            let worker = ReplicaWorker::Local(Replica {
+            let worker = ReplicaWorker::Local(Box::new(Replica {
                 engine,
                 sink,
                 fail: None,
-            });
+            }));
             return Ok((worker, report));
         };
         let full = self
@@ -164,7 +164,7 @@ impl Scheduler<'_> {
             .map_or(Micros::from_secs(30.0), Heartbeats::timeout);
         let mut client = ServerClient::new(url, std::time::Duration::from_micros(timeout.0));
         let report = client.join(full).map_err(|e| e.to_string())?;
-        Ok((ReplicaWorker::Remote(Box::new(client)), report))
+        Ok((ReplicaWorker::Remote(client), report))
     }
 
     /// A fresh engine for replica `i` from a full sync of the newest weights.

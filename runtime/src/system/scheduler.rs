@@ -151,17 +151,17 @@ impl<'a> Scheduler<'a> {
                 kind: f.kind,
                 release: hang_rx.take(),
             });
-            replicas.push(ReplicaLane::new(ReplicaWorker::Local(Replica {
+            replicas.push(ReplicaLane::new(ReplicaWorker::Local(Box::new(Replica {
                 engine: e,
                 sink,
                 fail,
-            })));
+            }))));
         }
         if let Some(full) = &latest_full {
             for (i, url) in cfg.servers.iter().enumerate() {
-                replicas.push(ReplicaLane::new(ReplicaWorker::Remote(Box::new(
-                    join_server(cfg, i, url, full)?,
-                ))));
+                replicas.push(ReplicaLane::new(ReplicaWorker::Remote(join_server(
+                    cfg, i, url, full,
+                )?)));
             }
         }
         let learner = LearnerLane {
