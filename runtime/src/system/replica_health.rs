@@ -10,9 +10,18 @@ use crate::clock::Micros;
 use crate::engine::Engine;
 use crate::health::Heartbeats;
 use crate::metrics::Track;
-use crate::remote::ServerClient;
+use crate::remote::{ClientError, ServerClient};
 use crate::router::ReplicaId;
 use crate::sync::lane::{restart_replica, FullSync, SyncPath, SyncReport, SyncSink};
+
+/// Why a replica could not be brought back.
+enum RestartError {
+    /// Try again later (an engine that could not be built, a server that does not answer).
+    Retry(String),
+    /// A server that answers and refuses its join (another model or precision): polling it
+    /// again cannot heal that.
+    Refused(String),
+}
 
 /// Restart attempts of one lost replica before the stage gives up.
 const MAX_RESTART_ATTEMPTS: u32 = 5;
@@ -144,9 +153,9 @@ impl Scheduler<'_> {
 
     /// Replica `i` again from a full sync of the newest weights: a fresh engine, or its server
     /// joined again (Err while it does not answer).
-    fn fresh_worker(&self, i: usize) -> Result<(ReplicaWorker, SyncReport), String> {
+    fn fresh_worker(&self, i: usize) -> Result<(ReplicaWorker, SyncReport), RestartError> {
         let Some(url) = self.cfg.servers.get(i) else {
-            let (engine, sink, report) = self.fresh_engine(i)?;
+            let (engine, sink, report) = self.fresh_engine(i).map_err(RestartError::Retry)?;
             let worker = ReplicaWorker::Local(Box::new(Replica {
                 engine,
                 sink,
@@ -154,17 +163,19 @@ impl Scheduler<'_> {
             }));
             return Ok((worker, report));
         };
-        let full = self
-            .latest_full
-            .as_deref()
-            .ok_or("internal: no full image to join a server with")?;
+        let full = self.latest_full.as_deref().ok_or_else(|| {
+            RestartError::Refused("internal: no full image to join a server with".into())
+        })?;
         let timeout = self
             .heartbeats
             .as_ref()
             .map_or(Micros::from_secs(30.0), Heartbeats::timeout);
         let mut client = ServerClient::new(url, std::time::Duration::from_micros(timeout.0));
-        let report = client.join(full).map_err(|e| e.to_string())?;
-        Ok((ReplicaWorker::Remote(client), report))
+        match client.join(full) {
+            Ok(report) => Ok((ReplicaWorker::Remote(client), report)),
+            Err(ClientError::Lost(m)) => Err(RestartError::Retry(m)),
+            Err(ClientError::Protocol(m)) => Err(RestartError::Refused(m)),
+        }
     }
 
     /// A fresh engine for replica `i` from a full sync of the newest weights.
@@ -199,7 +210,13 @@ impl Scheduler<'_> {
         let now = self.clock.now();
         let (worker, report) = match self.fresh_worker(i) {
             Ok(x) => x,
-            Err(e) => {
+            Err(RestartError::Refused(m)) => {
+                return Err(RunError::Engine {
+                    replica: i,
+                    message: format!("rollout.servers[{i}] refused to rejoin: {m}"),
+                })
+            }
+            Err(RestartError::Retry(e)) => {
                 // A server is polled for as long as another replica keeps the run going: it
                 // rejoins when it answers again (restarted by its operator).
                 let patient = i < self.cfg.servers.len() && self.router.replicas().next().is_some();
