@@ -8,7 +8,10 @@
 //!   completes, the lost server's trajectories end as `environment` and none is trained, and
 //!   the server restarted on the same port rejoins after a full sync and takes work again.
 //!
-//! Both need `python3` (the environment process); without it they print why and pass.
+//! - the server restarted with another precision answers the join with a refusal: the run
+//!   stops with an error naming the server, instead of polling it for ever.
+//!
+//! All need `python3` (the environment process); without it they print why and pass.
 
 mod support;
 
@@ -89,6 +92,11 @@ struct Server {
 
 impl Server {
     fn start(config: &Path, listen: &str, exit_after: Option<u64>) -> Server {
+        Server::start_with(config, listen, exit_after, &[])
+    }
+
+    /// `sets`: `--set` arguments of the server.
+    fn start_with(config: &Path, listen: &str, exit_after: Option<u64>, sets: &[&str]) -> Server {
         let mut cmd = Command::new(BIN);
         cmd.args([
             "serve",
@@ -96,11 +104,14 @@ impl Server {
             config.to_str().unwrap(),
             "--listen",
             listen,
-        ])
-        .env("SLUICE_DEBUG", "1")
-        .current_dir(root())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
+        ]);
+        for s in sets {
+            cmd.args(["--set", s]);
+        }
+        cmd.env("SLUICE_DEBUG", "1")
+            .current_dir(root())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
         if let Some(n) = exit_after {
             cmd.env("SLUICE_SERVE_EXIT_AFTER_LANE_STEPS", n.to_string());
         }
@@ -263,5 +274,40 @@ fn a_killed_server_is_lost_then_rejoins_after_a_full_sync() {
     assert_eq!(h["counters"]["lane_joins"], 1, "{h}");
     assert!(h["counters"]["lane_steps"].as_u64().unwrap() > 0, "{h}");
 
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_server_restarted_with_another_model_is_refused_by_name() {
+    if !have_python() {
+        return;
+    }
+    let dir = scratch("fleet-refused");
+    let cfg = write_config(&dir, 24, 3.0);
+    let a = Server::start(&cfg, "127.0.0.1:0", None);
+    let mut b = Server::start(&cfg, "127.0.0.1:0", Some(40));
+    let port = b.port().to_string();
+    let out = dir.join("run");
+    let run = train(&cfg, &out, &[&a, &b])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    assert_eq!(b.child.wait().unwrap().code(), Some(3));
+    // bf16: its image is half as long as the trainer's f32 one.
+    let _other = Server::start_with(
+        &cfg,
+        &format!("127.0.0.1:{port}"),
+        None,
+        &["model.precision=bf16"],
+    );
+    let o = run.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "the run should stop:\n{text}");
+    assert!(
+        text.contains("rollout.servers[1] refused to rejoin"),
+        "{text}"
+    );
+    assert!(text.contains("another model or precision"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }
