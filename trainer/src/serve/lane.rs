@@ -2,8 +2,9 @@
 //! (`rollout.servers`, docs/runtime.md "Rollout servers").
 //!
 //! `POST /lane/join?version=N&blake3=HEX` with the engine's whole weight image as the body
-//! ends every sequence an earlier driver left, installs the image (length and blake3 checked;
-//! any version: the new driver owns the server) and answers a lane token. From then on the
+//! builds a fresh engine on the image (length and blake3 checked; any version: the new driver
+//! owns the server, and every sequence an earlier driver left is gone) and answers a lane
+//! token. From then on the
 //! server is *driven*: its engine steps only inside `/lane/step`, and the session endpoints
 //! (`/generate`, `/abort`, `/v1/...`) answer 409 until the process restarts.
 //!
@@ -106,10 +107,12 @@ impl LaneState {
                  would end them; /abort them or join another server"
             )));
         }
-        weights::install_image(engine, held, image.bytes, image.version, image.hash, true)?;
-        let aborted = engine
-            .abort_all()
-            .map_err(|e| ApiError::internal(format!("/lane/join: {e}")))?;
+        let aborted =
+            weights::restart_on_image(engine, held, image.bytes, image.version, image.hash)
+                .map_err(|mut e| {
+                    e.message = format!("/lane/join: {}", e.message);
+                    e
+                })?;
         self.joins += 1;
         self.driven = true;
         Ok(JoinAnswer {

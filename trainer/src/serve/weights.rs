@@ -18,6 +18,7 @@ use super::api::ApiError;
 use serde::Deserialize;
 use sluice_model::{Arena, ModelConfig};
 use sluice_runtime::engine::Engine;
+use sluice_runtime::health::BackendSpec;
 use sluice_runtime::sync::delta::{self, DeltaError, Image};
 use sluice_runtime::sync::lane::{arena_bytes, arena_from_bytes};
 use sluice_runtime::sync::ContentHash;
@@ -157,7 +158,7 @@ pub fn install(
         hash,
     } = update
     {
-        return install_image(engine, held, bytes, version, hash, false);
+        return install_image(engine, held, bytes, version, hash);
     }
     // The new weights as an arena in the engine's precision, and the image they make.
     let (arena, image) = match update {
@@ -229,20 +230,14 @@ pub fn install(
     })
 }
 
-/// Installs the engine's image `bytes` as `version` when it is as long as the held one and
-/// hashes to `hash`; `any_version`: a joining trainer may install an older version than the
-/// served one (it owns the server from now on). On any error nothing changes.
-pub fn install_image(
-    engine: &mut Engine,
-    held: &mut HeldImage,
-    bytes: Vec<u8>,
-    version: WeightVersion,
+/// Checks the engine's image `bytes` (as long as the held one, hashing to `hash`) and makes
+/// the arena it holds.
+fn check_image(
+    engine: &Engine,
+    held: &HeldImage,
+    bytes: &[u8],
     hash: ContentHash,
-    any_version: bool,
-) -> Result<Installed, ApiError> {
-    if !any_version {
-        not_older(version, engine.version())?;
-    }
+) -> Result<Arena, ApiError> {
     if bytes.len() != held.bytes.len() {
         return Err(ApiError::bad_request(format!(
             "the image is {} bytes and the served model's is {}: another model or precision \
@@ -251,7 +246,7 @@ pub fn install_image(
             held.bytes.len()
         )));
     }
-    let got = ContentHash::of(&bytes);
+    let got = ContentHash::of(bytes);
     if got != hash {
         return Err(ApiError::bad_request(format!(
             "the image hashes to {} and blake3={} was given: damaged in transit; nothing was \
@@ -263,11 +258,11 @@ pub fn install_image(
     let layout = sluice_model::Layout::new(engine.model_config())
         .map(std::sync::Arc::new)
         .map_err(|e| ApiError::internal(e.to_string()))?;
-    let arena =
-        arena_from_bytes(engine.backend(), &layout, &bytes).map_err(ApiError::bad_request)?;
-    engine
-        .swap_weights(&arena, version, None)
-        .map_err(|e| ApiError::internal(e.to_string()))?;
+    arena_from_bytes(engine.backend(), &layout, bytes).map_err(ApiError::bad_request)
+}
+
+/// Replaces the held image (its old buffer becomes the next delta's scratch).
+fn hold(held: &mut HeldImage, version: WeightVersion, hash: ContentHash, bytes: Vec<u8>) {
     let old = std::mem::replace(
         held,
         HeldImage {
@@ -278,11 +273,59 @@ pub fn install_image(
         },
     );
     held.scratch = old.bytes;
+}
+
+/// Installs the engine's image `bytes` as `version` (not older than the served one) when it
+/// is as long as the held one and hashes to `hash`. On any error nothing changes.
+pub fn install_image(
+    engine: &mut Engine,
+    held: &mut HeldImage,
+    bytes: Vec<u8>,
+    version: WeightVersion,
+    hash: ContentHash,
+) -> Result<Installed, ApiError> {
+    not_older(version, engine.version())?;
+    let arena = check_image(engine, held, &bytes, hash).map_err(|mut e| {
+        e.message = format!("/weights: {}", e.message);
+        e
+    })?;
+    engine
+        .swap_weights(&arena, version, None)
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    hold(held, version, hash, bytes);
     Ok(Installed {
         version,
         hash,
         delta: false,
     })
+}
+
+/// A fresh engine (same backend kind and settings, no sequence) on the image `bytes` at any
+/// `version`: what a joining trainer starts from. Returns the sequences the old engine held.
+/// On any error nothing changes. (For a moment both engines' KV pools exist.)
+pub fn restart_on_image(
+    engine: &mut Engine,
+    held: &mut HeldImage,
+    bytes: Vec<u8>,
+    version: WeightVersion,
+    hash: ContentHash,
+) -> Result<usize, ApiError> {
+    let arena = check_image(engine, held, &bytes, hash)?;
+    let backend = BackendSpec::of(engine.backend())
+        .open()
+        .map_err(ApiError::internal)?;
+    let fresh = Engine::new(
+        backend,
+        engine.model_config(),
+        &arena,
+        version,
+        engine.config().clone(),
+    )
+    .map_err(|e| ApiError::internal(e.to_string()))?;
+    let held_sequences = engine.len();
+    *engine = fresh;
+    hold(held, version, hash, bytes);
+    Ok(held_sequences)
 }
 
 /// A delta that does not apply: another base is a conflict (409), a damaged one a 400.

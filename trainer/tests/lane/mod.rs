@@ -143,4 +143,17 @@ fn lane_join_step_and_bad_lane_requests() {
     assert_eq!(h["counters"]["lane_joins"], 1, "{h}");
     assert_eq!(h["counters"]["lane_steps"], units + 1, "{h}");
     assert!(h["counters"]["rejected"].as_u64().unwrap() >= 9, "{h}");
+    // A second trainer joins at an older version (a new run): a fresh engine on its image,
+    // and the first join's token is stale.
+    let (s, j2) = server.send(&format!("/lane/join?version=1&blake3={hash}"), oct, &image);
+    assert_eq!(s, 200, "{j2}");
+    assert_eq!(j2["version"], 1, "{j2}");
+    assert_ne!(j2["instance"], json!(token));
+    let (s, v) = step(&token, vec![]);
+    assert_eq!(s, 409, "{v}");
+    let (s, a) = step(j2["instance"].as_str().unwrap(), vec![]);
+    assert_eq!(
+        (s, a["version"].clone(), a["has_work"].clone()),
+        (200, json!(1), json!(false))
+    );
 }
