@@ -268,6 +268,11 @@ fn a_killed_server_is_lost_then_rejoins_after_a_full_sync() {
     assert!(env_ended >= lost, "{s}");
     assert_eq!(s["env_trained_rate"].as_f64(), Some(0.0), "{s}");
     assert_zero_mismatch(&s, 40, "a server lost and restarted");
+    // Named on the progress output, with why.
+    assert!(
+        text.contains("rollout server 1 lost (http://127.0.0.1:"),
+        "{text}"
+    );
     // The restarted process was joined once (the full sync of the newest image) and then ran
     // units of work of the run.
     let h = restarted.health();

@@ -15,6 +15,7 @@ use crate::orchestrator::EngineCmd;
 use crate::sync::lane::SyncReport;
 use crate::sync::{ContentHash, Payload, Publication};
 use crate::trajectory::WeightVersion;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// The most bytes of an answer read (a unit of work's samples are far smaller).
@@ -44,6 +45,9 @@ pub struct ServerClient {
     instance: Option<String>,
     version: Option<WeightVersion>,
     hash: Option<ContentHash>,
+    /// Why the server was found lost last (read by the scheduler when it declares the loss:
+    /// the lane itself just goes silent).
+    lost_because: Arc<Mutex<Option<String>>>,
 }
 
 impl std::fmt::Debug for ServerClient {
@@ -85,7 +89,14 @@ impl ServerClient {
             instance: None,
             version: None,
             hash: None,
+            lost_because: Arc::default(),
         }
+    }
+
+    /// Where the reason of the last [`ClientError::Lost`] is kept (shared: the scheduler keeps
+    /// a handle while the client lives on the lane's thread).
+    pub fn lost_because(&self) -> Arc<Mutex<Option<String>>> {
+        self.lost_because.clone()
     }
 
     pub fn url(&self) -> &str {
@@ -102,7 +113,11 @@ impl ServerClient {
     }
 
     fn lost(&self, what: &str, e: impl std::fmt::Display) -> ClientError {
-        ClientError::Lost(format!("{} {what}: {e}", self.url))
+        let m = format!("{} {what}: {e}", self.url);
+        if let Ok(mut slot) = self.lost_because.lock() {
+            *slot = Some(m.clone());
+        }
+        ClientError::Lost(m)
     }
 
     fn read(

@@ -383,11 +383,17 @@ pub(super) struct ReplicaLane {
     /// When it was lost (for the restart's trace span).
     pub(super) lost_at: Option<Micros>,
     pub(super) restart_attempts: u32,
+    /// A server lane: why its client last found it lost (see [`ServerClient::lost_because`]).
+    pub(super) lost_because: Option<Arc<std::sync::Mutex<Option<String>>>>,
 }
 
 impl ReplicaLane {
     pub(super) fn new(replica: ReplicaWorker) -> ReplicaLane {
         let v = replica.version();
+        let lost_because = match &replica {
+            ReplicaWorker::Remote(c) => Some(c.lost_because()),
+            ReplicaWorker::Local(_) => None,
+        };
         ReplicaLane {
             exec: Exec::Inline(replica),
             pending: Vec::new(),
@@ -402,6 +408,7 @@ impl ReplicaLane {
             installed: v,
             lost_at: None,
             restart_attempts: 0,
+            lost_because,
         }
     }
 

@@ -75,6 +75,10 @@ impl Scheduler<'_> {
         }
         let r = &mut self.replicas[i];
         let working_since = r.busy_since;
+        let reason = r
+            .lost_because
+            .as_ref()
+            .and_then(|slot| slot.lock().ok()?.take());
         r.alive = false;
         r.incarnation += 1;
         r.busy_since = None;
@@ -109,10 +113,13 @@ impl Scheduler<'_> {
             format!("replica {i} lost"),
             silent_since,
             now,
-            vec![
+            [
                 ("trajectories_lost".into(), lost.trajectories.to_string()),
                 ("sessions_restarted".into(), lost.sessions.len().to_string()),
-            ],
+            ]
+            .into_iter()
+            .chain(reason.clone().map(|r| ("reason".to_string(), r)))
+            .collect(),
         );
         observer.on_replica_lost(&ReplicaLoss {
             now,
@@ -120,6 +127,7 @@ impl Scheduler<'_> {
             silent_since,
             working_since,
             lost,
+            reason,
         });
         let delay = if self.clock.is_virtual() {
             let image = self.engine_image_bytes();

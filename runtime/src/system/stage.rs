@@ -92,6 +92,9 @@ pub struct ReplicaLoss {
     pub working_since: Option<Micros>,
     /// The trajectories it ended and the sessions that start again elsewhere.
     pub lost: LostSessions,
+    /// A rollout server: what its lane last saw (a refused connection, a timeout, another
+    /// process); None for an in-process replica, or a server that was silent.
+    pub reason: Option<String>,
 }
 
 /// What a running stage tells its owner.

@@ -557,6 +557,18 @@ impl StageObserver for RlObserver<'_> {
         Ok(())
     }
 
+    fn on_replica_lost(&mut self, loss: &sluice_runtime::system::ReplicaLoss) {
+        // A rollout server's loss is an operator's business: say which and why.
+        if let Some(reason) = &loss.reason {
+            let _ = writeln!(
+                self.out,
+                "  rollout server {} lost ({reason}): {} trajectories ended as environment; it \
+                 rejoins after a full sync when it answers",
+                loss.replica, loss.lost.trajectories
+            );
+        }
+    }
+
     fn on_barrier(&mut self, view: &BarrierView<'_>) -> Result<(), String> {
         let _ = self.metrics.sync_data();
         let mut trace = self.stage_trace.clone();
