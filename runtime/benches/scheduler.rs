@@ -131,6 +131,7 @@ fn run(sessions: u64) {
         sync: Default::default(),
         health: Default::default(),
         over_sampling: None,
+        servers: Vec::new(),
     };
     let start = StageStart {
         clock: Micros(0),

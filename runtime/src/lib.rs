@@ -17,6 +17,7 @@ pub mod kv_blocks;
 pub mod learner;
 pub mod metrics;
 pub mod orchestrator;
+pub mod remote;
 pub mod router;
 pub mod sync;
 pub mod system;

@@ -145,6 +145,7 @@ impl Setup {
             sync: SyncOptions::default(),
             health: HealthConfig::default(),
             over_sampling: None,
+            servers: Vec::new(),
         };
         let start = StageStart {
             clock: Micros(0),

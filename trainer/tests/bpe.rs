@@ -258,6 +258,7 @@ fn sampled_ids_that_do_not_survive_a_round_trip_are_trained_as_sampled() {
         sync: SyncOptions::default(),
         health: HealthConfig::default(),
         over_sampling: None,
+        servers: Vec::new(),
     };
     let start = StageStart {
         clock: Micros(0),

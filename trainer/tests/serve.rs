@@ -9,8 +9,11 @@
 //! - every kind of bad request is a 4xx naming the problem, and the server keeps serving;
 //! - weights: a full checkpoint, then a verified delta (later tokens carry the new version),
 //!   a delta for another base refused with nothing installed, a checkpoint by path;
-//! - chat: a second turn reuses the session's ids; an edited history is re-encoded and flagged.
+//! - chat: a second turn reuses the session's ids; an edited history is re-encoded and flagged;
+//! - the lane endpoints a trainer drives the server with ([`lane`]): a unit of work computes
+//!   what an in-process engine computes, bad lane requests are 4xx.
 
+mod lane;
 mod support;
 
 use serde_json::{json, Value};
@@ -447,7 +450,7 @@ fn streaming_abort_and_bad_requests() {
             "application/octet-stream",
             b"x".to_vec(),
             400,
-            "the only parameter is version=N",
+            "the parameters are version=N and blake3=HEX",
         ),
         (
             "/health",

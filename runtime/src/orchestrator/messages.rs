@@ -42,7 +42,8 @@ pub enum EngineCmd {
 }
 
 /// What an [`EngineCmd::Group`] does to the group's trajectories in the engine.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum GroupControl {
     /// End them all without a sample (discarded).
     Abort,

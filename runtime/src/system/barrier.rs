@@ -3,7 +3,7 @@
 //! caches are reset so a run resumed from there continues exactly. Changes with what a
 //! checkpoint needs.
 
-use super::lanes::{Exec, Replica};
+use super::lanes::{Exec, Replica, ReplicaWorker};
 use super::scheduler::Scheduler;
 use super::stage::{BarrierView, RunError, StageObserver};
 
@@ -22,8 +22,12 @@ impl Scheduler<'_> {
                 replica: i,
                 message: "a replica thread panicked".into(),
             })?;
-            // Identical state in a run resumed from here: nothing cached from before.
-            rep.engine.reset_prefix_cache();
+            // Identical state in a run resumed from here: nothing cached from before. (A
+            // server's cache is its own: a run with servers is on the wall clock, which does
+            // not replay exactly anyway.)
+            if let ReplicaWorker::Local(rep) = rep {
+                rep.engine.reset_prefix_cache();
+            }
         }
         if self.learner.exec.make_inline().is_none() {
             return Err(RunError::Learner("the learner thread panicked".into()));
@@ -33,7 +37,7 @@ impl Scheduler<'_> {
                 Exec::Inline(l) => &l.learner,
                 _ => return Err(RunError::Learner("the learner is gone".into())),
             };
-            let inline: Vec<&Replica> = self
+            let workers: Vec<&ReplicaWorker> = self
                 .replicas
                 .iter()
                 .filter_map(|r| match &r.exec {
@@ -41,15 +45,19 @@ impl Scheduler<'_> {
                     _ => None,
                 })
                 .collect();
+            let inline: Vec<&Replica> = workers
+                .iter()
+                .filter_map(|w| match w {
+                    ReplicaWorker::Local(r) => Some(r.as_ref()),
+                    ReplicaWorker::Remote(_) => None,
+                })
+                .collect();
             observer
                 .on_barrier(&BarrierView {
                     now,
                     learner,
                     engines: inline.iter().map(|r| &r.engine).collect(),
-                    replica_weights: inline
-                        .iter()
-                        .map(|r| (r.sink.version(), r.sink.hash()))
-                        .collect(),
+                    replica_weights: workers.iter().map(|w| (w.version(), w.hash())).collect(),
                     buffer: &self.buffer,
                     orchestrator: &self.orch,
                     totals: &self.totals,

@@ -10,8 +10,10 @@ use crate::clock::Micros;
 use crate::engine::{Engine, EngineConfig, Event};
 use crate::health::{BackendSpec, FailKind};
 use crate::learner::{Learner, Publication, StepReport};
-use crate::orchestrator::{EngineCmd, EngineResult, GroupControl, ObserveRefusal};
+use crate::orchestrator::{EngineCmd, EngineResult};
+use crate::remote::{unit, ClientError, ServerClient};
 use crate::sync::lane::{Delivery, Outgoing, SyncReport, SyncSink, SyncSource};
+use crate::sync::ContentHash;
 use crate::trajectory::WeightVersion;
 use sluice_model::ModelConfig;
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -64,18 +66,64 @@ pub(super) enum ReplicaOutcome {
     Failed(FailKind),
 }
 
-pub(super) fn replica_run(r: &mut Replica, work: EngineWork) -> ReplicaOutcome {
-    let mut done = EngineDone {
-        results: Vec::with_capacity(work.cmds.len()),
-        events: Vec::new(),
-        stepped: false,
-        prefill_tokens: 0,
-        decode_tokens: 0,
-        sampled_tokens: 0,
-        sync: Vec::new(),
-        has_work: false,
-        error: None,
-    };
+/// A replica lane's component: an engine in this process, or a `sluice serve` process driven
+/// over HTTP ([`crate::remote`]).
+pub(super) enum ReplicaWorker {
+    Local(Box<Replica>),
+    Remote(ServerClient),
+}
+
+impl ReplicaWorker {
+    /// The version it runs on (None: nothing installed yet).
+    pub(super) fn version(&self) -> Option<WeightVersion> {
+        match self {
+            ReplicaWorker::Local(r) => r.sink.version(),
+            ReplicaWorker::Remote(c) => c.version(),
+        }
+    }
+
+    pub(super) fn hash(&self) -> Option<ContentHash> {
+        match self {
+            ReplicaWorker::Local(r) => r.sink.hash(),
+            ReplicaWorker::Remote(c) => c.hash(),
+        }
+    }
+
+    /// Answers heartbeat `seq` (a server is asked: one that does not answer, or another
+    /// process than the one joined, leaves it unanswered).
+    fn pong(&self, seq: u64) -> Option<u64> {
+        match self {
+            ReplicaWorker::Local(_) => Some(seq),
+            ReplicaWorker::Remote(c) => c.health().ok().map(|()| seq),
+        }
+    }
+}
+
+impl EngineDone {
+    fn empty(cmds: usize) -> EngineDone {
+        EngineDone {
+            results: Vec::with_capacity(cmds),
+            events: Vec::new(),
+            stepped: false,
+            prefill_tokens: 0,
+            decode_tokens: 0,
+            sampled_tokens: 0,
+            sync: Vec::new(),
+            has_work: false,
+            error: None,
+        }
+    }
+}
+
+pub(super) fn replica_run(w: &mut ReplicaWorker, work: EngineWork) -> ReplicaOutcome {
+    match w {
+        ReplicaWorker::Local(r) => local_run(r, work),
+        ReplicaWorker::Remote(c) => remote_run(c, work),
+    }
+}
+
+fn local_run(r: &mut Replica, work: EngineWork) -> ReplicaOutcome {
+    let mut done = EngineDone::empty(work.cmds.len());
     // Weights first: everything computed in this unit's step uses them.
     let mut refused = false;
     for d in work.deliveries {
@@ -104,72 +152,79 @@ pub(super) fn replica_run(r: &mut Replica, work: EngineWork) -> ReplicaOutcome {
             return ReplicaOutcome::Done(done);
         }
     }
-    let engine = &mut r.engine;
-    for cmd in work.cmds {
-        done.results.push(match cmd {
-            EngineCmd::Submit { group, request } => EngineResult::Submitted {
-                group,
-                handles: engine.submit(request).map_err(|e| e.to_string()),
-            },
-            EngineCmd::Observe {
-                member,
-                handle,
-                tokens,
-                max_new_tokens,
-            } => EngineResult::Observed {
-                member,
-                result: engine
-                    .observe(handle, &tokens, max_new_tokens)
-                    .map_err(ObserveRefusal::from),
-            },
-            EngineCmd::Finish {
-                member,
-                handle,
-                reward,
-                reason,
-            } => EngineResult::Finished {
-                member,
-                result: engine
-                    .finish(handle, reward, reason)
-                    .map(Box::new)
-                    .map_err(|e| e.to_string()),
-            },
-            EngineCmd::Group {
-                group,
-                instance,
-                control,
-            } => EngineResult::Group {
-                group,
-                control,
-                generated: match control {
-                    GroupControl::Abort => engine.abort_group(&instance),
-                    GroupControl::Suspend => engine.suspend_group(&instance),
-                    GroupControl::Resume => engine.resume_group(&instance),
-                }
-                .map_err(|e| e.to_string()),
-            },
-        });
-    }
-    let before = engine.stats();
-    if engine.has_work() {
+    done.results = unit::apply_commands(&mut r.engine, work.cmds);
+    if r.engine.has_work() {
         if let Some(f) = &r.fail {
-            if before.steps + 1 >= f.at_step {
+            if r.engine.stats().steps + 1 >= f.at_step {
                 return ReplicaOutcome::Failed(f.kind);
             }
         }
-        match engine.step() {
-            Ok(ev) => {
-                done.events = ev;
-                done.stepped = true;
+    }
+    fill(&mut done, unit::step_once(&mut r.engine));
+    ReplicaOutcome::Done(done)
+}
+
+fn fill(done: &mut EngineDone, s: unit::Stepped) {
+    done.events = s.events;
+    done.stepped = s.stepped;
+    done.prefill_tokens = s.prefill_tokens;
+    done.decode_tokens = s.decode_tokens;
+    done.sampled_tokens = s.sampled_tokens;
+    done.has_work = s.has_work;
+    done.error = s.error;
+}
+
+/// The same unit of work on a server: each delivery by `POST /weights`, then the commands and
+/// one engine step by `POST /lane/step`. A server that does not answer (or restarted) makes
+/// the lane go silent like a dead in-process replica: heartbeats declare it lost.
+fn remote_run(c: &mut ServerClient, work: EngineWork) -> ReplicaOutcome {
+    let mut done = EngineDone::empty(work.cmds.len());
+    let mut refused = false;
+    for d in work.deliveries {
+        let Delivery::Bytes(p) = &d else {
+            done.error = Some(format!(
+                "internal: an in-process delivery of {} reached a server",
+                d.version()
+            ));
+            return ReplicaOutcome::Done(done);
+        };
+        if refused && p.is_delta() {
+            done.sync.push(SyncReport::Skipped { version: p.version });
+            continue;
+        }
+        match c.install(p) {
+            Ok(report) => {
+                refused |= matches!(report, SyncReport::Refused { .. });
+                done.sync.push(report);
             }
-            Err(e) => done.error = Some(e.to_string()),
+            Err(ClientError::Lost(_)) => return ReplicaOutcome::Failed(FailKind::Die),
+            Err(ClientError::Protocol(m)) => {
+                done.error = Some(m);
+                return ReplicaOutcome::Done(done);
+            }
         }
     }
-    let after = engine.stats();
-    done.prefill_tokens = after.prefill_tokens - before.prefill_tokens;
-    done.decode_tokens = after.decode_tokens - before.decode_tokens;
-    done.sampled_tokens = after.sampled_tokens - before.sampled_tokens;
-    done.has_work = engine.has_work();
+    let answer = match c.step(work.cmds) {
+        Ok(a) => a,
+        Err(ClientError::Lost(_)) => return ReplicaOutcome::Failed(FailKind::Die),
+        Err(ClientError::Protocol(m)) => {
+            done.error = Some(m);
+            return ReplicaOutcome::Done(done);
+        }
+    };
+    done.results = answer.results.into_iter().map(EngineResult::from).collect();
+    fill(
+        &mut done,
+        unit::Stepped {
+            events: answer.events.into_iter().map(Event::from).collect(),
+            stepped: answer.stepped,
+            prefill_tokens: answer.prefill_tokens,
+            decode_tokens: answer.decode_tokens,
+            sampled_tokens: answer.sampled_tokens,
+            has_work: answer.has_work,
+            error: answer.error,
+        },
+    );
     ReplicaOutcome::Done(done)
 }
 
@@ -307,7 +362,7 @@ pub(super) struct ReplicaSpec {
 }
 
 pub(super) struct ReplicaLane {
-    pub(super) exec: Exec<Replica, ReplicaIn>,
+    pub(super) exec: Exec<ReplicaWorker, ReplicaIn>,
     pub(super) pending: Vec<EngineCmd>,
     pub(super) deliveries: Vec<Delivery>,
     /// Run a unit of work even with nothing queued (the disk path's poll after a
@@ -328,11 +383,17 @@ pub(super) struct ReplicaLane {
     /// When it was lost (for the restart's trace span).
     pub(super) lost_at: Option<Micros>,
     pub(super) restart_attempts: u32,
+    /// A server lane: why its client last found it lost (see [`ServerClient::lost_because`]).
+    pub(super) lost_because: Option<Arc<std::sync::Mutex<Option<String>>>>,
 }
 
 impl ReplicaLane {
-    pub(super) fn new(replica: Replica) -> ReplicaLane {
-        let v = replica.sink.version();
+    pub(super) fn new(replica: ReplicaWorker) -> ReplicaLane {
+        let v = replica.version();
+        let lost_because = match &replica {
+            ReplicaWorker::Remote(c) => Some(c.lost_because()),
+            ReplicaWorker::Local(_) => None,
+        };
         ReplicaLane {
             exec: Exec::Inline(replica),
             pending: Vec::new(),
@@ -347,6 +408,7 @@ impl ReplicaLane {
             installed: v,
             lost_at: None,
             restart_attempts: 0,
+            lost_because,
         }
     }
 
@@ -403,15 +465,19 @@ impl Scheduler<'_> {
             e,
             format!("sluice-engine-{i}"),
             self.lane_tx.clone(),
-            move |rep: &mut Replica, input| match input {
-                ReplicaIn::Ping(seq) => Some(LaneMsg::Pong(i, incarnation, seq)),
+            move |rep: &mut ReplicaWorker, input| match input {
+                ReplicaIn::Ping(seq) => rep.pong(seq).map(|seq| LaneMsg::Pong(i, incarnation, seq)),
                 ReplicaIn::Work(w) => match replica_run(rep, w) {
                     ReplicaOutcome::Done(d) => Some(LaneMsg::Engine(i, incarnation, Box::new(d))),
                     ReplicaOutcome::Failed(kind) => {
                         if kind == FailKind::Hang {
                             // Blocks until the stage ends and drops the sender (a real hang
                             // would block for ever; the scheduler never waits for it).
-                            if let Some(rx) = rep.fail.as_mut().and_then(|f| f.release.take()) {
+                            let fail = match rep {
+                                ReplicaWorker::Local(r) => r.fail.as_mut(),
+                                ReplicaWorker::Remote(_) => None,
+                            };
+                            if let Some(rx) = fail.and_then(|f| f.release.take()) {
                                 let _ = rx.recv();
                             }
                         }

@@ -14,6 +14,9 @@
 //! inline, and its result is delivered by a timer at start + the cost model's charge; the loop
 //! always handles the earliest event, so the interleaving is decided by the clock and never by
 //! thread timing, and a run with a seed replays bit for bit.
+//! A replica lane's component is an engine in this process, or a `sluice serve` process
+//! (`rollout.servers`, [`crate::remote`]) that the lane's thread sends the same unit of work
+//! over HTTP (wall clock only).
 //!
 //! Weight sync. The learner lane turns a publication into what each replica is sent (in
 //! process: the arena; delta: a delta against the version the replica will hold, or the full

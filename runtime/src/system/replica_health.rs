@@ -3,15 +3,25 @@
 //! the failure model.
 
 use super::event_loop::TimerEv;
-use super::lanes::{Exec, Replica, ReplicaIn, ReplicaLane};
+use super::lanes::{Exec, Replica, ReplicaIn, ReplicaLane, ReplicaWorker};
 use super::scheduler::Scheduler;
 use super::stage::{ReplicaLoss, RunError, StageObserver};
 use crate::clock::Micros;
 use crate::engine::Engine;
 use crate::health::Heartbeats;
 use crate::metrics::Track;
+use crate::remote::{ClientError, ServerClient};
 use crate::router::ReplicaId;
 use crate::sync::lane::{restart_replica, FullSync, SyncPath, SyncReport, SyncSink};
+
+/// Why a replica could not be brought back.
+enum RestartError {
+    /// Try again later (an engine that could not be built, a server that does not answer).
+    Retry(String),
+    /// A server that answers and refuses its join (another model or precision): polling it
+    /// again cannot heal that.
+    Refused(String),
+}
 
 /// Restart attempts of one lost replica before the stage gives up.
 const MAX_RESTART_ATTEMPTS: u32 = 5;
@@ -65,6 +75,10 @@ impl Scheduler<'_> {
         }
         let r = &mut self.replicas[i];
         let working_since = r.busy_since;
+        let reason = r
+            .lost_because
+            .as_ref()
+            .and_then(|slot| slot.lock().ok()?.take());
         r.alive = false;
         r.incarnation += 1;
         r.busy_since = None;
@@ -99,10 +113,13 @@ impl Scheduler<'_> {
             format!("replica {i} lost"),
             silent_since,
             now,
-            vec![
+            [
                 ("trajectories_lost".into(), lost.trajectories.to_string()),
                 ("sessions_restarted".into(), lost.sessions.len().to_string()),
-            ],
+            ]
+            .into_iter()
+            .chain(reason.clone().map(|r| ("reason".to_string(), r)))
+            .collect(),
         );
         observer.on_replica_lost(&ReplicaLoss {
             now,
@@ -110,6 +127,7 @@ impl Scheduler<'_> {
             silent_since,
             working_since,
             lost,
+            reason,
         });
         let delay = if self.clock.is_virtual() {
             let image = self.engine_image_bytes();
@@ -141,8 +159,35 @@ impl Scheduler<'_> {
         self.engine_weights.params.tensor().len_bytes() as u64
     }
 
+    /// Replica `i` again from a full sync of the newest weights: a fresh engine, or its server
+    /// joined again (Err while it does not answer).
+    fn fresh_worker(&self, i: usize) -> Result<(ReplicaWorker, SyncReport), RestartError> {
+        let Some(url) = self.cfg.servers.get(i) else {
+            let (engine, sink, report) = self.fresh_engine(i).map_err(RestartError::Retry)?;
+            let worker = ReplicaWorker::Local(Box::new(Replica {
+                engine,
+                sink,
+                fail: None,
+            }));
+            return Ok((worker, report));
+        };
+        let full = self.latest_full.as_deref().ok_or_else(|| {
+            RestartError::Refused("internal: no full image to join a server with".into())
+        })?;
+        let timeout = self
+            .heartbeats
+            .as_ref()
+            .map_or(Micros::from_secs(30.0), Heartbeats::timeout);
+        let mut client = ServerClient::new(url, std::time::Duration::from_micros(timeout.0));
+        match client.join(full) {
+            Ok(report) => Ok((ReplicaWorker::Remote(client), report)),
+            Err(ClientError::Lost(m)) => Err(RestartError::Retry(m)),
+            Err(ClientError::Protocol(m)) => Err(RestartError::Refused(m)),
+        }
+    }
+
     /// A fresh engine for replica `i` from a full sync of the newest weights.
-    pub(super) fn fresh_replica(&self, i: usize) -> Result<(Engine, SyncSink, SyncReport), String> {
+    pub(super) fn fresh_engine(&self, i: usize) -> Result<(Engine, SyncSink, SyncReport), String> {
         let spec = &self.specs[i];
         let backend = spec.backend.open()?;
         let full = match &self.cfg.sync.path {
@@ -171,12 +216,21 @@ impl Scheduler<'_> {
         observer: &mut dyn StageObserver,
     ) -> Result<(), RunError> {
         let now = self.clock.now();
-        let (engine, sink, report) = match self.fresh_replica(i) {
+        let (worker, report) = match self.fresh_worker(i) {
             Ok(x) => x,
-            Err(e) => {
+            Err(RestartError::Refused(m)) => {
+                return Err(RunError::Engine {
+                    replica: i,
+                    message: format!("rollout.servers[{i}] refused to rejoin: {m}"),
+                })
+            }
+            Err(RestartError::Retry(e)) => {
+                // A server is polled for as long as another replica keeps the run going: it
+                // rejoins when it answers again (restarted by its operator).
+                let patient = i < self.cfg.servers.len() && self.router.replicas().next().is_some();
                 let r = &mut self.replicas[i];
                 r.restart_attempts += 1;
-                if r.restart_attempts >= MAX_RESTART_ATTEMPTS {
+                if r.restart_attempts >= MAX_RESTART_ATTEMPTS && !patient {
                     return Err(RunError::Engine {
                         replica: i,
                         message: format!("restart failed {} times, last: {e}", r.restart_attempts),
@@ -201,11 +255,7 @@ impl Scheduler<'_> {
         let lost_at = r.lost_at.take().unwrap_or(now);
         let incarnation = r.incarnation;
         let pending = std::mem::take(&mut r.pending);
-        *r = ReplicaLane::new(Replica {
-            engine,
-            sink,
-            fail: None,
-        });
+        *r = ReplicaLane::new(worker);
         r.incarnation = incarnation;
         // Sessions re-run while every replica was down waited here.
         r.pending = pending;

@@ -5,6 +5,7 @@
 use super::event_loop::{SyncPhase, TimerEv};
 use super::lanes::{
     Armed, Exec, LaneMsg, LearnerLane, LearnerSide, Replica, ReplicaLane, ReplicaSpec,
+    ReplicaWorker,
 };
 use super::publication::InFlightPublication;
 use super::stage::{Parts, RunError, StageConfig, StageObserver, StageReport, StageStart};
@@ -14,6 +15,7 @@ use crate::health::{BackendSpec, Heartbeats};
 use crate::learner::Publication;
 use crate::metrics::{LearnerTotals, Trace};
 use crate::orchestrator::Orchestrator;
+use crate::remote::ServerClient;
 use crate::router::{ReplicaId, Router};
 use crate::sync::lane::{StartImage, SyncPath, SyncSink, SyncSource};
 use crate::sync::{ContentHash, DiskPublication};
@@ -56,7 +58,7 @@ pub(super) struct Scheduler<'a> {
     /// Wall clock, injected hang: dropping it releases the hung thread.
     pub(super) hang_release: Option<Sender<()>>,
     /// Threads of lost lanes, never joined (a hung one may never end).
-    pub(super) abandoned: Vec<JoinHandle<Replica>>,
+    pub(super) abandoned: Vec<JoinHandle<ReplicaWorker>>,
     pub(super) trace: Trace,
     pub(super) phase: SyncPhase,
     pub(super) admission: Admission,
@@ -79,9 +81,10 @@ impl<'a> Scheduler<'a> {
         buffer: DataBuffer,
         start: StageStart,
     ) -> Result<Scheduler<'a>, RunError> {
-        if parts.engines.is_empty() {
+        if parts.engines.is_empty() && cfg.servers.is_empty() {
             return Err(RunError::Stalled("no engine replica".into()));
         }
+        check_servers(cfg, parts.engines.len())?;
         if cfg.groups_per_step == 0 || cfg.sync_interval == 0 {
             return Err(RunError::Stalled(
                 "groups_per_step and sync_interval must be >= 1".into(),
@@ -96,7 +99,7 @@ impl<'a> Scheduler<'a> {
                 buffer.config().group_size
             )));
         }
-        let n = parts.engines.len();
+        let n = parts.engines.len().max(cfg.servers.len());
         // Zero mismatch needs the engines to compute in the learner's precision (the same
         // rounding points on both sides).
         let precision = parts.learner.model().precision();
@@ -148,11 +151,18 @@ impl<'a> Scheduler<'a> {
                 kind: f.kind,
                 release: hang_rx.take(),
             });
-            replicas.push(ReplicaLane::new(Replica {
+            replicas.push(ReplicaLane::new(ReplicaWorker::Local(Box::new(Replica {
                 engine: e,
                 sink,
                 fail,
-            }));
+            }))));
+        }
+        if let Some(full) = &latest_full {
+            for (i, url) in cfg.servers.iter().enumerate() {
+                replicas.push(ReplicaLane::new(ReplicaWorker::Remote(join_server(
+                    cfg, i, url, full,
+                )?)));
+            }
         }
         let learner = LearnerLane {
             exec: Exec::Inline(LearnerSide {
@@ -273,8 +283,18 @@ impl<'a> Scheduler<'a> {
         for i in 0..self.replicas.len() {
             let exec = std::mem::replace(&mut self.replicas[i].exec, Exec::Gone);
             let alive = self.replicas[i].alive;
+            if !self.cfg.servers.is_empty() {
+                // A server keeps its engine; the next stage joins it again.
+                continue;
+            }
             let engine = match (alive, exec.into_inner()) {
-                (true, Some(rep)) => rep.engine,
+                (true, Some(ReplicaWorker::Local(rep))) => rep.engine,
+                (true, Some(ReplicaWorker::Remote(_))) => {
+                    return Err(RunError::Engine {
+                        replica: i,
+                        message: "internal: a server lane in a stage without servers".into(),
+                    })
+                }
                 (true, None) => {
                     return Err(RunError::Engine {
                         replica: i,
@@ -284,7 +304,7 @@ impl<'a> Scheduler<'a> {
                 // Lost and not restarted yet: the next stage gets a fresh one.
                 (false, _) => {
                     let (engine, _, report) =
-                        self.fresh_replica(i).map_err(|message| RunError::Engine {
+                        self.fresh_engine(i).map_err(|message| RunError::Engine {
                             replica: i,
                             message: format!("restart at the end of the stage: {message}"),
                         })?;
@@ -323,4 +343,68 @@ impl<'a> Scheduler<'a> {
         };
         Ok((Parts { learner, engines }, self.orch, self.buffer, report))
     }
+}
+
+/// The settings a stage with servers needs (named as the config keys that set them).
+fn check_servers(cfg: &StageConfig, engines: usize) -> Result<(), RunError> {
+    if cfg.servers.is_empty() {
+        return Ok(());
+    }
+    let refuse = |m: String| Err(RunError::Config(m));
+    if engines > 0 {
+        return refuse(format!(
+            "rollout.servers lists {} server(s) and the stage was also given {engines} \
+             in-process engine(s): a stage runs on one or the other",
+            cfg.servers.len()
+        ));
+    }
+    if cfg.clock != ClockMode::Wall {
+        return refuse(
+            "run.replay = true (the virtual clock) cannot drive rollout.servers: a server's \
+             steps take wall time the run clock cannot charge; use the wall clock or \
+             in-process replicas"
+                .into(),
+        );
+    }
+    if cfg.sync.path != SyncPath::Delta {
+        return refuse(format!(
+            "rollout.servers needs sync.path = \"delta\" (weights go to a server over HTTP), \
+             not {:?}",
+            cfg.sync.path.name()
+        ));
+    }
+    if cfg.health.heartbeat_timeout.is_none() {
+        return refuse(
+            "rollout.servers needs heartbeats (rollout.heartbeat_timeout_s > 0): a server \
+             that stops answering is found by them"
+                .into(),
+        );
+    }
+    if cfg.health.fail.is_some() {
+        return refuse(
+            "rollout.fail_kind injects a failure into an in-process engine; with \
+             rollout.servers, stop a server process instead"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
+/// Joins server `i` with a full sync of the stage's start image.
+fn join_server(
+    cfg: &StageConfig,
+    i: usize,
+    url: &str,
+    full: &crate::sync::Publication,
+) -> Result<ServerClient, RunError> {
+    let timeout = cfg
+        .health
+        .heartbeat_timeout
+        .map_or(Duration::from_secs(30), |t| Duration::from_micros(t.0));
+    let mut c = ServerClient::new(url, timeout);
+    c.join(full).map_err(|e| RunError::Engine {
+        replica: i,
+        message: format!("rollout.servers[{i}]: cannot join: {e}"),
+    })?;
+    Ok(c)
 }

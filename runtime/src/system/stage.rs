@@ -59,6 +59,10 @@ pub struct StageConfig {
     pub health: HealthConfig,
     /// Over-sampling with abort (sync mode; None: off).
     pub over_sampling: Option<OverSampling>,
+    /// Rollout servers (`rollout.servers`, `http://host:port`): each is one replica, driven
+    /// over HTTP ([`crate::remote`]); the stage's `Parts::engines` must then be empty. Empty:
+    /// the engines of `Parts` in this process.
+    pub servers: Vec<String>,
 }
 
 /// Over-sampling with abort (APRIL; `rollout.over_sampling`, `rollout.partial_rollout`): each
@@ -109,6 +113,9 @@ pub struct ReplicaLoss {
     pub working_since: Option<Micros>,
     /// The trajectories it ended and the sessions that start again elsewhere.
     pub lost: LostSessions,
+    /// A rollout server: what its lane last saw (a refused connection, a timeout, another
+    /// process); None for an in-process replica, or a server that was silent.
+    pub reason: Option<String>,
 }
 
 /// What a running stage tells its owner.

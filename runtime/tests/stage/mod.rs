@@ -184,6 +184,7 @@ impl Setup {
             sync: self.sync.clone(),
             health: self.health,
             over_sampling: self.over_sampling,
+            servers: Vec::new(),
         };
         let start = StageStart {
             clock: Micros(0),

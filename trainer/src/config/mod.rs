@@ -22,6 +22,7 @@ use toml::{Table, Value};
 
 mod merge;
 mod resolve;
+mod servers;
 
 use merge::{defaults, merge_config, parse_set};
 use resolve::resolve;
@@ -117,6 +118,8 @@ pub struct RolloutSection {
     pub fail: Option<sluice_runtime::health::ReplicaFault>,
     /// Over-sampling with abort, sync mode (None: off).
     pub over_sampling: Option<sluice_runtime::system::OverSampling>,
+    /// Rollout servers (`http://host:port`) driven as the replicas; empty: in-process engines.
+    pub servers: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq)]

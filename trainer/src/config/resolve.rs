@@ -305,6 +305,7 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         heartbeat_timeout_s: (heartbeat > 0.0).then_some(heartbeat),
         fail,
         over_sampling: over_sampling(&rollout, mode)?,
+        servers: super::servers::parse(rollout.value("servers")?)?,
     };
 
     let buffer = Get::section(&table, "buffer")?;
@@ -637,7 +638,7 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
             Value::String(model_s.precision.as_str().into()),
         );
     }
-    Ok(TrainConfig {
+    let mut cfg = TrainConfig {
         run: run_s,
         model: model_s,
         stages: stage_s,
@@ -651,5 +652,7 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         cost: cost_s,
         tasks: tasks_s,
         table,
-    })
+    };
+    super::servers::check(&mut cfg, replicas)?;
+    Ok(cfg)
 }

@@ -169,6 +169,7 @@ pub fn run(backend: &Backend, preset: Preset) -> Result<Vec<Output>, DetError> {
         sync: SyncOptions::default(),
         health: HealthConfig::default(),
         over_sampling: None,
+        servers: Vec::new(),
     };
     let start = StageStart {
         clock: Micros(0),

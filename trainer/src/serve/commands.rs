@@ -2,10 +2,12 @@
 //! request and where its answer goes, an abort's outcome, the counters and health report.
 
 use super::api::{ApiError, SamplingFields, StreamLine, TurnResult};
+use super::lane::JoinImage;
 use super::openai::ChatMessage;
 use super::weights::{Installed, WeightUpdate};
 use serde::Serialize;
 use sluice_runtime::engine::StopConfig;
+use sluice_runtime::remote::wire::{JoinAnswer, StepAnswer, StepRequest};
 use sluice_runtime::trajectory::TokenId;
 use tokio::sync::{mpsc, oneshot};
 
@@ -77,12 +79,20 @@ pub struct Counters {
     pub rejected: u64,
     /// Engine steps that failed (every turn in flight was answered 500 and dropped).
     pub engine_errors: u64,
+    /// `/lane/join`s and `/lane/step`s served.
+    pub lane_joins: u64,
+    pub lane_steps: u64,
 }
 
 /// `GET /health` and `GET /version`.
 #[derive(Clone, Debug, Serialize)]
 pub struct Health {
     pub status: &'static str,
+    /// This process's nonce, or while a trainer drives it the lane token of its join: a
+    /// trainer that sees another one knows its sequences are gone.
+    pub instance: String,
+    /// A trainer drives the engine (`/lane/join`); the session endpoints are off.
+    pub driven: bool,
     pub version: u64,
     /// blake3 of the weight image held (a delta's base).
     pub blake3: String,
@@ -99,4 +109,6 @@ pub enum Command {
     Abort(String, oneshot::Sender<Result<Aborted, ApiError>>),
     Weights(WeightUpdate, oneshot::Sender<Result<Installed, ApiError>>),
     Health(oneshot::Sender<Health>),
+    LaneJoin(JoinImage, oneshot::Sender<Result<JoinAnswer, ApiError>>),
+    LaneStep(StepRequest, oneshot::Sender<Result<StepAnswer, ApiError>>),
 }

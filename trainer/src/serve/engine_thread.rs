@@ -10,6 +10,7 @@
 
 use super::api::{ApiError, FinishReason, StreamLine, Tokens, TurnResult};
 use super::commands::{Aborted, Command, Counters, Health, Reply, TurnInput, TurnRequest};
+use super::lane::LaneState;
 use super::openai::{self, ChatMessage};
 use super::weights::{self, HeldImage};
 use sluice_runtime::engine::{Engine, EngineError, Event, Request, SeqHandle, StopConfig};
@@ -60,6 +61,8 @@ pub struct EngineThread {
     streaming: BTreeSet<String>,
     counters: Counters,
     next_anonymous: u64,
+    /// Whether a trainer drives the engine (`/lane/...`, see [`super::lane`]).
+    lane: LaneState,
 }
 
 /// An engine error answered to a request: the request's fault (a 400) or the server's.
@@ -78,6 +81,7 @@ impl EngineThread {
         tok: Arc<TextTokenizer>,
         defaults: SamplingParams,
         held: HeldImage,
+        lane: LaneState,
     ) -> EngineThread {
         EngineThread {
             engine,
@@ -88,13 +92,15 @@ impl EngineThread {
             streaming: BTreeSet::new(),
             counters: Counters::default(),
             next_anonymous: 0,
+            lane,
         }
     }
 
-    /// Serves commands until every sender is gone.
+    /// Serves commands until every sender is gone. A driven engine steps only inside
+    /// `/lane/step`.
     pub fn run(mut self, rx: Receiver<Command>) {
         loop {
-            if !self.engine.has_work() {
+            if !self.engine.has_work() || self.lane.driven() {
                 match rx.recv() {
                     Ok(c) => self.handle(c),
                     Err(_) => return,
@@ -107,7 +113,7 @@ impl EngineThread {
                     Err(TryRecvError::Disconnected) => return,
                 }
             }
-            if self.engine.has_work() {
+            if self.engine.has_work() && !self.lane.driven() {
                 self.step();
             }
         }
@@ -115,12 +121,35 @@ impl EngineThread {
 
     fn handle(&mut self, c: Command) {
         match c {
-            Command::Turn(req, reply) => match self.start_turn(req) {
-                Ok((id, start)) => self.attach(id, start, reply),
-                Err(e) => reply.reject(e),
-            },
+            Command::Turn(req, reply) => {
+                let started = self
+                    .lane
+                    .refuse_sessions(req.endpoint)
+                    .and_then(|()| self.start_turn(req));
+                match started {
+                    Ok((id, start)) => self.attach(id, start, reply),
+                    Err(e) => reply.reject(e),
+                }
+            }
             Command::Abort(id, tx) => {
-                let _ = tx.send(self.abort(&id));
+                let r = self
+                    .lane
+                    .refuse_sessions("/abort")
+                    .and_then(|()| self.abort(&id));
+                let _ = tx.send(r);
+            }
+            Command::LaneJoin(image, tx) => {
+                let open = self.sessions.len();
+                let r = self
+                    .lane
+                    .join(&mut self.engine, &mut self.held, open, image);
+                self.counters.lane_joins += r.is_ok() as u64;
+                let _ = tx.send(r);
+            }
+            Command::LaneStep(req, tx) => {
+                let r = self.lane.step(&mut self.engine, &self.held, req);
+                self.counters.lane_steps = self.lane.steps();
+                let _ = tx.send(r);
             }
             Command::Weights(update, tx) => {
                 let r = weights::install(&mut self.engine, &mut self.held, update);
@@ -140,6 +169,8 @@ impl EngineThread {
         let kv = self.engine.stats().kv;
         Health {
             status: "ok",
+            instance: self.lane.instance(),
+            driven: self.lane.driven(),
             version: self.engine.version().0,
             blake3: self.held.hash.to_hex(),
             sessions: self.sessions.len(),

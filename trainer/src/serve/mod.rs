@@ -15,6 +15,7 @@
 pub mod api;
 pub mod commands;
 pub mod engine_thread;
+pub mod lane;
 pub mod openai;
 pub mod weights;
 
@@ -309,21 +310,39 @@ async fn version(State(state): State<Arc<AppState>>) -> Response {
     }
 }
 
-/// `version=N` from a query string (the only parameter `/weights` takes).
-fn query_version(query: Option<&str>) -> Result<Option<u64>, ApiError> {
-    let Some(q) = query.filter(|q| !q.is_empty()) else {
-        return Ok(None);
+async fn lane_join(
+    State(state): State<Arc<AppState>>,
+    RawQuery(query): RawQuery,
+    body: Bytes,
+) -> Response {
+    let image = match lane::parse_query("/lane/join", query.as_deref()) {
+        Ok((Some(v), Some(hash))) => lane::JoinImage {
+            bytes: body.to_vec(),
+            version: WeightVersion(v),
+            hash,
+        },
+        Ok(_) => {
+            return state.reject(ApiError::bad_request(
+                "/lane/join: give the image's version=N and blake3=HEX in the query",
+            ))
+        }
+        Err(e) => return state.reject(e),
     };
-    let Some(v) = q.strip_prefix("version=") else {
-        return Err(ApiError::bad_request(format!(
-            "/weights: query {q:?}: the only parameter is version=N"
-        )));
+    match state.ask(|tx| Command::LaneJoin(image, tx)).await {
+        Ok(Ok(a)) => Json(a).into_response(),
+        Ok(Err(e)) | Err(e) => state.reject(e),
+    }
+}
+
+async fn lane_step(State(state): State<Arc<AppState>>, JsonBody(body): JsonBody) -> Response {
+    let req = match api::parse_body("/lane/step", &body) {
+        Ok(r) => r,
+        Err(e) => return state.reject(e),
     };
-    v.parse().map(Some).map_err(|_| {
-        ApiError::bad_request(format!(
-            "/weights: version={v:?} is not a non-negative integer"
-        ))
-    })
+    match state.ask(|tx| Command::LaneStep(req, tx)).await {
+        Ok(Ok(a)) => Json(a).into_response(),
+        Ok(Err(e)) | Err(e) => state.reject(e),
+    }
 }
 
 async fn install_weights(
@@ -336,8 +355,8 @@ async fn install_weights(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("application/json"));
-    let update =
-        query_version(query.as_deref()).and_then(|v| weights::parse_update(body.to_vec(), json, v));
+    let update = lane::parse_query("/weights", query.as_deref())
+        .and_then(|(v, hash)| weights::parse_update(body.to_vec(), json, v, hash));
     let update = match update {
         Ok(u) => u,
         Err(e) => return state.reject(e),
@@ -389,6 +408,12 @@ pub fn router(state: Arc<AppState>) -> Router {
             "/weights",
             post(install_weights).layer(DefaultBodyLimit::disable()),
         )
+        // A join carries the whole image.
+        .route(
+            "/lane/join",
+            post(lane_join).layer(DefaultBodyLimit::disable()),
+        )
+        .route("/lane/step", post(lane_step))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .fallback(not_found)
@@ -412,7 +437,22 @@ pub fn run(o: &ServeOptions, out: &mut dyn Write) -> Result<(), TrainError> {
         .set_nonblocking(true)
         .map_err(|e| TrainError::Run(e.to_string()))?;
     let (tx, rx) = std::sync::mpsc::channel();
-    let thread = EngineThread::new(engine, served.tok.clone(), served.defaults, held);
+    let exit_after = match std::env::var(lane::EXIT_AFTER_ENV) {
+        Ok(v) => Some(v.parse::<u64>().map_err(|_| {
+            TrainError::Input(format!(
+                "{}={v:?}: not a non-negative integer (a test hook)",
+                lane::EXIT_AFTER_ENV
+            ))
+        })?),
+        Err(_) => None,
+    };
+    let thread = EngineThread::new(
+        engine,
+        served.tok.clone(),
+        served.defaults,
+        held,
+        lane::LaneState::new(exit_after),
+    );
     std::thread::Builder::new()
         .name("sluice-serve-engine".into())
         .spawn(move || thread.run(rx))

@@ -18,6 +18,7 @@ use super::api::ApiError;
 use serde::Deserialize;
 use sluice_model::{Arena, ModelConfig};
 use sluice_runtime::engine::Engine;
+use sluice_runtime::health::BackendSpec;
 use sluice_runtime::sync::delta::{self, DeltaError, Image};
 use sluice_runtime::sync::lane::{arena_bytes, arena_from_bytes};
 use sluice_runtime::sync::ContentHash;
@@ -36,6 +37,13 @@ pub enum WeightUpdate {
     },
     /// A codec delta's bytes (the versions are in its header).
     Delta { bytes: Vec<u8>, origin: String },
+    /// The engine's image itself (what a trainer's full sync sends), at `version`, checked
+    /// against `hash`.
+    Image {
+        bytes: Vec<u8>,
+        version: WeightVersion,
+        hash: ContentHash,
+    },
 }
 
 /// The JSON form of `/weights`: a file on a shared filesystem.
@@ -48,11 +56,13 @@ struct PathBody {
 }
 
 /// Reads a `/weights` request: `json` when its content type is JSON (a path), else the body
-/// is the file itself; `query_version` is the `version` query parameter.
+/// is the file itself; `query_version` and `query_hash` are the `version` and `blake3` query
+/// parameters (with `blake3`, a body that is not a delta is the raw image).
 pub fn parse_update(
     body: Vec<u8>,
     json: bool,
     query_version: Option<u64>,
+    query_hash: Option<ContentHash>,
 ) -> Result<WeightUpdate, ApiError> {
     let (bytes, version, origin) = if json {
         let p: PathBody = super::api::parse_body("/weights", &body)?;
@@ -69,6 +79,18 @@ pub fn parse_update(
     };
     if bytes.starts_with(&delta::MAGIC) {
         return Ok(WeightUpdate::Delta { bytes, origin });
+    }
+    if let Some(hash) = query_hash {
+        let Some(v) = version else {
+            return Err(ApiError::bad_request(
+                "/weights: a raw image (blake3=HEX) needs its version=N too",
+            ));
+        };
+        return Ok(WeightUpdate::Image {
+            bytes,
+            version: WeightVersion(v),
+            hash,
+        });
     }
     let Some(v) = version else {
         return Err(ApiError::bad_request(format!(
@@ -130,6 +152,14 @@ pub fn install(
 ) -> Result<Installed, ApiError> {
     let dtype = engine.precision().dtype();
     let delta_used = matches!(update, WeightUpdate::Delta { .. });
+    if let WeightUpdate::Image {
+        bytes,
+        version,
+        hash,
+    } = update
+    {
+        return install_image(engine, held, bytes, version, hash);
+    }
     // The new weights as an arena in the engine's precision, and the image they make.
     let (arena, image) = match update {
         WeightUpdate::Full {
@@ -185,6 +215,7 @@ pub fn install(
             };
             (arena, image)
         }
+        WeightUpdate::Image { .. } => unreachable!("installed above"),
     };
     engine
         .swap_weights(&arena, image.version, None)
@@ -197,6 +228,104 @@ pub fn install(
         hash: held.hash,
         delta: delta_used,
     })
+}
+
+/// Checks the engine's image `bytes` (as long as the held one, hashing to `hash`) and makes
+/// the arena it holds.
+fn check_image(
+    engine: &Engine,
+    held: &HeldImage,
+    bytes: &[u8],
+    hash: ContentHash,
+) -> Result<Arena, ApiError> {
+    if bytes.len() != held.bytes.len() {
+        return Err(ApiError::bad_request(format!(
+            "the image is {} bytes and the served model's is {}: another model or precision \
+             (the server's config must be the trainer's)",
+            bytes.len(),
+            held.bytes.len()
+        )));
+    }
+    let got = ContentHash::of(bytes);
+    if got != hash {
+        return Err(ApiError::bad_request(format!(
+            "the image hashes to {} and blake3={} was given: damaged in transit; nothing was \
+             installed",
+            got.to_hex(),
+            hash.to_hex()
+        )));
+    }
+    let layout = sluice_model::Layout::new(engine.model_config())
+        .map(std::sync::Arc::new)
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    arena_from_bytes(engine.backend(), &layout, bytes).map_err(ApiError::bad_request)
+}
+
+/// Replaces the held image (its old buffer becomes the next delta's scratch).
+fn hold(held: &mut HeldImage, version: WeightVersion, hash: ContentHash, bytes: Vec<u8>) {
+    let old = std::mem::replace(
+        held,
+        HeldImage {
+            version,
+            hash,
+            bytes,
+            scratch: Vec::new(),
+        },
+    );
+    held.scratch = old.bytes;
+}
+
+/// Installs the engine's image `bytes` as `version` (not older than the served one) when it
+/// is as long as the held one and hashes to `hash`. On any error nothing changes.
+pub fn install_image(
+    engine: &mut Engine,
+    held: &mut HeldImage,
+    bytes: Vec<u8>,
+    version: WeightVersion,
+    hash: ContentHash,
+) -> Result<Installed, ApiError> {
+    not_older(version, engine.version())?;
+    let arena = check_image(engine, held, &bytes, hash).map_err(|mut e| {
+        e.message = format!("/weights: {}", e.message);
+        e
+    })?;
+    engine
+        .swap_weights(&arena, version, None)
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    hold(held, version, hash, bytes);
+    Ok(Installed {
+        version,
+        hash,
+        delta: false,
+    })
+}
+
+/// A fresh engine (same backend kind and settings, no sequence) on the image `bytes` at any
+/// `version`: what a joining trainer starts from. Returns the sequences the old engine held.
+/// On any error nothing changes. (For a moment both engines' KV pools exist.)
+pub fn restart_on_image(
+    engine: &mut Engine,
+    held: &mut HeldImage,
+    bytes: Vec<u8>,
+    version: WeightVersion,
+    hash: ContentHash,
+) -> Result<usize, ApiError> {
+    let arena = check_image(engine, held, &bytes, hash)?;
+    let backend = BackendSpec::of(engine.backend())
+        .open()
+        .map_err(ApiError::internal)?;
+    let fresh = Engine::new(
+        backend,
+        engine.model_config(),
+        &arena,
+        version,
+        engine.config().clone(),
+    )
+    .map_err(|e| ApiError::internal(e.to_string()))?;
+    let held_sequences = engine.len();
+    *engine = fresh;
+    hold(held, version, hash, bytes);
+    Ok(held_sequences)
 }
 
 /// A delta that does not apply: another base is a conflict (409), a damaged one a 400.

@@ -378,6 +378,12 @@ struct RlProgress {
 pub fn run_train(o: &TrainOptions, out: &mut dyn Write) -> Result<TrainSummary, TrainError> {
     let p = plan(o)?;
     let cfg = &p.cfg;
+    // Servers that do not answer now fail the run before the warm-up, not after it.
+    for (i, url) in cfg.rollout.servers.iter().enumerate() {
+        sluice_runtime::remote::ServerClient::new(url, std::time::Duration::from_secs(10))
+            .health()
+            .map_err(|e| TrainError::Input(format!("rollout.servers[{i}]: {e}")))?;
+    }
     let backend = Backend::open(cfg.run.device).map_err(|e| {
         TrainError::Config(ConfigError {
             key: "run.device".into(),

@@ -218,8 +218,14 @@ impl RunContext<'_> {
                 self.state.rl_version,
             ),
         };
-        let mut engines = Vec::with_capacity(cfg.rollout.replicas);
-        for _ in 0..cfg.rollout.replicas {
+        // With rollout.servers the servers are the replicas: no engine in this process.
+        let local = if cfg.rollout.servers.is_empty() {
+            cfg.rollout.replicas
+        } else {
+            0
+        };
+        let mut engines = Vec::with_capacity(local);
+        for _ in 0..local {
             let b = Backend::open(cfg.run.device).map_err(run_err)?;
             engines.push(
                 Engine::new(
@@ -328,6 +334,7 @@ impl RunContext<'_> {
             sync: cfg.sync_options(self.out_dir),
             health: cfg.health(),
             over_sampling: cfg.rollout.over_sampling,
+            servers: cfg.rollout.servers.clone(),
         };
         let engine_weights = Arc::new(Publication {
             version: WeightVersion(engine_version),
@@ -550,6 +557,18 @@ impl StageObserver for RlObserver<'_> {
         ));
         self.progress.update(self.out, step, &msg);
         Ok(())
+    }
+
+    fn on_replica_lost(&mut self, loss: &sluice_runtime::system::ReplicaLoss) {
+        // A rollout server's loss is an operator's business: say which and why.
+        if let Some(reason) = &loss.reason {
+            let _ = writeln!(
+                self.out,
+                "  rollout server {} lost ({reason}): {} trajectories ended as environment; it \
+                 rejoins after a full sync when it answers",
+                loss.replica, loss.lost.trajectories
+            );
+        }
     }
 
     fn on_barrier(&mut self, view: &BarrierView<'_>) -> Result<(), String> {
