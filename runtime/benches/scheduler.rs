@@ -132,6 +132,7 @@ fn run(sessions: u64) {
         health: Default::default(),
         over_sampling: None,
         servers: Vec::new(),
+        pin_lanes: false,
     };
     let start = StageStart {
         clock: Micros(0),

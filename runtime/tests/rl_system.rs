@@ -146,6 +146,7 @@ impl Setup {
             health: HealthConfig::default(),
             over_sampling: None,
             servers: Vec::new(),
+            pin_lanes: false,
         };
         let start = StageStart {
             clock: Micros(0),

@@ -259,6 +259,7 @@ fn sampled_ids_that_do_not_survive_a_round_trip_are_trained_as_sampled() {
         health: HealthConfig::default(),
         over_sampling: None,
         servers: Vec::new(),
+        pin_lanes: false,
     };
     let start = StageStart {
         clock: Micros(0),

@@ -303,28 +303,37 @@ pub(super) enum Exec<W, In> {
 impl<W: Send + 'static, In: Send + 'static> Exec<W, In> {
     /// Runs `worker` on a thread that feeds it what it is sent; `run` answers with a message
     /// for the scheduler, or None when the lane ends (an injected death).
+    ///
+    /// `pin`: the lane runs on a one-thread pool of its own pinned to that CPU, so its CPU ops
+    /// (which split work over the current pool, kernels/src/par.rs) stay on that core.
     fn spawn(
         mut worker: W,
         name: String,
         out: Sender<LaneMsg>,
+        pin: Option<usize>,
         mut run: impl FnMut(&mut W, In) -> Option<LaneMsg> + Send + 'static,
     ) -> Result<Exec<W, In>, RunError> {
         let (tx, rx) = channel::<In>();
+        let pool = pin.map(|cpu| pinned_pool(&name, cpu)).transpose()?;
+        let lane = move || {
+            // Ends when the scheduler drops its sender; gives the component back.
+            while let Ok(work) = rx.recv() {
+                match run(&mut worker, work) {
+                    Some(msg) => {
+                        if out.send(msg).is_err() {
+                            break;
+                        }
+                    }
+                    None => break,
+                }
+            }
+            worker
+        };
         let join = std::thread::Builder::new()
             .name(name.clone())
-            .spawn(move || {
-                // Ends when the scheduler drops its sender; gives the component back.
-                while let Ok(work) = rx.recv() {
-                    match run(&mut worker, work) {
-                        Some(msg) => {
-                            if out.send(msg).is_err() {
-                                break;
-                            }
-                        }
-                        None => break,
-                    }
-                }
-                worker
+            .spawn(move || match pool {
+                Some(pool) => pool.install(lane),
+                None => lane(),
             })
             .map_err(|e| RunError::Stalled(format!("cannot start thread {name}: {e}")))?;
         Ok(Exec::Thread { tx, join })
@@ -434,6 +443,39 @@ pub(super) struct LearnerLane {
     pub(super) steps: u64,
 }
 
+/// A one-thread pool whose thread is pinned to `cpu` (`run.pin_lanes`).
+pub(super) fn pinned_pool(lane: &str, cpu: usize) -> Result<rayon::ThreadPool, RunError> {
+    let core = core_affinity::get_core_ids()
+        .unwrap_or_default()
+        .into_iter()
+        .find(|c| c.id == cpu)
+        .ok_or_else(|| {
+            RunError::Config(format!(
+                "run.pin_lanes: lane {lane} cannot be pinned to CPU {cpu}: this process may not \
+                 run there"
+            ))
+        })?;
+    let name = format!("{lane}-cpu{cpu}");
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .thread_name(move |_| name.clone())
+        .start_handler(move |_| {
+            // Checked above that the process may run there; a refusal leaves the thread
+            // unpinned (it still runs its ops alone).
+            let _ = core_affinity::set_for_current(core);
+        })
+        .build()
+        .map_err(|e| RunError::Config(format!("run.pin_lanes: lane {lane}: {e}")))
+}
+
+/// The CPUs of `run.pin_lanes`: the replica lanes' and the learner lane's.
+fn lane_cpus() -> (usize, usize) {
+    let cpus = core_affinity::get_core_ids().unwrap_or_default();
+    let first = cpus.iter().map(|c| c.id).min().unwrap_or(0);
+    let last = cpus.iter().map(|c| c.id).max().unwrap_or(0);
+    (first, last)
+}
+
 impl Scheduler<'_> {
     /// Wall clock: moves every lane onto its own thread.
     pub(super) fn start_threads(&mut self) -> Result<(), RunError> {
@@ -444,10 +486,14 @@ impl Scheduler<'_> {
             let Exec::Inline(l) = std::mem::replace(&mut self.learner.exec, Exec::Gone) else {
                 unreachable!("matched just above")
             };
-            self.learner.exec =
-                Exec::spawn(l, "sluice-learner".into(), self.lane_tx.clone(), |l, w| {
-                    Some(LaneMsg::Learner(Box::new(learner_run(l, &w, true))))
-                })?;
+            let pin = self.cfg.pin_lanes.then(|| lane_cpus().1);
+            self.learner.exec = Exec::spawn(
+                l,
+                "sluice-learner".into(),
+                self.lane_tx.clone(),
+                pin,
+                |l, w| Some(LaneMsg::Learner(Box::new(learner_run(l, &w, true)))),
+            )?;
         }
         Ok(())
     }
@@ -461,10 +507,12 @@ impl Scheduler<'_> {
             unreachable!("matched just above")
         };
         let incarnation = r.incarnation;
+        let pin = self.cfg.pin_lanes.then(|| lane_cpus().0);
         r.exec = Exec::spawn(
             e,
             format!("sluice-engine-{i}"),
             self.lane_tx.clone(),
+            pin,
             move |rep: &mut ReplicaWorker, input| match input {
                 ReplicaIn::Ping(seq) => rep.pong(seq).map(|seq| LaneMsg::Pong(i, incarnation, seq)),
                 ReplicaIn::Work(w) => match replica_run(rep, w) {
@@ -487,5 +535,35 @@ impl Scheduler<'_> {
             },
         )?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CPUs the calling thread may run on, from /proc (None: not Linux).
+    fn allowed_cpus() -> Option<String> {
+        let status = std::fs::read_to_string("/proc/thread-self/status").ok()?;
+        let line = status.lines().find(|l| l.starts_with("Cpus_allowed_list:"))?;
+        Some(line.split_whitespace().nth(1)?.to_string())
+    }
+
+    #[test]
+    fn a_pinned_pool_runs_its_ops_on_one_thread_on_its_cpu() {
+        let (first, last) = lane_cpus();
+        for cpu in [first, last] {
+            let pool = pinned_pool("test", cpu).unwrap();
+            let (threads, allowed) =
+                pool.install(|| (rayon::current_num_threads(), allowed_cpus()));
+            assert_eq!(threads, 1);
+            if let Some(allowed) = allowed {
+                assert_eq!(allowed, cpu.to_string());
+            }
+        }
+        match pinned_pool("test", usize::MAX) {
+            Err(RunError::Config(m)) => assert!(m.contains("run.pin_lanes"), "{m}"),
+            other => panic!("expected a config error, got {:?}", other.map(|_| ())),
+        }
     }
 }

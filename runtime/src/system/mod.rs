@@ -74,6 +74,11 @@ use crate::buffer::DataBuffer;
 use crate::orchestrator::Orchestrator;
 use scheduler::Scheduler;
 
+/// CPUs this process may run on, as `run.pin_lanes` sees them (0: not known).
+pub fn pinnable_cpus() -> usize {
+    core_affinity::get_core_ids().map_or(0, |c| c.len())
+}
+
 /// Runs one RL stage until the learner has taken `cfg.steps` steps; returns the parts (for
 /// the next stage or a final checkpoint) and the stage's report.
 pub fn run_stage(

@@ -85,6 +85,13 @@ impl<'a> Scheduler<'a> {
             return Err(RunError::Stalled("no engine replica".into()));
         }
         check_servers(cfg, parts.engines.len())?;
+        if cfg.pin_lanes && cfg.clock == crate::clock::ClockMode::Virtual {
+            return Err(RunError::Config(
+                "run.pin_lanes needs the wall clock (run.replay = false): on the virtual clock \
+                 the lanes run inline on the scheduler's thread"
+                    .into(),
+            ));
+        }
         if cfg.groups_per_step == 0 || cfg.sync_interval == 0 {
             return Err(RunError::Stalled(
                 "groups_per_step and sync_interval must be >= 1".into(),

@@ -63,6 +63,10 @@ pub struct StageConfig {
     /// over HTTP ([`crate::remote`]); the stage's `Parts::engines` must then be empty. Empty:
     /// the engines of `Parts` in this process.
     pub servers: Vec<String>,
+    /// Wall clock: the replica lanes on CPU 0 and the learner lane on the last CPU, each
+    /// running its CPU ops on a one-thread pool of its own pinned there (`run.pin_lanes`), so
+    /// their compute can overlap on a small machine instead of sharing every core.
+    pub pin_lanes: bool,
 }
 
 /// Over-sampling with abort (APRIL; `rollout.over_sampling`, `rollout.partial_rollout`): each

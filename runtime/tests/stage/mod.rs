@@ -80,6 +80,7 @@ pub struct Setup {
     pub sync: SyncOptions,
     pub health: HealthConfig,
     pub over_sampling: Option<OverSampling>,
+    pub pin_lanes: bool,
     pub cost: CostModel,
     pub barrier_every: Option<u64>,
     pub temperature: f32,
@@ -102,6 +103,7 @@ impl Setup {
             sync: SyncOptions::default(),
             health: HealthConfig::default(),
             over_sampling: None,
+            pin_lanes: false,
             cost: CostModel::default(),
             barrier_every: None,
             temperature: 1.0,
@@ -185,6 +187,7 @@ impl Setup {
             health: self.health,
             over_sampling: self.over_sampling,
             servers: Vec::new(),
+            pin_lanes: self.pin_lanes,
         };
         let start = StageStart {
             clock: Micros(0),

@@ -60,6 +60,8 @@ pub struct RunSection {
     pub device: Device,
     pub mode: sluice_runtime::system::Mode,
     pub replay: bool,
+    /// Wall clock: replica lanes on the first CPU, the learner on the last, one thread each.
+    pub pin_lanes: bool,
     pub checkpoint_every: u64,
     pub log_every: u64,
 }
@@ -369,6 +371,21 @@ mod tests {
         let c = load(Some(&p), &[]).unwrap();
         assert_eq!(c.buffer.group_size, 1);
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn pinned_lanes_need_the_wall_clock() {
+        assert!(!load(None, &[]).unwrap().run.pin_lanes);
+        let e = load(
+            None,
+            &["run.pin_lanes=true".into(), "run.replay=true".into()],
+        )
+        .unwrap_err();
+        assert_eq!(e.key, "run.pin_lanes", "{e}");
+        assert!(e.to_string().contains("run.replay"), "{e}");
+        if sluice_runtime::system::pinnable_cpus() >= 2 {
+            assert!(load(None, &["run.pin_lanes=true".into()]).unwrap().run.pin_lanes);
+        }
     }
 
     #[test]

@@ -81,6 +81,31 @@ const MAX: i64 = i64::MAX;
 pub const HEARTBEAT_FLOOR_S: f64 = 1.0;
 
 /// The optional task parameters that are set (ranges are the task's to check).
+/// `run.pin_lanes`: the wall clock only, and a machine with two CPUs or more to pin to.
+fn pin_lanes(run: &Get<'_>) -> Result<bool, ConfigError> {
+    if !run.bool("pin_lanes")? {
+        return Ok(false);
+    }
+    if run.bool("replay")? {
+        return Err(err(
+            "run.pin_lanes",
+            "needs run.replay = false: on the virtual clock the lanes run inline on one thread, \
+             and compute is charged by [cost], not measured",
+        ));
+    }
+    let cpus = sluice_runtime::system::pinnable_cpus();
+    if cpus < 2 {
+        return Err(err(
+            "run.pin_lanes",
+            format!(
+                "needs two CPUs (one for the engines, one for the learner); this process may \
+                 run on {cpus}"
+            ),
+        ));
+    }
+    Ok(true)
+}
+
 /// `rollout.over_sampling` and `rollout.partial_rollout` (None: off).
 fn over_sampling(
     rollout: &Get<'_>,
@@ -188,6 +213,7 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         device,
         mode,
         replay: run.bool("replay")?,
+        pin_lanes: pin_lanes(&run)?,
         checkpoint_every: run.int("checkpoint_every", 0, MAX)? as u64,
         log_every: run.int("log_every", 1, MAX)? as u64,
     };

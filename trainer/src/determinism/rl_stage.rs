@@ -170,6 +170,7 @@ pub fn run(backend: &Backend, preset: Preset) -> Result<Vec<Output>, DetError> {
         health: HealthConfig::default(),
         over_sampling: None,
         servers: Vec::new(),
+        pin_lanes: false,
     };
     let start = StageStart {
         clock: Micros(0),

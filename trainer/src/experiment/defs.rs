@@ -415,6 +415,27 @@ fn speedup_arms() -> Vec<Arm> {
             }
         }
     }
+    // Compute overlap on this machine's wall clock: no latency, no faults, the lanes sharing
+    // every core (`wall`) or pinned to one core each (`wallpinned`, run.pin_lanes).
+    let none = latency(None);
+    let no_faults = "{ crash = 0.0, timeout = 0.0, garbage = 0.0 }".to_string();
+    for pinned in [false, true] {
+        for mode in ["sync", "async"] {
+            let mut s = vec![
+                ("run.mode", format!("\"{mode}\"")),
+                ("run.replay", "false".into()),
+                ("tasks.sort.latency", none.clone()),
+                ("tasks.tool.latency", none.clone()),
+                ("tasks.sort.faults", no_faults.clone()),
+                ("tasks.tool.faults", no_faults.clone()),
+            ];
+            if pinned {
+                s.push(("run.pin_lanes", "true".into()));
+            }
+            let clock = if pinned { "wallpinned" } else { "wall" };
+            v.push(arm(format!("{mode}-{clock}-nofault"), &sets(&s)));
+        }
+    }
     v
 }
 
@@ -637,7 +658,8 @@ pub static EXPERIMENTS: &[Experiment] = &[
         about: "sync, sync with over-sampling (2 groups started per group trained, the rest \
                 discarded) and async at an equal sample budget across environment latency (none; \
                 lognormal median 5, 50 and 200 ms with p99 = 40 medians) and call timeout (1 s, \
-                5 s): effective and gradient-carrying tokens/s, engine and learner busy \
+                5 s), and on the wall clock without latency or faults, the lanes sharing the \
+                cores or pinned to one each (run.pin_lanes): effective and gradient-carrying tokens/s, engine and learner busy \
                 shares, stale drops and accept rates per task, and the tool task's stale drops \
                 per number of model turns (the gate's bias against slow, many-call episodes)",
         base_sets: &[],

@@ -219,6 +219,27 @@ fn markdown(
             format!("`{}`", ctx.sets.join("` `"))
         }
     );
+    // Arms that leave the base config's clock say so.
+    let other_clock = if ctx.clock == "virtual" {
+        "run.replay=false"
+    } else {
+        "run.replay=true"
+    };
+    let moved: Vec<&str> = ctx
+        .arms
+        .iter()
+        .filter(|a| a.sets.iter().any(|s| s.replace(' ', "") == other_clock))
+        .map(|a| a.name.as_str())
+        .collect();
+    if !moved.is_empty() {
+        let _ = writeln!(
+            t,
+            "- Arms on the {} clock instead: {} (their per-second figures are per {} second).",
+            if ctx.clock == "virtual" { "wall" } else { "virtual" },
+            moved.join(", "),
+            if ctx.clock == "virtual" { "wall-clock" } else { "virtual" },
+        );
+    }
     let _ = writeln!(t, "- Wall time of the experiment: {:.1} s.\n", ctx.wall_s);
     if ctx.exp.unavailable.is_some() {
         return t;

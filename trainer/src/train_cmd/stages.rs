@@ -335,6 +335,7 @@ impl RunContext<'_> {
             health: cfg.health(),
             over_sampling: cfg.rollout.over_sampling,
             servers: cfg.rollout.servers.clone(),
+            pin_lanes: cfg.run.pin_lanes,
         };
         let engine_weights = Arc::new(Publication {
             version: WeightVersion(engine_version),
