@@ -11,7 +11,10 @@ use stage::{both_tasks, Recorder, Setup};
 #[test]
 fn pinned_lanes_run_a_wall_clock_stage_with_zero_mismatch() {
     if pinnable_cpus() < 2 {
-        println!("skipped: this process may run on {} CPU(s)", pinnable_cpus());
+        println!(
+            "skipped: this process may run on {} CPU(s)",
+            pinnable_cpus()
+        );
         return;
     }
     for mode in [Mode::Async, Mode::Sync] {

@@ -545,7 +545,9 @@ mod tests {
     /// The CPUs the calling thread may run on, from /proc (None: not Linux).
     fn allowed_cpus() -> Option<String> {
         let status = std::fs::read_to_string("/proc/thread-self/status").ok()?;
-        let line = status.lines().find(|l| l.starts_with("Cpus_allowed_list:"))?;
+        let line = status
+            .lines()
+            .find(|l| l.starts_with("Cpus_allowed_list:"))?;
         Some(line.split_whitespace().nth(1)?.to_string())
     }
 

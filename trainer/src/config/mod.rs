@@ -384,7 +384,12 @@ mod tests {
         assert_eq!(e.key, "run.pin_lanes", "{e}");
         assert!(e.to_string().contains("run.replay"), "{e}");
         if sluice_runtime::system::pinnable_cpus() >= 2 {
-            assert!(load(None, &["run.pin_lanes=true".into()]).unwrap().run.pin_lanes);
+            assert!(
+                load(None, &["run.pin_lanes=true".into()])
+                    .unwrap()
+                    .run
+                    .pin_lanes
+            );
         }
     }
 

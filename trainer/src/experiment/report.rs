@@ -235,9 +235,17 @@ fn markdown(
         let _ = writeln!(
             t,
             "- Arms on the {} clock instead: {} (their per-second figures are per {} second).",
-            if ctx.clock == "virtual" { "wall" } else { "virtual" },
+            if ctx.clock == "virtual" {
+                "wall"
+            } else {
+                "virtual"
+            },
             moved.join(", "),
-            if ctx.clock == "virtual" { "wall-clock" } else { "virtual" },
+            if ctx.clock == "virtual" {
+                "wall-clock"
+            } else {
+                "virtual"
+            },
         );
     }
     let _ = writeln!(t, "- Wall time of the experiment: {:.1} s.\n", ctx.wall_s);
