@@ -41,6 +41,7 @@ fn token_batch(rest: &[Tensor]) -> TokenBatch<'_> {
         advantages: &rest[2],
         mask: &rest[3],
         weight: None,
+        ref_logp: None,
     }
 }
 

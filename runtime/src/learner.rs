@@ -495,6 +495,7 @@ impl Learner {
                 advantages: &zeros,
                 mask: &mask,
                 weight: None,
+                ref_logp: None,
             };
             let params = GateParams {
                 temperature: mb.temperature,
@@ -597,6 +598,7 @@ impl Learner {
                 advantages: &adv,
                 mask: &mask,
                 weight: weights.map(|_| weight.as_slice()),
+                ref_logp: None,
             };
             let params = GateParams {
                 temperature: mb.temperature,

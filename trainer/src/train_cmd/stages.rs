@@ -244,6 +244,8 @@ impl RunContext<'_> {
                     eps_neg: cfg.loss.eps_neg,
                     beta: cfg.loss.beta,
                     temperature: 1.0,
+                    entropy: None,
+                    kl: None,
                 },
                 std_free: cfg.loss.std_free,
                 adv_eps: 1e-6,
