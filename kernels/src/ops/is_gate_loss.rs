@@ -1098,7 +1098,7 @@ pub static SPEC: OpSpec = OpSpec {
         TensorSpec { name: "advantages", shape: "[N]", dtypes: "F32" },
         TensorSpec { name: "mask", shape: "[N]", dtypes: "F32|U8" },
         TensorSpec { name: "weight", shape: "[N]", dtypes: "F32 (optional, default 1)" },
-        TensorSpec { name: "ref_logp", shape: "[N]", dtypes: "F32 (with kl_estimator)" },
+        TensorSpec { name: "ref_logp", shape: "[N]", dtypes: "F32 (optional; needed with kl_estimator)" },
     ],
     params: &[
         ParamSpec { name: "mode", default: Some("dis"), help: "dis | icepop | ppo | pg" },

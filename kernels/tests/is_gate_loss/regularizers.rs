@@ -110,7 +110,10 @@ fn reg_oracle(rp: &RegProblem, x: &[f64], p: &GateParams) -> (f64, Vec<f64>, Vec
     (loss, grad, ent)
 }
 
-const REG_CASES: [(Option<f32>, Option<(KlEstimator, f32)>); 4] = [
+/// (entropy: None off, Some(coef); KL: estimator and coefficient).
+type RegCase = (Option<f32>, Option<(KlEstimator, f32)>);
+
+const REG_CASES: [RegCase; 4] = [
     (Some(0.0), None),
     (Some(0.05), None),
     (None, Some((KlEstimator::K1, 0.3))),
