@@ -273,8 +273,12 @@ impl RunContext<'_> {
             _ => cfg.loss.kl_reference.clone(),
         };
         if let Some(path) = reference_file {
-            let r = Reference::load(&path, learner.backend(), learner.model())
-                .map_err(|e| TrainError::Input(format!("loss.kl_reference: {e}")))?;
+            let r = Reference::load(&path, learner.backend(), learner.model()).map_err(|e| {
+                TrainError::Input(match &resume {
+                    Some(_) => format!("resume: the KL reference: {e}"),
+                    None => format!("loss.kl_reference: {e}"),
+                })
+            })?;
             learner.set_reference(r).map_err(run_err)?;
         }
         if let (Some(_), Some(ck)) = (&resume, &self.resume_from) {
