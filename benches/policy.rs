@@ -41,6 +41,7 @@ fn token_batch(rest: &[Tensor]) -> TokenBatch<'_> {
         advantages: &rest[2],
         mask: &rest[3],
         weight: None,
+        ref_logp: None,
     }
 }
 
@@ -52,8 +53,8 @@ fn cheap_logits(len: usize) -> Vec<f32> {
         .collect()
 }
 
-fn run_gate(b: &Backend, g: &GateInputs) {
-    let out = is_gate_loss(b, &g.logits, &token_batch(&g.rest), &GateParams::default()).unwrap();
+fn run_gate(b: &Backend, g: &GateInputs, p: &GateParams) {
+    let out = is_gate_loss(b, &g.logits, &token_batch(&g.rest), p).unwrap();
     b.synchronize().unwrap();
     std::hint::black_box(out);
 }
@@ -86,15 +87,24 @@ fn bench_gate(c: &mut Criterion, b: &Backend, name: &str, n: usize, v: usize, dt
     let mut g = gate_inputs(b, n, v, dtype);
     // Bytes it must move: read the logits twice (lse pass, gradient pass), write dlogits once.
     let bytes = 3.0 * (n * v * dtype.size_bytes()) as f64;
-    let s = seconds(3, || run_gate(b, &g));
-    println!(
-        "is_gate_loss {name} N={n} V={v} {dtype}: {:.2} ms, {:.1} GB/s effective (2 reads + 1 write)",
-        s * 1e3,
-        bytes / s / 1e9
-    );
-    c.bench_function(&format!("is_gate_loss/{name}/N{n}xV{v}/{dtype}"), |bench| {
-        bench.iter(|| run_gate(b, &g))
-    });
+    // The plain kernel, the entropy measured (what the learner runs), and the entropy bonus
+    // (docs/perf/is_gate_loss.md: the same bytes, a few more flops per element).
+    for (variant, entropy) in [("", None), ("entropy/", Some(0.0)), ("bonus/", Some(0.01))] {
+        let p = GateParams {
+            entropy,
+            ..GateParams::default()
+        };
+        let s = seconds(3, || run_gate(b, &g, &p));
+        println!(
+            "is_gate_loss {name} {variant}N={n} V={v} {dtype}: {:.2} ms, {:.1} GB/s effective (2 reads + 1 write)",
+            s * 1e3,
+            bytes / s / 1e9
+        );
+        c.bench_function(
+            &format!("is_gate_loss/{name}/{variant}N{n}xV{v}/{dtype}"),
+            |bench| bench.iter(|| run_gate(b, &g, &p)),
+        );
+    }
     let s = seconds(3, || run_gate_in_place(b, &mut g));
     println!(
         "is_gate_loss {name} in place N={n} V={v} {dtype}: {:.2} ms, {:.1} GB/s effective",

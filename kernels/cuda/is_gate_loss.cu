@@ -4,12 +4,22 @@
 // Three launches, no atomics (a float atomic would make the loss depend on the order blocks
 // finish):
 //   1. is_gate_loss_denom   (1 block):  D = sum mask * weight in the fixed lane order -> scratch[N]
-//   2. is_gate_loss_{f32,bf16} (N blocks of 256, one row each): the shared row log-sum-exp (read
+//   2. is_gate_loss[_entropy|_bonus]_{f32,bf16} (N blocks of 256, one row each): the shared row log-sum-exp (read
 //      1), logp, rho, the gate, d term / d logp, then the gradient pass (read 2, write 1);
 //      per-row outputs, and the row's loss term -> scratch[row] (the per-block partial).
 //   3. is_gate_loss_finish  (1 block):  loss and counters from the per-row values, fixed order.
 // The gradient may alias the logits (in place): each thread reads x[j] then writes g[j] for its
 // own j only, after the lse tree's barriers; x[token] is read by every thread before them.
+//
+// Regularizers (issue 28 item 7), per masked token with loss factor k = mask * weight:
+//   KL to a reference: + kl_coef * k * kl(logp, ref_logp) (k1 or k3), d / d logp added to the
+//     token's d term / d logp (no change to the row passes).
+//   Entropy: the _entropy kernels keep one more online sum in read 1 (EntState: sum of
+//     e^(z - m) (z - m)), so H = log s - t / s comes out of the same pass (written to
+//     entropy[row]); the _bonus kernels also subtract ent_coef * k * H from the term and add
+//     its gradient in read 2: d(-c k H) / dz_j = c k p_j (log p_j + H).
+// The variant is a compile-time flag (ENT below), one exported kernel per (variant, dtype): the
+// plain kernel's code and bits are those of before.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -87,15 +97,72 @@ __device__ __forceinline__ TokenTerm token_term(int mode, Bounds b, float beta, 
     return r;
 }
 
-template <typename T>
+enum KlMode { KL_OFF = 0, KL_K1 = 1, KL_K3 = 2 };
+
+struct KlTerm {
+    float term;
+    float dterm;
+};
+
+// kl_coef * k * the estimator of KL(pi || ref) at one sampled token, and its d / d logp
+// (ops/is_gate_loss.rs kl_term): k1 = logp - ref (d: 1); k3 = e^(ref - logp) - 1 - (ref - logp)
+// (d: 1 - e^(ref - logp)). A token with logp or ref -inf adds nothing (an infinite estimate).
+__device__ __forceinline__ KlTerm kl_term(int kl_mode, float kl_coef, float logp, float ref, float k) {
+    KlTerm r{0.0f, 0.0f};
+    if (kl_mode == KL_OFF || k == 0.0f || logp == SLUICE_NEG_INF || ref == SLUICE_NEG_INF) return r;
+    const float w = rr_mul(kl_coef, k);
+    if (kl_mode == KL_K1) {
+        r.term = rr_mul(w, logp - ref);
+        r.dterm = w;
+    } else {
+        const float u = ref - logp;
+        const float q = expf(u);
+        r.term = rr_mul(w, rr_add(q - 1.0f, -u));
+        r.dterm = rr_mul(w, 1.0f - q);
+    }
+    return r;
+}
+
+// The entropy variants of the row kernel.
+enum Ent { ENT_OFF = 0, ENT_MEASURE = 1, ENT_BONUS = 2 };
+
+template <int ENT>
+struct RowState {
+    typedef EntState type;
+    typedef EntCombine combine;
+};
+template <>
+struct RowState<ENT_OFF> {
+    typedef LseState type;
+    typedef LseCombine combine;
+};
+
+__device__ __forceinline__ float row_entropy(LseState) { return 0.0f; }
+__device__ __forceinline__ float row_entropy(EntState st) { return ent_value(st); }
+
+// One gradient entry: coef * (onehot - p), plus with the bonus ecoef * p * (log p + H).
+template <int ENT>
+__device__ __forceinline__ float grad_entry(float z, float lse, bool live, float onehot, float coef,
+                                            float ecoef, float h) {
+    const float lz = z - lse;
+    const float p = live ? expf(lz) : 0.0f;
+    const float g = rr_mul(coef, onehot - p);
+    if (ENT != ENT_BONUS || !live) return g;
+    return rr_add(g, rr_mul(rr_mul(ecoef, p), rr_add(lz, h)));
+}
+
+template <typename T, int ENT>
 __device__ __forceinline__ void loss_row(const T* logits, T* dlogits, const int* __restrict__ tokens,
                                          const float* __restrict__ behavior, const float* __restrict__ adv,
                                          const float* __restrict__ mask, const float* __restrict__ weight,
                                          int has_weight, float* __restrict__ logp_out,
                                          float* __restrict__ ratio_out, unsigned char* __restrict__ accepted_out,
                                          float* __restrict__ scratch, int n, int V, int mode, Bounds bounds,
-                                         float beta, float scale) {
-    __shared__ LseState sh_lse[ROW_THREADS];
+                                         float beta, float scale, const float* __restrict__ ref_logp,
+                                         int kl_mode, float kl_coef, float ent_coef,
+                                         float* __restrict__ entropy_out) {
+    typedef typename RowState<ENT>::type State;
+    __shared__ State sh_lse[ROW_THREADS];
     const int row = blockIdx.x;
     const T* x = logits + (long long)row * V;
     T* g = dlogits + (long long)row * V;
@@ -105,16 +172,28 @@ __device__ __forceinline__ void loss_row(const T* logits, T* dlogits, const int*
     const float z_tok = rr_mul(load_logit(x, tok), scale);
 
     // Read 1: THE shared row log-sum-exp of z.
-    const LseState st = block_tree(row_lse_pass(x, V, scale, [](int, float) {}), sh_lse, LseCombine{});
-    const float lse = lse_value(st);
+    // (With ENT, the entropy's sum rides along: same m and s, so the same lse bits.)
+    const State st = block_tree(row_state_pass<State>(x, V, scale, [](int, float) {}), sh_lse,
+                                typename RowState<ENT>::combine{});
+    const float lse = lse_value(lse_of(st));
+    const float h = row_entropy(st);
     const float logp = row_logprob(z_tok, lse);
     const float c = has_weight ? weight[row] : 1.0f;
-    const TokenTerm tt = token_term(mode, bounds, beta, logp, behavior[row], adv[row], mask[row], c);
+    TokenTerm tt = token_term(mode, bounds, beta, logp, behavior[row], adv[row], mask[row], c);
+    const float k = rr_mul(mask[row], c);
+    if (kl_mode != KL_OFF) {
+        // The regularizers act on every masked token, whatever the gate decided.
+        const KlTerm kl = kl_term(kl_mode, kl_coef, logp, ref_logp[row], k);
+        tt.term = rr_add(tt.term, kl.term);
+        tt.dterm = rr_add(tt.dterm, kl.dterm);
+    }
+    if (ENT == ENT_BONUS && k != 0.0f) tt.term = rr_add(tt.term, -rr_mul(rr_mul(ent_coef, k), h));
     const float d = scratch[n];
     const bool live = lse != SLUICE_NEG_INF;
     // A row with no mass (all -inf) has no softmax to move: zero gradient in every mode.
     // d z / d logits = scale, folded into the coefficient (exact at scale 1).
     const float coef = (d > 0.0f && live) ? rr_mul(tt.dterm / d, scale) : 0.0f;
+    const float ecoef = (ENT == ENT_BONUS && d > 0.0f && live) ? rr_mul(rr_mul(ent_coef, k) / d, scale) : 0.0f;
 
     // Read 2 + write: dlogits = coef * (onehot - softmax). Elementwise, so any assignment of
     // entries to threads gives the same bits: 8 consecutive entries per thread (16-byte loads
@@ -126,21 +205,20 @@ __device__ __forceinline__ void loss_row(const T* logits, T* dlogits, const int*
             float v[ROW_VEC];
             load_vec8(x + base, v);
 #pragma unroll
-            for (int k = 0; k < ROW_VEC; ++k) {
-                const float p = live ? expf(rr_mul(v[k], scale) - lse) : 0.0f;
-                const float onehot = base + k == tok ? 1.0f : 0.0f;
-                v[k] = rr_mul(coef, onehot - p);
+            for (int e = 0; e < ROW_VEC; ++e) {
+                const float onehot = base + e == tok ? 1.0f : 0.0f;
+                v[e] = grad_entry<ENT>(rr_mul(v[e], scale), lse, live, onehot, coef, ecoef, h);
             }
             store_vec8(g + base, v);
         }
     }
 #pragma unroll 4
     for (int j = done + threadIdx.x; j < V; j += ROW_THREADS) {
-        const float p = live ? expf(rr_mul(load_logit(x, j), scale) - lse) : 0.0f;
         const float onehot = j == tok ? 1.0f : 0.0f;
-        store_logit(g, j, rr_mul(coef, onehot - p));
+        store_logit(g, j, grad_entry<ENT>(rr_mul(load_logit(x, j), scale), lse, live, onehot, coef, ecoef, h));
     }
     if (threadIdx.x == 0) {
+        if (ENT != ENT_OFF) entropy_out[row] = h;
         logp_out[row] = logp;
         ratio_out[row] = tt.rho;
         accepted_out[row] = tt.accepted ? 1 : 0;
@@ -188,25 +266,40 @@ extern "C" __global__ void __launch_bounds__(256) is_gate_loss_denom(const float
     if (threadIdx.x == 0) scratch[n] = d;
 }
 
-extern "C" __global__ void __launch_bounds__(256) is_gate_loss_f32(
-    const float* logits, float* dlogits, const int* __restrict__ tokens, const float* __restrict__ behavior,
-    const float* __restrict__ adv, const float* __restrict__ mask, const float* __restrict__ weight,
-    int has_weight, float* __restrict__ logp, float* __restrict__ ratio, unsigned char* __restrict__ accepted,
-    float* __restrict__ scratch, int n, int V, int mode, float eps_low, float eps_high, float eps_low_neg,
-    float eps_high_neg, float beta, float scale) {
-    loss_row<float>(logits, dlogits, tokens, behavior, adv, mask, weight, has_weight, logp, ratio, accepted,
-                    scratch, n, V, mode, Bounds{eps_low, eps_high, eps_low_neg, eps_high_neg}, beta, scale);
-}
+// The row kernels: one per (entropy variant, dtype). Their shared parameter list:
+#define GATE_ROW_PARAMS(T)                                                                               \
+    const T *logits, T *dlogits, const int *__restrict__ tokens, const float *__restrict__ behavior,     \
+        const float *__restrict__ adv, const float *__restrict__ mask, const float *__restrict__ weight, \
+        int has_weight, float *__restrict__ logp, float *__restrict__ ratio,                             \
+        unsigned char *__restrict__ accepted, float *__restrict__ scratch, int n, int V, int mode,      \
+        float eps_low, float eps_high, float eps_low_neg, float eps_high_neg, float beta, float scale,  \
+        const float *__restrict__ ref_logp, int kl_mode, float kl_coef, float ent_coef,                  \
+        float *__restrict__ entropy
+#define GATE_ROW_ARGS                                                                                    \
+    logits, dlogits, tokens, behavior, adv, mask, weight, has_weight, logp, ratio, accepted, scratch, n, \
+        V, mode, Bounds{eps_low, eps_high, eps_low_neg, eps_high_neg}, beta, scale, ref_logp, kl_mode,  \
+        kl_coef, ent_coef, entropy
 
-extern "C" __global__ void __launch_bounds__(256) is_gate_loss_bf16(
-    const __nv_bfloat16* logits, __nv_bfloat16* dlogits, const int* __restrict__ tokens,
-    const float* __restrict__ behavior, const float* __restrict__ adv, const float* __restrict__ mask,
-    const float* __restrict__ weight, int has_weight, float* __restrict__ logp, float* __restrict__ ratio,
-    unsigned char* __restrict__ accepted, float* __restrict__ scratch, int n, int V, int mode, float eps_low,
-    float eps_high, float eps_low_neg, float eps_high_neg, float beta, float scale) {
-    loss_row<__nv_bfloat16>(logits, dlogits, tokens, behavior, adv, mask, weight, has_weight, logp, ratio,
-                            accepted, scratch, n, V, mode,
-                            Bounds{eps_low, eps_high, eps_low_neg, eps_high_neg}, beta, scale);
+// No entropy (entropy may be null).
+extern "C" __global__ void __launch_bounds__(256) is_gate_loss_f32(GATE_ROW_PARAMS(float)) {
+    loss_row<float, ENT_OFF>(GATE_ROW_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256) is_gate_loss_bf16(GATE_ROW_PARAMS(__nv_bfloat16)) {
+    loss_row<__nv_bfloat16, ENT_OFF>(GATE_ROW_ARGS);
+}
+// The entropy measured (entropy[row]), loss and gradient unchanged.
+extern "C" __global__ void __launch_bounds__(256) is_gate_loss_entropy_f32(GATE_ROW_PARAMS(float)) {
+    loss_row<float, ENT_MEASURE>(GATE_ROW_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256) is_gate_loss_entropy_bf16(GATE_ROW_PARAMS(__nv_bfloat16)) {
+    loss_row<__nv_bfloat16, ENT_MEASURE>(GATE_ROW_ARGS);
+}
+// The entropy measured and its bonus in the loss and the gradient.
+extern "C" __global__ void __launch_bounds__(256) is_gate_loss_bonus_f32(GATE_ROW_PARAMS(float)) {
+    loss_row<float, ENT_BONUS>(GATE_ROW_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256) is_gate_loss_bonus_bf16(GATE_ROW_PARAMS(__nv_bfloat16)) {
+    loss_row<__nv_bfloat16, ENT_BONUS>(GATE_ROW_ARGS);
 }
 
 // Loss and counters from the per-row values, in the fixed lane order. One block.

@@ -176,6 +176,7 @@ fn is_gate_loss_case(n: usize, v: usize, dtype: DType) -> BenchCase {
                     advantages: &advantages,
                     mask: &mask,
                     weight: None,
+                    ref_logp: None,
                 };
                 ops::is_gate_loss::is_gate_loss(b, &logits, &batch, &params).map(|_| ())
             });

@@ -1,5 +1,6 @@
 //! is_gate_loss: reference against an f64 oracle and central finite differences, exact gate
-//! boundaries, edge cases, emu and cuda against the reference, determinism, bad input.
+//! boundaries, edge cases, emu and cuda against the reference, determinism, bad input (the
+//! regularizers: is_gate_loss/regularizers.rs).
 
 use half::bf16;
 use sluice_kernels::ops::is_gate_loss::{
@@ -76,6 +77,7 @@ impl Problem {
             advantages: &self.adv,
             mask: &self.mask,
             weight: self.weight.as_deref(),
+            ref_logp: None,
         }
     }
     fn reference(&self, p: &GateParams) -> (GateReference, Vec<f32>) {
@@ -625,6 +627,7 @@ fn batch(rest: &[Tensor]) -> TokenBatch<'_> {
         advantages: &rest[2],
         mask: &rest[3],
         weight: rest.get(4),
+        ref_logp: None,
     }
 }
 
@@ -648,6 +651,11 @@ fn collect(out: &sluice_kernels::ops::is_gate_loss::GateOutputs) -> GateReferenc
         ratio: out.ratio.to_vec().unwrap(),
         accepted: out.accepted.to_vec().unwrap(),
         counters: counters.try_into().unwrap(),
+        entropy: out
+            .entropy
+            .as_ref()
+            .map(|e| e.to_vec().unwrap())
+            .unwrap_or_default(),
     }
 }
 
@@ -658,6 +666,7 @@ fn bits(r: &GateReference, g: &[f32]) -> Vec<u32> {
             .iter()
             .chain(&r.ratio)
             .chain(&r.counters)
+            .chain(&r.entropy)
             .chain(g)
             .map(|x| x.to_bits()),
     );
@@ -901,3 +910,6 @@ fn per_token_weights_give_the_sequence_mean() {
 // Batch invariance: kernels/tests/is_gate_loss/batch_invariance.rs.
 #[path = "is_gate_loss/batch_invariance.rs"]
 mod batch_invariance;
+// The entropy and KL terms: kernels/tests/is_gate_loss/regularizers.rs.
+#[path = "is_gate_loss/regularizers.rs"]
+mod regularizers;

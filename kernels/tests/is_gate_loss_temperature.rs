@@ -41,6 +41,7 @@ fn check_sampler_equals_loss(be: &Backend, dtype: DType) {
                 advantages: &ones,
                 mask: &ones,
                 weight: None,
+                ref_logp: None,
             };
             let params = GateParams {
                 temperature: t,
@@ -110,6 +111,7 @@ impl Problem {
             advantages: &self.adv,
             mask: &self.mask,
             weight: None,
+            ref_logp: None,
         }
     }
 }
@@ -230,6 +232,7 @@ fn emu_matches_the_reference_at_temperature() {
                 advantages: &adv,
                 mask: &mask,
                 weight: None,
+                ref_logp: None,
             };
             let (out, dl) = is_gate_loss(&be, &logits, &batch, &params).unwrap();
             let got_grad: Vec<f32> = dl.to_vec().unwrap();

@@ -307,6 +307,7 @@ fn check_shared_logprob_v(be: &Backend, dtype: DType, v: usize) {
             advantages: &ones,
             mask: &ones,
             weight: None,
+            ref_logp: None,
         };
         let (out, _) = is_gate_loss(be, &logits, &batch, &GateParams::default()).unwrap();
         let logp: Vec<f32> = out.logp.to_vec().unwrap();

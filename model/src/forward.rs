@@ -110,6 +110,7 @@ struct Uploaded {
     advantages: Tensor,
     mask: Tensor,
     weight: Option<Tensor>,
+    ref_logp: Option<Tensor>,
 }
 
 impl Uploaded {
@@ -124,6 +125,7 @@ impl Uploaded {
             advantages: up("advantages", inputs.advantages)?,
             mask: up("mask", inputs.mask)?,
             weight: inputs.weight.map(|w| up("weight", w)).transpose()?,
+            ref_logp: inputs.ref_logp.map(|r| up("ref_logp", r)).transpose()?,
         })
     }
 
@@ -134,6 +136,7 @@ impl Uploaded {
             advantages: &self.advantages,
             mask: &self.mask,
             weight: self.weight.as_ref(),
+            ref_logp: self.ref_logp.as_ref(),
         }
     }
 }
@@ -179,6 +182,7 @@ fn lm_loss(
         advantages: &ones,
         mask,
         weight: None,
+        ref_logp: None,
     };
     let params = GateParams {
         mode: GateMode::Pg,
@@ -316,13 +320,15 @@ pub fn policy_loss_and_grad_on(
         gate_objective(backend, &fwd.logits, inputs, params)?
     };
     // The step's first host sync (the optimizer's gradient norm is the second).
-    let got = Tensor::download_many(&[
+    let mut wanted = vec![
         &out.loss,
         &out.counters,
         &out.logp,
         &out.ratio,
         &out.accepted,
-    ])?;
+    ];
+    wanted.extend(out.entropy.as_ref());
+    let got = Tensor::download_many(&wanted)?;
     drop(out);
     {
         let _stage = nvtx::range_on(backend, "backward");
@@ -334,10 +340,44 @@ pub fn policy_loss_and_grad_on(
         logp: f32s(&got[2]),
         ratio: f32s(&got[3]),
         accepted: got[4].clone(),
+        entropy: got.get(5).map(|b| f32s(b)).unwrap_or_default(),
         counters: counters.try_into().map_err(|c: Vec<f32>| {
             Error::Invalid(format!("internal: {} loss counters, expected 8", c.len()))
         })?,
     })
+}
+
+/// The log-probs of `targets` under a parameter arena, forward only (a frozen reference
+/// policy's, issue 28's KL): the forward and the is_gate_loss row routine at `temperature` with
+/// every token out of the loss, so the same kernels and the same reduction as a training pass
+/// (equal weights give the learner's logp bit for bit). Its gradient output is discarded.
+pub fn token_logps_of_on(
+    backend: &Backend,
+    cfg: &ModelConfig,
+    params: &Arena,
+    batch: &PackedBatch,
+    targets: &[i32],
+    temperature: f32,
+) -> Result<Vec<f32>> {
+    let dims = Dims::new(cfg)?;
+    let w = ModelWeights::from_arena(backend, params)?;
+    let fwd = forward_all(backend, &dims, &w, batch)?;
+    let zeros = vec![0.0f32; targets.len()];
+    let inputs = TokenInputs {
+        tokens: targets,
+        behavior_logp: &zeros,
+        advantages: &zeros,
+        mask: &zeros,
+        weight: None,
+        ref_logp: None,
+    };
+    let params = GateParams {
+        mode: GateMode::Pg,
+        temperature,
+        ..GateParams::default()
+    };
+    let (out, _) = gate_objective(backend, &fwd.logits, &inputs, &params)?;
+    out.logp.to_vec::<f32>()
 }
 
 /// [`policy_loss_and_grad_on`] on the backend of the model's arenas.

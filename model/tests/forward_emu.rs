@@ -224,6 +224,7 @@ fn emu_policy_objective_matches_cpu() {
         advantages: &adv,
         mask: &c.mask,
         weight: None,
+        ref_logp: None,
     };
     let params = GateParams {
         mode: GateMode::Icepop,

@@ -108,6 +108,7 @@ fn policy_objective_gradient_and_agreement_with_the_lm_loss() {
         advantages: &adv,
         mask: &mask,
         weight: None,
+        ref_logp: None,
     };
     let mut m = Model::new(cfg.clone(), &Backend::Cpu).unwrap();
     let r = policy_loss_and_grad(&mut m, &b, &inputs, &pg).unwrap();

@@ -26,12 +26,15 @@
 //! weights and refreshes the copy after every step, and a publication carries the copy: the
 //! weights the engines run on are exactly the ones the learner's logp is computed with.
 
+pub use crate::advantage::{advantages, advantages_of};
 use crate::buffer::ReadyGroup;
+pub use crate::mismatch::Mismatch;
+use crate::regularize::{trajectory_kl, Reference, Regularizers};
 use crate::trajectory::{Sample, WeightVersion};
 use sluice_kernels::ops::elementwise::residual_add;
-use sluice_kernels::ops::is_gate_loss::{GateMode, GateParams, TokenInputs};
+use sluice_kernels::ops::is_gate_loss::{GateMode, GateParams, KlPenalty, TokenInputs};
 use sluice_kernels::{Backend, DType, Error, Result};
-use sluice_model::forward::policy_loss_and_grad_on;
+use sluice_model::forward::{policy_loss_and_grad_on, token_logps_of_on};
 use sluice_model::optim::{OptimConfig, OptimState, Optimizer, StepStats};
 use sluice_model::{Arena, Model, PackedBatch};
 use std::collections::BTreeMap;
@@ -62,6 +65,9 @@ pub struct LearnerConfig {
     /// at the start of the learner step) and weights each token by the stop-gradient
     /// pi_prox / mu, zeroed above `cap` (see [`Learner::train`]). Needs the `ppo` mode.
     pub decoupled: Option<f32>,
+    /// The entropy bonus and the KL to a reference (crate::regularize); `loss.entropy` and
+    /// `loss.kl` stay None (the learner sets them per micro-batch).
+    pub regularizers: Regularizers,
 }
 
 impl Default for LearnerConfig {
@@ -75,6 +81,7 @@ impl Default for LearnerConfig {
             minibatches: 1,
             epochs: 1,
             decoupled: None,
+            regularizers: Regularizers::default(),
         }
     }
 }
@@ -158,61 +165,16 @@ pub struct StepReport {
     /// at an older version): policy drift.
     pub mismatch_lagpos: Mismatch,
     pub per_task: BTreeMap<String, TaskStep>,
+    /// Sum of the softmax entropy (under the learner's weights of each token's optimizer step,
+    /// first epoch) over the masked tokens, repeats included, and their count.
+    pub entropy_sum: f64,
+    pub entropy_tokens: u64,
+    /// With a KL reference: the sum over masked tokens (repeats included) of the KL estimate
+    /// at the behavior log-probs (KL(mu || ref)), and their count.
+    pub kl_sum: f64,
+    pub kl_tokens: u64,
     /// Wall time of the step's compute.
     pub compute: Duration,
-}
-
-/// Sums of the learner-vs-behavior log-prob mismatch over a set of trained tokens (slime's
-/// `train_rollout_logprob_abs_diff`, verl's rollout-correction metrics).
-#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct Mismatch {
-    pub tokens: u64,
-    /// Sum over the tokens of |logp_learner - logp_behavior|.
-    pub abs_diff_sum: f64,
-    /// Max over the tokens of |logp_learner - logp_behavior| (0 with no tokens).
-    pub abs_diff_max: f64,
-    /// Sum over the tokens of Schulman's k3 estimator of KL(behavior || learner):
-    /// (r - 1) - ln r with r = exp(logp_learner - logp_behavior), an unbiased, non-negative
-    /// per-sample estimate for tokens sampled from the behavior policy.
-    pub k3_sum: f64,
-}
-
-impl Mismatch {
-    /// Adds one token's learner and behavior log-probs.
-    pub fn add_token(&mut self, logp_learner: f32, logp_behavior: f32) {
-        let d = logp_learner as f64 - logp_behavior as f64;
-        self.tokens += 1;
-        self.abs_diff_sum += d.abs();
-        self.abs_diff_max = self.abs_diff_max.max(d.abs());
-        // k3 = (r - 1) - ln r with ln r = d; exp_m1 keeps it accurate for small d.
-        self.k3_sum += d.exp_m1() - d;
-    }
-
-    /// Adds another set's sums.
-    pub fn merge(&mut self, o: &Mismatch) {
-        self.tokens += o.tokens;
-        self.abs_diff_sum += o.abs_diff_sum;
-        self.abs_diff_max = self.abs_diff_max.max(o.abs_diff_max);
-        self.k3_sum += o.k3_sum;
-    }
-
-    /// Mean |logp_learner - logp_behavior| (0 with no tokens).
-    pub fn abs_diff_mean(&self) -> f64 {
-        if self.tokens == 0 {
-            0.0
-        } else {
-            self.abs_diff_sum / self.tokens as f64
-        }
-    }
-
-    /// Mean k3 estimate of KL(behavior || learner) per token (0 with no tokens).
-    pub fn k3_kl(&self) -> f64 {
-        if self.tokens == 0 {
-            0.0
-        } else {
-            self.k3_sum / self.tokens as f64
-        }
-    }
 }
 
 /// The learner: the model, its optimizer and state, on one backend.
@@ -223,6 +185,8 @@ pub struct Learner {
     state: OptimState,
     cfg: LearnerConfig,
     steps: u64,
+    /// The frozen KL reference (with `cfg.regularizers.kl`).
+    reference: Option<Reference>,
 }
 
 impl std::fmt::Debug for Learner {
@@ -232,11 +196,13 @@ impl std::fmt::Debug for Learner {
 }
 
 /// What every optimizer step of a learner step reads: the flattened trajectories (sample,
-/// advantage, is a repeat), prompt-aggregation weights, and decoupled PPO's proximal log-probs.
+/// advantage, is a repeat), prompt-aggregation weights, decoupled PPO's proximal log-probs,
+/// and the KL reference's (both [trajectory][position]).
 struct StepInputs<'a, 's> {
     flat: &'a [(&'s Sample, f32, bool)],
     weights: Option<&'a [f32]>,
     prox: Option<&'a [Vec<f32>]>,
+    reference: Option<&'a [Vec<f32>]>,
 }
 
 /// How one optimizer step of a learner step is counted in its report.
@@ -268,6 +234,13 @@ impl Learner {
         steps: u64,
     ) -> Result<Learner> {
         cfg.loss.validate()?;
+        cfg.regularizers.validate()?;
+        if cfg.loss.entropy.is_some() || cfg.loss.kl.is_some() {
+            return Err(Error::param(
+                "loss",
+                "the entropy and KL terms are set through LearnerConfig::regularizers",
+            ));
+        }
         if cfg.micro_batch_tokens == 0 {
             return Err(Error::param(
                 "micro_batch_tokens",
@@ -308,6 +281,12 @@ impl Learner {
         }
         let optimizer = Optimizer::new(&backend, model.layout().clone(), optim)?;
         let state = optimizer.new_state(&backend)?;
+        // The KL reference: the weights the learner starts from (replace it with
+        // [`Learner::set_reference`]).
+        let reference = match cfg.regularizers.kl {
+            Some(_) => Some(Reference::copy_of(&backend, model.compute_weights())?),
+            None => None,
+        };
         Ok(Learner {
             backend,
             model,
@@ -315,7 +294,31 @@ impl Learner {
             state,
             cfg,
             steps,
+            reference,
         })
+    }
+
+    /// The KL reference, if the learner keeps one.
+    pub fn reference(&self) -> Option<&Reference> {
+        self.reference.as_ref()
+    }
+
+    /// Replaces the KL reference (a checkpoint's weights, or a resumed run's saved reference).
+    pub fn set_reference(&mut self, reference: Reference) -> Result<()> {
+        if self.cfg.regularizers.kl.is_none() {
+            return Err(Error::Invalid(
+                "a KL reference was given to a learner without a KL term".into(),
+            ));
+        }
+        if reference.params().layout() != self.model.layout()
+            || reference.params().dtype() != self.model.compute_weights().dtype()
+        {
+            return Err(Error::Invalid(
+                "the KL reference's weights are not the policy's layout and precision".into(),
+            ));
+        }
+        self.reference = Some(reference);
+        Ok(())
     }
 
     pub fn version(&self) -> WeightVersion {
@@ -400,12 +403,11 @@ impl Learner {
                 let w = if masked > 0 { 1.0 / masked as f32 } else { 0.0 };
                 token_weight.extend(std::iter::repeat_n(w, g.samples.len()));
             }
-            let adv = advantages(&g.samples, self.cfg.std_free, self.cfg.adv_eps);
             let unique = g.samples.len() - g.duplicated;
             let t = report.per_task.entry(g.task.clone()).or_default();
             t.groups += 1;
             t.samples += g.samples.len() as u64;
-            for (i, (s, a)) in g.samples.iter().zip(adv).enumerate() {
+            for (i, s) in g.samples.iter().enumerate() {
                 if s.tokens.len() < 2 {
                     return Err(Error::Invalid(format!(
                         "trajectory {}/{} has {} token(s); a trained sequence needs at least 2",
@@ -418,7 +420,8 @@ impl Learner {
                     t.reward_sum += s.reward as f64;
                     t.unique_samples += 1;
                 }
-                flat.push((s, a, i >= unique));
+                // The advantage comes below, from the (possibly KL-shaped) rewards.
+                flat.push((s, 0.0, i >= unique));
             }
         }
         group_start.push(flat.len());
@@ -427,10 +430,38 @@ impl Learner {
                 "a learner step needs at least one group".into(),
             ));
         }
+        // The KL reference's log-prob of every masked token; the KL at the behavior log-probs
+        // (measured, and in the reward form subtracted from the rewards, detached).
+        let reference = match &self.reference {
+            Some(r) => Some(self.token_logps(&flat, r.params())?),
+            None => None,
+        };
+        let mut penalty = vec![0.0f64; flat.len()];
+        if let (Some(refs), Some(kl)) = (&reference, self.cfg.regularizers.kl) {
+            let in_reward = self.cfg.regularizers.kl_in_reward().is_some();
+            for (i, (s, _, _)) in flat.iter().enumerate() {
+                let (sum, n) =
+                    trajectory_kl(kl.estimator, &s.loss_mask, &s.behavior_logp, &refs[i]);
+                report.kl_sum += sum;
+                report.kl_tokens += n;
+                if in_reward {
+                    penalty[i] = kl.coef as f64 * sum;
+                }
+            }
+        }
+        for w in group_start.windows(2) {
+            let rewards: Vec<f64> = (w[0]..w[1])
+                .map(|i| flat[i].0.reward as f64 - penalty[i])
+                .collect();
+            let adv = advantages_of(&rewards, self.cfg.std_free, self.cfg.adv_eps);
+            for (i, a) in (w[0]..w[1]).zip(adv) {
+                flat[i].1 = a;
+            }
+        }
         // Decoupled PPO: every masked token's log-prob under the proximal policy, the weights
         // now, before any optimizer step of this learner step.
         let prox = match self.cfg.decoupled {
-            Some(_) => Some(self.proximal_logps(&flat)?),
+            Some(_) => Some(self.token_logps(&flat, self.model.compute_weights())?),
             None => None,
         };
         // Minibatch i: groups [i n / m, (i + 1) n / m), in order.
@@ -449,6 +480,7 @@ impl Learner {
                     flat: &flat,
                     weights,
                     prox: prox.as_deref(),
+                    reference: reference.as_deref(),
                 };
                 let stats = self.optimizer_step(&inputs, range, &mut report, version, pass)?;
                 report.optim = Some(stats);
@@ -461,13 +493,13 @@ impl Learner {
         Ok(report)
     }
 
-    /// The proximal policy's log-prob of every token of `flat` (decoupled PPO): the learner's
-    /// current weights, through the same micro-batches and loss kernel as the training pass
-    /// (so at zero lag they equal the rollout's bits). Indexed [trajectory][position]; 0 where
-    /// not masked. Costs one forward and backward per micro-batch (the kernel's row log-prob;
-    /// a forward-only path would halve it).
-    fn proximal_logps(&mut self, flat: &[(&Sample, f32, bool)]) -> Result<Vec<Vec<f32>>> {
-        let mut prox: Vec<Vec<f32>> = flat
+    /// The log-prob of every masked token of `flat` under `weights` (decoupled PPO's proximal
+    /// policy: the learner's current weights; the KL reference), forward only, through the same
+    /// micro-batches and row reduction as the training pass (so equal weights give the
+    /// learner's bits, and at zero lag the rollout's). Indexed [trajectory][position]; 0 where
+    /// not masked.
+    fn token_logps(&self, flat: &[(&Sample, f32, bool)], weights: &Arena) -> Result<Vec<Vec<f32>>> {
+        let mut out: Vec<Vec<f32>> = flat
             .iter()
             .map(|(s, _, _)| vec![0.0; s.tokens.len()])
             .collect();
@@ -478,40 +510,32 @@ impl Learner {
                 .map(|&i| flat[i].0.tokens.iter().map(|&t| t as i32).collect())
                 .collect();
             let batch = PackedBatch::pack(&seqs, self.model.config.vocab)?;
-            let n = batch.len();
-            let (mut targets, mut mask) = (vec![0i32; n], vec![0.0f32; n]);
+            let mut targets = vec![0i32; batch.len()];
             for (b, &i) in mb.seqs.iter().enumerate() {
                 let s = flat[i].0;
                 let r = batch.seq_range(b);
                 for j in 0..s.tokens.len() - 1 {
                     targets[r.start + j] = s.tokens[j + 1] as i32;
-                    mask[r.start + j] = if s.loss_mask[j + 1] { 1.0 } else { 0.0 };
                 }
             }
-            let zeros = vec![0.0f32; n];
-            let inputs = TokenInputs {
-                tokens: &targets,
-                behavior_logp: &zeros,
-                advantages: &zeros,
-                mask: &mask,
-                weight: None,
-            };
-            let params = GateParams {
-                temperature: mb.temperature,
-                ..self.cfg.loss
-            };
-            let out =
-                policy_loss_and_grad_on(&self.backend, &mut self.model, &batch, &inputs, &params)?;
+            let logp = token_logps_of_on(
+                &self.backend,
+                &self.model.config,
+                weights,
+                &batch,
+                &targets,
+                mb.temperature,
+            )?;
             for (b, &i) in mb.seqs.iter().enumerate() {
                 let r = batch.seq_range(b);
                 for j in 0..flat[i].0.tokens.len() - 1 {
                     if flat[i].0.loss_mask[j + 1] {
-                        prox[i][j + 1] = out.logp[r.start + j];
+                        out[i][j + 1] = logp[r.start + j];
                     }
                 }
             }
         }
-        Ok(prox)
+        Ok(out)
     }
 
     /// One optimizer step on the trajectories `flat[range]`: their loss is their own token mean,
@@ -553,6 +577,8 @@ impl Learner {
             let mut behavior = vec![0.0f32; n];
             let mut adv = vec![0.0f32; n];
             let mut weight = vec![0.0f32; if weights.is_some() { n } else { 0 }];
+            let kl_loss = self.cfg.regularizers.kl_in_loss();
+            let mut ref_logp = vec![0.0f32; if kl_loss.is_some() { n } else { 0 }];
             let mut masked_here = 0usize;
             let mut weight_here = 0.0f32;
             for (b, &i) in mb.seqs.iter().enumerate() {
@@ -574,6 +600,9 @@ impl Learner {
                         if let Some(w) = weights {
                             weight[r.start + j] = w[i];
                         }
+                        if let (Some(refs), true) = (inputs_in.reference, kl_loss.is_some()) {
+                            ref_logp[r.start + j] = refs[i][j + 1];
+                        }
                     }
                 }
                 if let Some(w) = weights {
@@ -581,8 +610,8 @@ impl Learner {
                 }
             }
             // Each micro-batch's loss is its own (weighted) token mean; scaling its advantages
-            // by D_mb / D_total makes the sum over micro-batches the step's mean (every mode is
-            // linear in positive scalings of A).
+            // (and the regularizers' coefficients) by D_mb / D_total makes the sum over
+            // micro-batches the step's mean (every mode is linear in positive scalings of A).
             let share = match weights {
                 None if total_masked > 0 => masked_here as f32 / total_masked as f32,
                 Some(_) if total_weight > 0.0 => weight_here / total_weight,
@@ -597,9 +626,17 @@ impl Learner {
                 advantages: &adv,
                 mask: &mask,
                 weight: weights.map(|_| weight.as_slice()),
+                ref_logp: kl_loss.map(|_| ref_logp.as_slice()),
             };
+            // The entropy is always measured (one more sum in the kernel's lse pass: the loss
+            // and gradient bits are unchanged unless the bonus is on).
             let params = GateParams {
                 temperature: mb.temperature,
+                entropy: Some(self.cfg.regularizers.entropy_coef * share),
+                kl: kl_loss.map(|k| KlPenalty {
+                    estimator: k.estimator,
+                    coef: k.coef * share,
+                }),
                 ..self.cfg.loss
             };
             let out =
@@ -717,6 +754,10 @@ impl Learner {
                 }
                 report.lag_hist[lag] += 1;
                 report.masked_tokens += 1;
+                if let Some(&h) = out.entropy.get(row) {
+                    report.entropy_sum += h as f64;
+                    report.entropy_tokens += 1;
+                }
                 let rho = out.ratio[row];
                 report.ratio_sum += rho as f64;
                 report.ratio_min = report.ratio_min.min(rho);
@@ -774,27 +815,4 @@ pub fn loss_temperature(s: &Sample) -> f32 {
     } else {
         1.0
     }
-}
-
-/// GRPO advantages of one group: (r - mean) / (std + eps), or r - mean when `std_free`. The
-/// std is the population std of the group's rewards (repeats included, as trained).
-pub fn advantages(samples: &[Sample], std_free: bool, eps: f32) -> Vec<f32> {
-    let n = samples.len().max(1) as f64;
-    let mean = samples.iter().map(|s| s.reward as f64).sum::<f64>() / n;
-    let var = samples
-        .iter()
-        .map(|s| (s.reward as f64 - mean).powi(2))
-        .sum::<f64>()
-        / n;
-    samples
-        .iter()
-        .map(|s| {
-            let d = s.reward as f64 - mean;
-            if std_free {
-                d as f32
-            } else {
-                (d / (var.sqrt() + eps as f64)) as f32
-            }
-        })
-        .collect()
 }

@@ -6,6 +6,7 @@
 //! learner and weight sync arrive with their issues. The crate's place in the dependency chain is kernels <- model <- runtime <- trainer
 //! (DESIGN.md section 1).
 
+pub mod advantage;
 pub mod buffer;
 pub mod clock;
 pub mod engine;
@@ -16,7 +17,9 @@ pub mod health;
 pub mod kv_blocks;
 pub mod learner;
 pub mod metrics;
+pub mod mismatch;
 pub mod orchestrator;
+pub mod regularize;
 pub mod remote;
 pub mod router;
 pub mod sync;

@@ -27,6 +27,11 @@
 //! - is_clip_fraction, is_gated_low_fraction, is_gated_high_fraction, is_accepted_fraction
 //!   (this step only): shares of the trained tokens the IS gate rejected (ratio outside the
 //!   gate; below it, above it) and kept;
+//! - entropy_mean_window, entropy_mean: the mean softmax entropy (nats) of the trained tokens
+//!   (repeats included) under the learner's weights, this step and over the stage;
+//! - kl_ref_window, kl_ref_mean: with a KL reference (`loss.kl_coef > 0` or `loss.kl_log`),
+//!   the mean per-token KL estimate (the configured k1 or k3) of the behavior policy to the
+//!   reference over the trained tokens, this step and over the stage (0 without a reference);
 //! - reward_mean.NAME: mean reward of the unique trajectories of task NAME trained on;
 //!   learner_share.NAME: that task's share of the groups the learner consumed;
 //! - sync_bytes, sync_encoding (publication steps only): bytes sent to the replicas for this
@@ -218,6 +223,15 @@ pub struct LearnerTotals {
     /// See [`StepReport::mismatch_lagpos`].
     #[serde(default)]
     pub mismatch_lagpos: Mismatch,
+    /// See [`StepReport::entropy_sum`] and [`StepReport::kl_sum`].
+    #[serde(default)]
+    pub entropy_sum: f64,
+    #[serde(default)]
+    pub entropy_tokens: u64,
+    #[serde(default)]
+    pub kl_sum: f64,
+    #[serde(default)]
+    pub kl_tokens: u64,
     /// Trained tokens the IS gate rejected below / above its range (repeats included).
     #[serde(default)]
     pub gated_low: u64,
@@ -252,6 +266,10 @@ impl LearnerTotals {
         self.mismatch_lagpos.merge(&r.mismatch_lagpos);
         self.gated_low += r.gated_low;
         self.gated_high += r.gated_high;
+        self.entropy_sum += r.entropy_sum;
+        self.entropy_tokens += r.entropy_tokens;
+        self.kl_sum += r.kl_sum;
+        self.kl_tokens += r.kl_tokens;
         if self.lag_hist.len() < r.lag_hist.len() {
             self.lag_hist.resize(r.lag_hist.len(), 0);
         }
@@ -392,6 +410,23 @@ pub fn metrics_line(x: &LineInputs<'_>) -> Value {
     m.insert(
         "zero_lag_mismatch_tokens".into(),
         json!(l.zero_lag_mismatch_tokens),
+    );
+    let mean = |sum: f64, n: u64| if n > 0 { sum / n as f64 } else { 0.0 };
+    m.insert(
+        "entropy_mean_window".into(),
+        json!(finite_or_zero(mean(r.entropy_sum, r.entropy_tokens))),
+    );
+    m.insert(
+        "entropy_mean".into(),
+        json!(finite_or_zero(mean(l.entropy_sum, l.entropy_tokens))),
+    );
+    m.insert(
+        "kl_ref_window".into(),
+        json!(finite_or_zero(mean(r.kl_sum, r.kl_tokens))),
+    );
+    m.insert(
+        "kl_ref_mean".into(),
+        json!(finite_or_zero(mean(l.kl_sum, l.kl_tokens))),
     );
     insert_mismatch(&mut m, "mismatch.lag0", &r.mismatch_lag0);
     insert_mismatch(&mut m, "mismatch.lagpos", &r.mismatch_lagpos);

@@ -192,7 +192,7 @@ enum Command {
     /// SVG) with the machine, commit, seeds and clock. `--list` names them.
     Experiment {
         /// refresh, tau, clip, crashes, share, is-modes, minibatches, decoupled-ppo,
-        /// objectives, dynamic-sampling, over-sampling, tito, async-speedup (`--list` says each).
+        /// objectives, dynamic-sampling, over-sampling, regularizers, tito, async-speedup (`--list` says each).
         name: Option<String>,
         /// List the experiments and their arms.
         #[arg(long)]

@@ -425,6 +425,41 @@ fn bad_configs_name_the_key_exit_2_and_leave_no_folder() {
             vec!["--set".into(), "loss.decoupled=true".into()],
             "loss.decoupled",
         ),
+        // The regularizers (issue 28 item 7).
+        (
+            vec!["--set".into(), "loss.kl_estimator=\"k2\"".into()],
+            "loss.kl_estimator",
+        ),
+        (
+            vec!["--set".into(), "loss.kl_in=\"advantage\"".into()],
+            "loss.kl_in",
+        ),
+        (
+            vec!["--set".into(), "loss.kl_coef=-0.5".into()],
+            "loss.kl_coef",
+        ),
+        (
+            vec!["--set".into(), "loss.entropy_coef=-1".into()],
+            "loss.entropy_coef",
+        ),
+        // A reference without a KL term (the message names loss.kl_coef too), and one that
+        // is not a file.
+        (
+            vec![
+                "--set".into(),
+                "loss.kl_reference=\"configs/tiny.toml\"".into(),
+            ],
+            "loss.kl_coef",
+        ),
+        (
+            vec![
+                "--set".into(),
+                "loss.kl_coef=0.1".into(),
+                "--set".into(),
+                "loss.kl_reference=\"no/such.safetensors\"".into(),
+            ],
+            "loss.kl_reference",
+        ),
         // More minibatches than a learner step has groups.
         (
             vec!["--set".into(), "optim.minibatches=999".into()],
@@ -460,46 +495,31 @@ fn bad_configs_name_the_key_exit_2_and_leave_no_folder() {
 }
 
 /// The rollout strategies and objectives of issue 28 on the virtual clock, on the same replayed
-/// run: off (the defaults), and with every switch built so far on together (dynamic sampling,
-/// 2 minibatches x 2 epochs, four clip bounds, the prompt mean, decoupled PPO), twice. Off, groups whose rewards are all equal reach the learner
-/// (counted); on, they are dropped and re-sampled: none is trained (the cap of 32 drops per
+/// run: off (the defaults), and with every async-compatible switch on together (dynamic
+/// sampling, 2 minibatches x 2 epochs, four clip bounds, the prompt mean, decoupled PPO, the
+/// entropy bonus, the KL to the reference in the loss), twice; over-sampling, sync-only, has
+/// the next test. Off, groups whose rewards are all equal reach the learner (counted); on, they are dropped and re-sampled: none is trained (the cap of 32 drops per
 /// learner step is never reached here); the 12 learner steps are 48 optimizer steps; the
 /// lag-0 tokens still match the rollout bit for bit; and the two runs are the same run.
 #[test]
 fn issue_28_switches_together_keep_zero_mismatch_and_replay() {
     let dir = scratch("issue28-switches");
     let cfg = short_config(&dir);
-    let run = |name: &str, on: bool| {
-        let out = dir.join(name);
-        let mut args = vec![
-            "train".to_string(),
-            "--config".into(),
-            cfg.to_str().unwrap().into(),
-            "--set".into(),
-            "run.replay=true".into(),
-            "--out".into(),
-            out.to_str().unwrap().into(),
-        ];
-        if on {
-            for set in [
-                "buffer.dynamic_sampling=true",
-                "optim.minibatches=2",
-                "optim.epochs=2",
-                "loss.four_bounds=true",
-                "loss.eps_low_neg=0.1",
-                "loss.eps_high_neg=0.1",
-                "loss.aggregation=\"prompt\"",
-                "loss.mode=\"ppo\"",
-                "loss.decoupled=true",
-            ] {
-                args.push("--set".into());
-                args.push(set.into());
-            }
-        }
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        run_ok(&args);
-        out
-    };
+    let switches = [
+        "buffer.dynamic_sampling=true",
+        "optim.minibatches=2",
+        "optim.epochs=2",
+        "loss.four_bounds=true",
+        "loss.eps_low_neg=0.1",
+        "loss.eps_high_neg=0.1",
+        "loss.aggregation=\"prompt\"",
+        "loss.mode=\"ppo\"",
+        "loss.decoupled=true",
+        "loss.entropy_coef=0.01",
+        "loss.kl_coef=0.1",
+    ];
+    let run =
+        |name: &str, on: bool| replayed_run(&dir, &cfg, name, if on { &switches[..] } else { &[] });
     let (off_dir, on_dir, again_dir) = (run("off", false), run("on", true), run("again", true));
     let (off, on) = (summary(&off_dir), summary(&on_dir));
     let n = |s: &serde_json::Value, k: &str| s[k].as_u64().unwrap_or_else(|| panic!("{k}: {s}"));
@@ -511,6 +531,17 @@ fn issue_28_switches_together_keep_zero_mismatch_and_replay() {
     assert_eq!(on["learner_steps"], 12);
     assert_eq!(n(&on, "optimizer_steps"), 48, "{on}");
     assert_zero_mismatch(&on, 200, "issue 28 switches");
+    // The entropy is logged with or without its bonus; the KL only with a reference, and the
+    // first step's tokens were sampled by the reference's weights: KL exactly 0 there.
+    let f = |s: &serde_json::Value, k: &str| s[k].as_f64().unwrap_or_else(|| panic!("{k}: {s}"));
+    assert!(f(&off, "entropy_mean") > 0.0 && f(&on, "entropy_mean") > 0.0);
+    assert_eq!(f(&off, "kl_ref_mean"), 0.0, "no reference off");
+    assert!(f(&on, "kl_ref_mean") > 0.0, "{on}");
+    let first = metrics_without_wall(&on_dir)
+        .into_iter()
+        .find(|l| l.get("kl_ref_window").is_some())
+        .expect("an RL metrics line");
+    assert_eq!(first["kl_ref_window"], 0.0, "{first}");
     assert_eq!(
         metrics_without_wall(&on_dir),
         metrics_without_wall(&again_dir),
@@ -523,41 +554,50 @@ fn issue_28_switches_together_keep_zero_mismatch_and_replay() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Over-sampling with partial rollout (issue 28 item 2) in sync mode, with the other issue-28
-/// switches on, twice on the virtual clock: groups are aborted and resumed across a weight
+/// `sluice train --config CFG --set run.replay=true --set S... --out DIR/NAME`; returns the run
+/// folder.
+fn replayed_run(dir: &Path, cfg: &Path, name: &str, sets: &[&str]) -> PathBuf {
+    let out = dir.join(name);
+    let mut args = vec![
+        "train".to_string(),
+        "--config".into(),
+        cfg.to_str().unwrap().into(),
+        "--set".into(),
+        "run.replay=true".into(),
+        "--out".into(),
+        out.to_str().unwrap().into(),
+    ];
+    for set in sets {
+        args.push("--set".into());
+        args.push(set.to_string());
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    run_ok(&args);
+    out
+}
+
+/// Over-sampling with partial rollout (issue 28 item 2) in sync mode, with every other issue-28
+/// switch on (the entropy bonus and the KL to the reference included), twice on the virtual
+/// clock: groups are aborted and resumed across a weight
 /// version, the lag-0 tokens match the rollout bit for bit, and the two runs are the same run.
 #[test]
 fn over_sampling_with_the_issue_28_switches_keeps_zero_mismatch_and_replay() {
     let dir = scratch("issue28-over-sampling");
     let cfg = short_config(&dir);
-    let run = |name: &str| {
-        let out = dir.join(name);
-        let mut args = vec![
-            "train".to_string(),
-            "--config".into(),
-            cfg.to_str().unwrap().into(),
-            "--out".into(),
-            out.to_str().unwrap().into(),
-        ];
-        for set in [
-            "run.replay=true",
-            "run.mode=\"sync\"",
-            "rollout.over_sampling=1.5",
-            "rollout.partial_rollout=true",
-            "buffer.dynamic_sampling=true",
-            "optim.minibatches=2",
-            "loss.four_bounds=true",
-            "loss.aggregation=\"prompt\"",
-            "loss.mode=\"ppo\"",
-            "loss.decoupled=true",
-        ] {
-            args.push("--set".into());
-            args.push(set.into());
-        }
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        run_ok(&args);
-        out
-    };
+    let switches = [
+        "run.mode=\"sync\"",
+        "rollout.over_sampling=1.5",
+        "rollout.partial_rollout=true",
+        "buffer.dynamic_sampling=true",
+        "optim.minibatches=2",
+        "loss.four_bounds=true",
+        "loss.aggregation=\"prompt\"",
+        "loss.mode=\"ppo\"",
+        "loss.decoupled=true",
+        "loss.entropy_coef=0.01",
+        "loss.kl_coef=0.1",
+    ];
+    let run = |name: &str| replayed_run(&dir, &cfg, name, &switches);
     let (a_dir, b_dir) = (run("a"), run("b"));
     let a = summary(&a_dir);
     let os = &a["over_sampling"];
@@ -749,6 +789,7 @@ fn a_heartbeat_shorter_than_an_engine_step_stops_with_exit_2() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// (With the KL to the reference on, which a resume must read back.)
 #[test]
 fn a_resumed_replay_run_ends_with_the_same_weights() {
     let dir = scratch("resume");
@@ -763,12 +804,19 @@ fn a_resumed_replay_run_ends_with_the_same_weights() {
             "run.replay=true".into(),
             "--set".into(),
             "run.checkpoint_every=4".into(),
+            // With the KL to the stage's initial weights: a resumed run reads that reference
+            // back from its checkpoint (its own initial weights are the checkpoint's).
+            "--set".into(),
+            "loss.kl_coef=0.1".into(),
             "--out".into(),
             out.to_str().unwrap().into(),
         ]
     };
     let a = args(&full);
     run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(full
+        .join("checkpoints/001-000000004/reference.safetensors")
+        .is_file());
     let mut cks: Vec<String> = std::fs::read_dir(full.join("checkpoints"))
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().to_string())

@@ -69,6 +69,59 @@ __device__ __forceinline__ LseState lse_combine(LseState a, LseState b) {
     return LseState{m, rr_add(rr_mul(a.s, expf(a.m - m)), rr_mul(b.s, expf(b.m - m)))};
 }
 
+// One lane's (max m, sum s, sum t of exp(x - m) * (x - m)): the LseState with one more online
+// sum, for the entropy H = log(s) - t / s of the softmax (is_gate_loss's entropy bonus;
+// kernels/src/ops/row_reduce.rs EntState). t is kept relative to the running max, so H needs no
+// difference of two large numbers. m and s take exactly lse_push's and lse_combine's steps, so
+// lse (and every log-prob) is the same bits with or without t.
+struct EntState {
+    float m;
+    float s;
+    float t;
+};
+
+__device__ __forceinline__ void state_empty(LseState& st) { st = lse_empty(); }
+__device__ __forceinline__ void state_empty(EntState& st) { st = EntState{SLUICE_NEG_INF, 0.0f, 0.0f}; }
+__device__ __forceinline__ void state_push(LseState& st, float x) { lse_push(st, x); }
+
+// lse_push plus t. A new max x rescales t to it: sum e^(y - x)(y - x) = e^(m - x)(t + (m - x) s)
+// (the new entry adds (x - x) * 1 = 0); an entry below the max adds e^(x - m)(x - m), nothing
+// for x = -inf (its weight is 0; 0 * -inf would be NaN).
+__device__ __forceinline__ void state_push(EntState& st, float x) {
+    if (x > st.m) {
+        const float e = expf(st.m - x);
+        st.t = st.m == SLUICE_NEG_INF ? 0.0f : rr_mul(e, rr_add(st.t, rr_mul(st.m - x, st.s)));
+        st.s = rr_add(rr_mul(st.s, e), 1.0f);
+        st.m = x;
+    } else if (st.m != SLUICE_NEG_INF) {
+        const float d = x - st.m;
+        const float e = expf(d);
+        st.s = rr_add(st.s, e);
+        if (x != SLUICE_NEG_INF) st.t = rr_add(st.t, rr_mul(e, d));
+    }
+}
+
+// A lane's t moved to the max m of a merge (0 for an empty lane).
+__device__ __forceinline__ float ent_rescale(EntState a, float m, float e) {
+    return a.m == SLUICE_NEG_INF ? 0.0f : rr_mul(e, rr_add(a.t, rr_mul(a.m - m, a.s)));
+}
+
+__device__ __forceinline__ EntState ent_combine(EntState a, EntState b) {
+    const float m = fmaxf(a.m, b.m);
+    if (m == SLUICE_NEG_INF) return EntState{SLUICE_NEG_INF, 0.0f, 0.0f};
+    const float ea = expf(a.m - m), eb = expf(b.m - m);
+    return EntState{m, rr_add(rr_mul(a.s, ea), rr_mul(b.s, eb)),
+                    rr_add(ent_rescale(a, m, ea), ent_rescale(b, m, eb))};
+}
+
+// The softmax entropy -sum p log p = log(s) - t / s (0 for a row with no mass).
+__device__ __forceinline__ float ent_value(EntState st) {
+    return st.m == SLUICE_NEG_INF ? 0.0f : rr_add(logf(st.s), -(st.t / st.s));
+}
+
+__device__ __forceinline__ LseState lse_of(LseState st) { return st; }
+__device__ __forceinline__ LseState lse_of(EntState st) { return LseState{st.m, st.s}; }
+
 // m + log(s), or -inf for a row with no mass (all -inf).
 __device__ __forceinline__ float lse_value(LseState st) {
     return st.m == SLUICE_NEG_INF ? SLUICE_NEG_INF : rr_add(st.m, logf(st.s));
@@ -151,10 +204,12 @@ __device__ __forceinline__ bool aligned16(const void* p) {
 // per thread (16-byte loads), staged in shared memory, and read back by each thread in ITS order
 // (t, t + 256, ..., t + 1792 of the tile): the same pushes in the same order as the scalar loop,
 // so the same bits whichever path a row takes. Called by all threads of the block (barriers).
-template <typename T, typename Visit>
-__device__ __forceinline__ LseState row_lse_pass(const T* row, int V, float scale, Visit&& visit) {
+// State: LseState (the sampler, the loss) or EntState (the loss with its entropy sum).
+template <typename State, typename T, typename Visit>
+__device__ __forceinline__ State row_state_pass(const T* row, int V, float scale, Visit&& visit) {
     __shared__ float tile[ROW_TILE];
-    LseState st = lse_empty();
+    State st;
+    state_empty(st);
     const int t = threadIdx.x;
     int done = 0;
     if (aligned16(row)) {
@@ -167,7 +222,7 @@ __device__ __forceinline__ LseState row_lse_pass(const T* row, int V, float scal
 #pragma unroll
             for (int k = 0; k < ROW_VEC; ++k) {
                 const float z = rr_mul(tile[t + k * ROW_THREADS], scale);
-                lse_push(st, z);
+                state_push(st, z);
                 visit(base + t + k * ROW_THREADS, z);
             }
             __syncthreads();
@@ -177,15 +232,25 @@ __device__ __forceinline__ LseState row_lse_pass(const T* row, int V, float scal
 #pragma unroll 4
     for (int j = done + t; j < V; j += ROW_THREADS) {
         const float z = rr_mul(load_logit(row, j), scale);
-        lse_push(st, z);
+        state_push(st, z);
         visit(j, z);
     }
     return st;
 }
 
+template <typename T, typename Visit>
+__device__ __forceinline__ LseState row_lse_pass(const T* row, int V, float scale, Visit&& visit) {
+    return row_state_pass<LseState>(row, V, scale, visit);
+}
+
 struct LseCombine {
     __device__ __forceinline__ LseState operator()(LseState a, LseState b) const {
         return lse_combine(a, b);
+    }
+};
+struct EntCombine {
+    __device__ __forceinline__ EntState operator()(EntState a, EntState b) const {
+        return ent_combine(a, b);
     }
 };
 struct AddF32 {

@@ -36,6 +36,15 @@
 //!   `coef_t = (d term_t / d logp_t) / D`; `coef_t = 0` when D <= 0 and in a row whose logits
 //!   are all -inf (no mass: its gradient is 0 in every mode).
 //!   dlogits has the logits' dtype (F32 or BF16, rounded to nearest even).
+//! - Regularizers (issue 28 item 7), on every masked token whatever its gate, with the same
+//!   factor k: **KL to a reference** ([`GateParams::kl`], per-token `ref_logp`):
+//!   `term += kl_coef * k * kl_t`, `d term / d logp += kl_coef * k * dkl_t`, with
+//!   k1: `kl = logp - ref`, `dkl = 1`; k3: `kl = e^(ref - logp) - 1 - (ref - logp)`,
+//!   `dkl = 1 - e^(ref - logp)` (a token with logp or ref -inf adds 0). **Entropy**
+//!   ([`GateParams::entropy`]): `H_t = -sum_j p_j log p_j` from one more online sum of the lse
+//!   pass ([`super::row_reduce::EntState`]), output per row; with coefficient c != 0,
+//!   `term -= c * k * H_t` and `dlogits[t, j] += (c k / D) * scale * p_j (log p_j + H_t)`
+//!   (d H / d z_j = -p_j (log p_j + H)).
 //! - `accepted[t]` = masked and inside the hard gate (`ppo`, `pg`: every masked token).
 //! - Counters (F32[8], this order): 0 masked tokens, 1 accepted tokens, 2 ratio mean, 3 ratio
 //!   min, 4 ratio max (over masked tokens; 0, 0, 0 when none), 5 gated low, 6 gated high,
@@ -46,7 +55,8 @@
 //! order in one block of a second and third tiny kernel. No atomics anywhere.
 
 use super::row_reduce::{
-    exp_fast, lane_tree, row_logprob, row_lse, softmax_grad_row, Logit, ROW_LANES,
+    entropy_grad_row, exp_fast, lane_tree, row_ent_state, row_logprob, row_lse, softmax_grad_row,
+    Logit, ROW_LANES,
 };
 use crate::device::Backend;
 use crate::dtype::DType;
@@ -95,6 +105,60 @@ impl GateMode {
     }
 }
 
+/// The estimator of KL(pi || ref) at a token sampled from pi (Schulman, "Approximating KL
+/// divergence", 2020).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KlEstimator {
+    /// `log pi - log ref`: unbiased, can be negative per token.
+    K1,
+    /// `ref/pi - 1 - log(ref/pi)`: unbiased, never negative, lower variance near pi = ref.
+    K3,
+}
+
+impl KlEstimator {
+    /// The integer the kernels take (0 is "off").
+    pub fn code(self) -> i32 {
+        match self {
+            KlEstimator::K1 => 1,
+            KlEstimator::K3 => 2,
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<KlEstimator> {
+        match s.trim() {
+            "k1" => Ok(KlEstimator::K1),
+            "k3" => Ok(KlEstimator::K3),
+            other => Err(Error::param(
+                "kl_estimator",
+                format!("`{other}` is not one of k1, k3"),
+            )),
+        }
+    }
+}
+
+/// The KL-to-reference term of the loss: `coef * estimator` per masked token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KlPenalty {
+    pub estimator: KlEstimator,
+    pub coef: f32,
+}
+
+/// One token's KL estimate and its d / d logp (the device's `kl_term` without the factor).
+#[inline]
+pub fn kl_estimate(estimator: KlEstimator, logp: f32, ref_logp: f32) -> (f32, f32) {
+    if logp == f32::NEG_INFINITY || ref_logp == f32::NEG_INFINITY {
+        return (0.0, 0.0);
+    }
+    match estimator {
+        KlEstimator::K1 => (logp - ref_logp, 1.0),
+        KlEstimator::K3 => {
+            let u = ref_logp - logp;
+            let q = u.exp();
+            ((q - 1.0) + -u, 1.0 - q)
+        }
+    }
+}
+
 /// Scalar parameters of the loss (defaults of DESIGN.md 3.6).
 #[derive(Clone, Copy, Debug)]
 pub struct GateParams {
@@ -111,6 +175,11 @@ pub struct GateParams {
     /// temperature. 1 (the default) leaves the logits untouched; greedy rollouts record the
     /// temperature-1 log-prob, so their learner uses 1.
     pub temperature: f32,
+    /// The softmax entropy of each row: None, not computed; Some(c), computed (the `entropy`
+    /// output) and, with c != 0, the bonus `-c * k * H` in each masked token's term.
+    pub entropy: Option<f32>,
+    /// KL to a reference policy (needs the `ref_logp` input); None: off.
+    pub kl: Option<KlPenalty>,
 }
 
 impl Default for GateParams {
@@ -122,6 +191,8 @@ impl Default for GateParams {
             eps_neg: None,
             beta: 2.0,
             temperature: 1.0,
+            entropy: None,
+            kl: None,
         }
     }
 }
@@ -144,6 +215,22 @@ impl GateParams {
         }
         if !(self.beta.is_finite() && self.beta >= 1.0) {
             return Err(Error::param("beta", "must be finite and >= 1"));
+        }
+        if let Some(c) = self.entropy {
+            if !(c.is_finite() && c >= 0.0) {
+                return Err(Error::param(
+                    "entropy_coef",
+                    format!("{c} must be finite and >= 0"),
+                ));
+            }
+        }
+        if let Some(kl) = self.kl {
+            if !(kl.coef.is_finite() && kl.coef >= 0.0) {
+                return Err(Error::param(
+                    "kl_coef",
+                    format!("{} must be finite and >= 0", kl.coef),
+                ));
+            }
         }
         if !(self.temperature.is_finite() && self.temperature > 0.0) {
             return Err(Error::param(
@@ -333,6 +420,8 @@ pub struct GateReference {
     pub ratio: Vec<f32>,
     pub accepted: Vec<u8>,
     pub counters: [f32; 8],
+    /// Each row's softmax entropy (empty unless [`GateParams::entropy`] is set).
+    pub entropy: Vec<f32>,
 }
 
 /// The per-token inputs of the CPU reference.
@@ -343,6 +432,8 @@ pub struct TokenInputs<'a> {
     pub advantages: &'a [f32],
     pub mask: &'a [f32],
     pub weight: Option<&'a [f32]>,
+    /// The reference policy's log-probs of the tokens (needed with [`GateParams::kl`]).
+    pub ref_logp: Option<&'a [f32]>,
 }
 
 fn check_len(name: &str, len: usize, n: usize) -> Result<()> {
@@ -427,21 +518,35 @@ fn reference_impl<T: Logit>(
     if let Some(w) = inputs.weight {
         check_len("weight", w.len(), n)?;
     }
+    match (params.kl, inputs.ref_logp) {
+        (Some(_), Some(r)) => check_len("ref_logp", r.len(), n)?,
+        (Some(_), None) => return Err(missing_ref_logp()),
+        _ => {}
+    }
     check_tokens(inputs.tokens, v)?;
 
     let d = denominator(inputs.mask, inputs.weight);
     let scale = params.scale();
+    let bonus = params.entropy.filter(|&c| c != 0.0);
     // One row per task: lse pass, token math, gradient pass (two reads of the row, one write).
-    let work = |t: usize, row: Option<&[T]>, grad: &mut [T]| -> (f32, TokenTerm) {
+    let work = |t: usize, row: Option<&[T]>, grad: &mut [T]| -> (f32, TokenTerm, f32) {
         let tok = inputs.tokens[t] as usize;
         // z = logits * scale, the sampler's scaled logits (scale 1: z = logits, same bits).
-        let (lse, z_tok) = {
+        // With the entropy, its sum rides along the lse pass (same lse bits).
+        let (lse, h, z_tok) = {
             let r = row.unwrap_or(grad);
-            (row_lse(r, scale), r[tok].to_f32() * scale)
+            let (lse, h) = match params.entropy {
+                None => (row_lse(r, scale), 0.0),
+                Some(_) => {
+                    let st = row_ent_state(r, scale);
+                    (st.lse_state().lse(), st.entropy())
+                }
+            };
+            (lse, h, r[tok].to_f32() * scale)
         };
         let logp = row_logprob(z_tok, lse);
         let c = inputs.weight.map_or(1.0, |w| w[t]);
-        let tt = token_term(
+        let mut tt = token_term(
             params,
             logp,
             inputs.behavior_logp[t],
@@ -449,6 +554,21 @@ fn reference_impl<T: Logit>(
             inputs.mask[t],
             c,
         );
+        let k = inputs.mask[t] * c;
+        if let (Some(kl), Some(r)) = (params.kl, inputs.ref_logp) {
+            // The regularizers act on every masked token, whatever the gate decided.
+            if k != 0.0 {
+                let (est, dest) = kl_estimate(kl.estimator, logp, r[t]);
+                let w = kl.coef * k;
+                tt.term += w * est;
+                tt.dterm += w * dest;
+            }
+        }
+        if let Some(ec) = bonus {
+            if k != 0.0 {
+                tt.term += -((ec * k) * h);
+            }
+        }
         let live = lse != f32::NEG_INFINITY;
         // A row with no mass (all -inf) has no softmax to move: zero gradient in every mode.
         // d z / d logits = scale, folded into the coefficient (exact at scale 1).
@@ -457,7 +577,13 @@ fn reference_impl<T: Logit>(
         } else {
             0.0
         };
-        if live {
+        if let (Some(ec), true) = (bonus, live) {
+            let ecoef = if d > 0.0 { ((ec * k) / d) * scale } else { 0.0 };
+            entropy_grad_row(row, grad, coef, ecoef, lse, h, scale);
+            let lz = z_tok - lse;
+            let p = exp_fast(lz);
+            grad[tok] = T::from_f32(coef * (1.0 - p) + (ecoef * p) * (lz + h));
+        } else if live {
             softmax_grad_row(row, grad, coef, lse, scale);
             grad[tok] = T::from_f32(coef * (1.0 - exp_fast(z_tok - lse)));
         } else {
@@ -467,9 +593,9 @@ fn reference_impl<T: Logit>(
             }
             grad[tok] = T::from_f32(coef);
         }
-        (logp, tt)
+        (logp, tt, h)
     };
-    let rows: Vec<(f32, TokenTerm)> = match src {
+    let rows: Vec<(f32, TokenTerm, f32)> = match src {
         Some(logits) => logits
             .par_chunks(v)
             .zip(grad.par_chunks_mut(v))
@@ -484,7 +610,7 @@ fn reference_impl<T: Logit>(
     };
 
     let mut lanes = [Partial::ZERO; ROW_LANES];
-    for (t, (logp, tt)) in rows.iter().enumerate() {
+    for (t, (logp, tt, _)) in rows.iter().enumerate() {
         let lane = &mut lanes[t % ROW_LANES];
         lane.term += tt.term;
         if inputs.mask[t] != 0.0 {
@@ -520,6 +646,10 @@ fn reference_impl<T: Logit>(
         ratio: rows.iter().map(|r| r.1.rho).collect(),
         accepted: rows.iter().map(|r| r.1.accepted as u8).collect(),
         counters,
+        entropy: match params.entropy {
+            Some(_) => rows.iter().map(|r| r.2).collect(),
+            None => Vec::new(),
+        },
     })
 }
 
@@ -536,6 +666,8 @@ pub struct TokenBatch<'a> {
     pub mask: &'a Tensor,
     /// Optional F32 per-token weight (default 1).
     pub weight: Option<&'a Tensor>,
+    /// F32 log-probs under the reference policy (needed with [`GateParams::kl`]).
+    pub ref_logp: Option<&'a Tensor>,
 }
 
 /// The loss's outputs on the backend.
@@ -551,6 +683,14 @@ pub struct GateOutputs {
     pub accepted: Tensor,
     /// F32[8], in the order of the module comment.
     pub counters: Tensor,
+    /// F32[N], each row's softmax entropy (with [`GateParams::entropy`]).
+    pub entropy: Option<Tensor>,
+}
+
+fn missing_ref_logp() -> Error {
+    Error::Invalid(
+        "tensor `ref_logp`: the KL term (kl) needs the reference policy's log-probs".into(),
+    )
 }
 
 /// Validates the inputs; returns (N, V) and the mask as F32 (converted from U8 if needed).
@@ -602,6 +742,11 @@ fn validate(
     if let Some(w) = batch.weight {
         vec_n("weight", w, &[DType::F32])?;
     }
+    match (params.kl, batch.ref_logp) {
+        (Some(_), Some(r)) => vec_n("ref_logp", r, &[DType::F32])?,
+        (Some(_), None) => return Err(missing_ref_logp()),
+        _ => {}
+    }
     for t in [
         batch.tokens,
         batch.behavior_logp,
@@ -610,6 +755,7 @@ fn validate(
     ]
     .into_iter()
     .chain(batch.weight)
+    .chain(batch.ref_logp)
     {
         if !t.is_on(backend.device()) {
             return Err(Error::Invalid(format!(
@@ -699,6 +845,10 @@ fn cpu_run(
             Some(w) => Some(w.host_slice::<f32>()?),
             None => None,
         },
+        ref_logp: match batch.ref_logp {
+            Some(r) if params.kl.is_some() => Some(r.host_slice::<f32>()?),
+            _ => None,
+        },
     };
     let r = match logits.dtype() {
         DType::F32 => is_gate_loss_reference(
@@ -738,6 +888,10 @@ fn cpu_run_in_place(
             Some(w) => Some(w.host_slice::<f32>()?),
             None => None,
         },
+        ref_logp: match batch.ref_logp {
+            Some(r) if params.kl.is_some() => Some(r.host_slice::<f32>()?),
+            _ => None,
+        },
     };
     let r = match logits.dtype() {
         DType::F32 => {
@@ -762,6 +916,11 @@ fn outputs_of(r: &GateReference, n: usize) -> Result<GateOutputs> {
         ratio: Tensor::from_slice(b, &[n], &r.ratio)?,
         accepted: Tensor::from_slice(b, &[n], &r.accepted)?,
         counters: Tensor::from_slice(b, &[8], &r.counters)?,
+        entropy: if r.entropy.is_empty() {
+            None
+        } else {
+            Some(Tensor::from_slice(b, &[n], &r.entropy)?)
+        },
     })
 }
 
@@ -800,10 +959,25 @@ fn device_run(
             .arg_tensor(&scratch)
             .arg_i32(n32),
     )?;
-    let kernel = match logits.dtype() {
-        DType::F32 => "is_gate_loss_f32",
-        _ => "is_gate_loss_bf16",
+    let kernel = match (params.entropy, logits.dtype()) {
+        (None, DType::F32) => "is_gate_loss_f32",
+        (None, _) => "is_gate_loss_bf16",
+        (Some(c), DType::F32) if c != 0.0 => "is_gate_loss_bonus_f32",
+        (Some(c), _) if c != 0.0 => "is_gate_loss_bonus_bf16",
+        (Some(_), DType::F32) => "is_gate_loss_entropy_f32",
+        (Some(_), _) => "is_gate_loss_entropy_bf16",
     };
+    let entropy = match params.entropy {
+        Some(_) => Some(Tensor::poisoned(backend, &[n], DType::F32)?),
+        None => None,
+    };
+    // Unused pointers get a valid tensor (the kernel never reads `ref_logp` with kl off, nor
+    // writes `entropy` without the entropy variant).
+    let ref_logp = match params.kl {
+        Some(_) => batch.ref_logp.ok_or_else(missing_ref_logp)?,
+        None => batch.behavior_logp,
+    };
+    let (kl_mode, kl_coef) = params.kl.map_or((0, 0.0), |k| (k.estimator.code(), k.coef));
     backend.launch(
         &Launch::new(kernel, [n as u32, 1, 1], [THREADS, 1, 1])
             .arg_tensor(logits)
@@ -826,7 +1000,12 @@ fn device_run(
             .arg_f32(params.neg_pair().0)
             .arg_f32(params.neg_pair().1)
             .arg_f32(params.beta)
-            .arg_f32(params.scale()),
+            .arg_f32(params.scale())
+            .arg_tensor(ref_logp)
+            .arg_i32(kl_mode)
+            .arg_f32(kl_coef)
+            .arg_f32(params.entropy.unwrap_or(0.0))
+            .arg_tensor(entropy.as_ref().unwrap_or(&logp)),
     )?;
     backend.launch(
         &Launch::new("is_gate_loss_finish", [1, 1, 1], [THREADS, 1, 1])
@@ -853,6 +1032,7 @@ fn device_run(
         ratio,
         accepted,
         counters,
+        entropy,
     })
 }
 
@@ -870,6 +1050,17 @@ fn run_spec(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
         },
         beta: call.param_f32("beta")?,
         temperature: call.param_f32("temperature")?,
+        entropy: match call.param("entropy_coef")? {
+            "off" => None,
+            _ => Some(call.param_f32("entropy_coef")?),
+        },
+        kl: match call.param("kl_estimator")? {
+            "off" => None,
+            est => Some(KlPenalty {
+                estimator: KlEstimator::parse(est)?,
+                coef: call.param_f32("kl_coef")?,
+            }),
+        },
     };
     let batch = TokenBatch {
         tokens: call.tensor("tokens")?,
@@ -877,16 +1068,21 @@ fn run_spec(backend: &Backend, call: &OpCall) -> Result<OpOutputs> {
         advantages: call.tensor("advantages")?,
         mask: call.tensor("mask")?,
         weight: call.optional_tensor("weight"),
+        ref_logp: call.optional_tensor("ref_logp"),
     };
     let (out, dlogits) = is_gate_loss(backend, call.tensor("logits")?, &batch, &params)?;
-    Ok(vec![
+    let mut outputs = vec![
         ("loss", out.loss),
         ("dlogits", dlogits),
         ("logp", out.logp),
         ("ratio", out.ratio),
         ("accepted", out.accepted),
         ("counters", out.counters),
-    ])
+    ];
+    if let Some(e) = out.entropy {
+        outputs.push(("entropy", e));
+    }
+    Ok(outputs)
 }
 
 /// The `sluice kernel is_gate_loss` row (DESIGN.md section 7).
@@ -902,6 +1098,7 @@ pub static SPEC: OpSpec = OpSpec {
         TensorSpec { name: "advantages", shape: "[N]", dtypes: "F32" },
         TensorSpec { name: "mask", shape: "[N]", dtypes: "F32|U8" },
         TensorSpec { name: "weight", shape: "[N]", dtypes: "F32 (optional, default 1)" },
+        TensorSpec { name: "ref_logp", shape: "[N]", dtypes: "F32 (optional; needed with kl_estimator)" },
     ],
     params: &[
         ParamSpec { name: "mode", default: Some("dis"), help: "dis | icepop | ppo | pg" },
@@ -915,6 +1112,9 @@ pub static SPEC: OpSpec = OpSpec {
             default: Some("1"),
             help: "the rollout's sampling temperature: logp under log_softmax(logits / temperature)",
         },
+        ParamSpec { name: "entropy_coef", default: Some("off"), help: "off | c >= 0: output each row's entropy; c != 0 adds the bonus -c*mask*weight*H" },
+        ParamSpec { name: "kl_estimator", default: Some("off"), help: "off | k1 | k3: KL to the reference log-probs ref_logp" },
+        ParamSpec { name: "kl_coef", default: Some("0"), help: "the KL term's coefficient (with kl_estimator)" },
     ],
     outputs: &[
         TensorSpec { name: "loss", shape: "[1]", dtypes: "F32" },
@@ -923,6 +1123,7 @@ pub static SPEC: OpSpec = OpSpec {
         TensorSpec { name: "ratio", shape: "[N]", dtypes: "F32" },
         TensorSpec { name: "accepted", shape: "[N]", dtypes: "U8" },
         TensorSpec { name: "counters", shape: "[8]", dtypes: "F32" },
+        TensorSpec { name: "entropy", shape: "[N]", dtypes: "F32 (with entropy_coef)" },
     ],
     run: run_spec,
 };

@@ -140,6 +140,88 @@ impl LseState {
     }
 }
 
+/// One lane's (max `m`, sum `s` of exp(x - m), sum `t` of exp(x - m) (x - m)): [`LseState`]
+/// with one more online sum, so the softmax entropy `H = ln(s) - t / s` (= lse - sum p x)
+/// comes out of the same pass (is_gate_loss's entropy bonus; the device's `EntState`). `m` and
+/// `s` take exactly [`LseState::push`]'s and [`LseState::combine`]'s steps, so the lse is the
+/// same bits with or without `t`. `t` is kept relative to the running max: no difference of
+/// two large numbers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EntState {
+    pub m: f32,
+    pub s: f32,
+    pub t: f32,
+}
+
+impl EntState {
+    pub const EMPTY: EntState = EntState {
+        m: f32::NEG_INFINITY,
+        s: 0.0,
+        t: 0.0,
+    };
+
+    /// Adds one value. A new max x rescales t: sum e^(y - x)(y - x) = e^(m - x)(t + (m - x) s)
+    /// (the new entry adds 0); an entry below the max adds e^(x - m)(x - m), nothing for
+    /// x = -inf (weight 0; 0 * -inf would be NaN). Branch-free like [`LseState::push`].
+    #[inline(always)]
+    pub fn push(&mut self, x: f32) {
+        let (m, s, t) = (self.m, self.s, self.t);
+        let d = x - m;
+        let e = exp_fast(-d.abs());
+        let up = x > m;
+        let live = m != f32::NEG_INFINITY;
+        let s_keep = if live { s + e } else { s };
+        let t_up = if live { e * (t + (m - x) * s) } else { 0.0 };
+        let t_keep = if live && x != f32::NEG_INFINITY {
+            t + e * d
+        } else {
+            t
+        };
+        self.s = if up { s * e + 1.0 } else { s_keep };
+        self.t = if up { t_up } else { t_keep };
+        self.m = if up { x } else { m };
+    }
+
+    /// Merges two lanes.
+    #[inline(always)]
+    pub fn combine(self, other: EntState) -> EntState {
+        let m = self.m.max(other.m);
+        if m == f32::NEG_INFINITY {
+            return EntState::EMPTY;
+        }
+        let (ea, eb) = (exp_fast(self.m - m), exp_fast(other.m - m));
+        let rescale = |a: EntState, e: f32| {
+            if a.m == f32::NEG_INFINITY {
+                0.0
+            } else {
+                e * (a.t + (a.m - m) * a.s)
+            }
+        };
+        EntState {
+            m,
+            s: self.s * ea + other.s * eb,
+            t: rescale(self, ea) + rescale(other, eb),
+        }
+    }
+
+    /// The (m, s) pair: the row's lse state.
+    pub fn lse_state(self) -> LseState {
+        LseState {
+            m: self.m,
+            s: self.s,
+        }
+    }
+
+    /// The softmax entropy `ln(s) - t / s` (0 for a row with no mass).
+    pub fn entropy(self) -> f32 {
+        if self.m == f32::NEG_INFINITY {
+            0.0
+        } else {
+            self.s.ln() + -(self.t / self.s)
+        }
+    }
+}
+
 /// The fixed tree over [`ROW_LANES`] lanes: stride 128, 64, ..., 1; lane t takes
 /// `f(lane t, lane t + stride)`. Returns lane 0. Shared by every fixed-order reduction of the
 /// policy kernels (the device runs the same tree in shared memory).
@@ -221,6 +303,114 @@ fn row_lse_state_portable<T: Logit>(row: &[T], scale: f32) -> LseState {
 #[target_feature(enable = "avx2")]
 unsafe fn row_lse_state_avx2<T: Logit>(row: &[T], scale: f32) -> LseState {
     row_lse_state_portable(row, scale)
+}
+
+/// The row's [`EntState`] after the fixed lane order and tree, for values `x * scale`: the
+/// same lanes and tree as [`row_lse_state`] (so `lse_state()` is its bits) with the entropy sum.
+pub fn row_ent_state<T: Logit>(row: &[T], scale: f32) -> EntState {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above), the only requirement.
+        return unsafe { row_ent_state_avx2(row, scale) };
+    }
+    row_ent_state_portable(row, scale)
+}
+
+#[inline(always)]
+fn row_ent_state_portable<T: Logit>(row: &[T], scale: f32) -> EntState {
+    let mut m = [f32::NEG_INFINITY; ROW_LANES];
+    let mut s = [0.0f32; ROW_LANES];
+    let mut t = [0.0f32; ROW_LANES];
+    for chunk in row.chunks(ROW_LANES) {
+        for (l, &x) in chunk.iter().enumerate() {
+            let mut st = EntState {
+                m: m[l],
+                s: s[l],
+                t: t[l],
+            };
+            st.push(x.to_f32() * scale);
+            (m[l], s[l], t[l]) = (st.m, st.s, st.t);
+        }
+    }
+    let mut lanes = [EntState::EMPTY; ROW_LANES];
+    for (l, lane) in lanes.iter_mut().enumerate() {
+        *lane = EntState {
+            m: m[l],
+            s: s[l],
+            t: t[l],
+        };
+    }
+    lane_tree(&mut lanes, EntState::combine)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn row_ent_state_avx2<T: Logit>(row: &[T], scale: f32) -> EntState {
+    row_ent_state_portable(row, scale)
+}
+
+/// The gradient row of the policy loss with the entropy bonus: `out[j] = coef * (0 - p_j) +
+/// (ecoef * p_j) * ((z_j - lse) + h)`, p_j = exp(z_j - lse), z_j = x[j] * scale (d(-c H)/dz_j
+/// = c p_j (log p_j + H) with ecoef = c scaled as coef is). The caller fixes the token's entry.
+pub fn entropy_grad_row<T: Logit>(
+    src: Option<&[T]>,
+    out: &mut [T],
+    coef: f32,
+    ecoef: f32,
+    lse: f32,
+    h: f32,
+    scale: f32,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above), the only requirement; the same
+        // IEEE operations 8 lanes at a time (no FMA: Rust never contracts).
+        return unsafe { entropy_grad_row_avx2(src, out, coef, ecoef, lse, h, scale) };
+    }
+    entropy_grad_row_portable(src, out, coef, ecoef, lse, h, scale)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn entropy_grad_row_avx2<T: Logit>(
+    src: Option<&[T]>,
+    out: &mut [T],
+    coef: f32,
+    ecoef: f32,
+    lse: f32,
+    h: f32,
+    scale: f32,
+) {
+    entropy_grad_row_portable(src, out, coef, ecoef, lse, h, scale)
+}
+
+#[inline(always)]
+fn entropy_grad_row_portable<T: Logit>(
+    src: Option<&[T]>,
+    out: &mut [T],
+    coef: f32,
+    ecoef: f32,
+    lse: f32,
+    h: f32,
+    scale: f32,
+) {
+    let entry = |x: f32| {
+        let lz = x * scale - lse;
+        let p = exp_fast(lz);
+        T::from_f32(coef * (0.0 - p) + (ecoef * p) * (lz + h))
+    };
+    match src {
+        Some(r) => {
+            for (g, &x) in out.iter_mut().zip(r) {
+                *g = entry(x.to_f32());
+            }
+        }
+        None => {
+            for g in out.iter_mut() {
+                *g = entry(g.to_f32());
+            }
+        }
+    }
 }
 
 /// The gradient row of the policy loss: `out[j] = coef * (0 - exp(x[j] * scale - lse))` for x
@@ -327,6 +517,39 @@ mod tests {
         assert_eq!(exp_fast(0.0), 1.0);
         assert_eq!(exp_fast(f32::NEG_INFINITY), 0.0);
         assert_eq!(exp_fast(-100.0), 0.0);
+    }
+
+    #[test]
+    fn entropy_state_keeps_the_lse_bits_and_matches_f64() {
+        let mut rng = crate::testing::Rng::new(9);
+        for v in [1usize, 17, 255, 257, 1000] {
+            let mut row: Vec<f32> = (0..v).map(|_| rng.normal() as f32 * 3.0 + 40.0).collect();
+            if v > 17 {
+                row[3] = f32::NEG_INFINITY;
+            }
+            let st = row_ent_state(&row, 1.0);
+            let lse = row_lse_state(&row, 1.0);
+            assert_eq!(st.lse_state().m.to_bits(), lse.m.to_bits(), "v={v}");
+            assert_eq!(st.lse_state().s.to_bits(), lse.s.to_bits(), "v={v}");
+            let lse64 = row_lse(&row, 1.0) as f64;
+            let want: f64 = -row
+                .iter()
+                .map(|&x| {
+                    let lp = x as f64 - lse64;
+                    if lp.is_finite() {
+                        lp.exp() * lp
+                    } else {
+                        0.0
+                    }
+                })
+                .sum::<f64>();
+            // f32 sums of v terms near 1: a few ulp of H per term at most.
+            assert!(
+                (st.entropy() as f64 - want).abs() <= 1e-5 * v as f64,
+                "v={v}"
+            );
+        }
+        assert_eq!(row_ent_state(&[f32::NEG_INFINITY; 3], 1.0).entropy(), 0.0);
     }
 
     #[test]

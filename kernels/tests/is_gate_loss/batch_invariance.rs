@@ -6,7 +6,7 @@ use super::*;
 
 /// The row under test: random logits, its own log-prob as the behavior log-prob (rho = 1, so every
 /// mode accepts it and its gradient is not zero), advantage 0.7, masked in.
-fn probe_row(seed: u64, v: usize, dtype: DType) -> Problem {
+pub(super) fn probe_row(seed: u64, v: usize, dtype: DType) -> Problem {
     let mut pb = Problem::random(seed, 1, v, false);
     if dtype == DType::BF16 {
         pb = pb.into_bf16_values();
@@ -25,7 +25,13 @@ fn probe_row(seed: u64, v: usize, dtype: DType) -> Problem {
 /// A batch of `n` random rows with `probe` placed at row `at`. Masks make the denominator D (the
 /// sum of masks) the largest power of two <= n: the probe and D - 1 of the other rows are masked
 /// in.
-fn batch_around(probe: &Problem, n: usize, at: usize, seed: u64, dtype: DType) -> (Problem, f32) {
+pub(super) fn batch_around(
+    probe: &Problem,
+    n: usize,
+    at: usize,
+    seed: u64,
+    dtype: DType,
+) -> (Problem, f32) {
     let v = probe.v;
     let mut pb = Problem::random(seed, n, v, false);
     if dtype == DType::BF16 {

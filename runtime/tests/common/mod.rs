@@ -232,6 +232,7 @@ pub fn learner_logps(m: &Model, samples: &[&Sample]) -> Vec<Vec<f32>> {
         advantages: &ones,
         mask: &mask,
         weight: None,
+        ref_logp: None,
     };
     let params = GateParams {
         mode: GateMode::Pg,
@@ -299,6 +300,7 @@ fn device_logp(backend: &Backend, logits: Tensor, targets: &[i32], mask: &[f32])
         advantages: &ones,
         mask: &mask,
         weight: None,
+        ref_logp: None,
     };
     let params = GateParams {
         mode: GateMode::Pg,

@@ -150,6 +150,12 @@ pub struct LossSection {
     /// Decoupled PPO's weight cap (`loss.decoupled`); None: off.
     pub decoupled: Option<f32>,
     pub micro_batch_tokens: usize,
+    /// The entropy bonus's coefficient (0: off).
+    pub entropy_coef: f32,
+    /// The KL to the reference (None: no reference kept; coef 0 with `loss.kl_log`: measured).
+    pub kl: Option<sluice_runtime::regularize::KlConfig>,
+    /// The reference's checkpoint (None: the RL stage's initial weights).
+    pub kl_reference: Option<PathBuf>,
 }
 
 #[derive(Clone, Debug, PartialEq)]

@@ -400,7 +400,28 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
             }
         },
         micro_batch_tokens: loss.int("micro_batch_tokens", 1, 1 << 24)? as usize,
+        entropy_coef: loss.float("entropy_coef", |x| x >= 0.0, ">= 0 (0: off)")? as f32,
+        kl: regularizer_kl(&loss)?,
+        kl_reference: {
+            let path = loss.str("kl_reference")?;
+            (!path.is_empty()).then(|| PathBuf::from(path))
+        },
     };
+    if let Some(path) = &loss_s.kl_reference {
+        if loss_s.kl.is_none() {
+            return Err(err(
+                "loss.kl_reference",
+                "a KL reference without a KL term: set loss.kl_coef above 0 or loss.kl_log = \
+                 true",
+            ));
+        }
+        if !path.is_file() {
+            return Err(err(
+                "loss.kl_reference",
+                format!("no checkpoint file at {}", path.display()),
+            ));
+        }
+    }
 
     let optim = Get::section(&table, "optim")?;
     let optim_s = OptimSection {
@@ -681,4 +702,41 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
     };
     super::servers::check(&mut cfg, replicas)?;
     Ok(cfg)
+}
+
+/// The KL-to-reference keys of `[loss]` (issue 28 item 7): None unless `kl_coef > 0` or
+/// `kl_log`; the estimator and the place are checked whether or not the term is on.
+fn regularizer_kl(
+    loss: &Get<'_>,
+) -> Result<Option<sluice_runtime::regularize::KlConfig>, ConfigError> {
+    use sluice_runtime::regularize::{KlConfig, KlPlace};
+    let coef = loss.float("kl_coef", |x| x >= 0.0, ">= 0 (0: off)")? as f32;
+    let estimator = sluice_kernels::ops::is_gate_loss::KlEstimator::parse(
+        loss.str("kl_estimator")?,
+    )
+    .map_err(|_| {
+        err(
+            "loss.kl_estimator",
+            format!(
+                "{:?} is not k1 or k3",
+                loss.str("kl_estimator").unwrap_or("")
+            ),
+        )
+    })?;
+    let place = match loss.str("kl_in")? {
+        "loss" => KlPlace::Loss,
+        "reward" => KlPlace::Reward,
+        other => {
+            return Err(err(
+                "loss.kl_in",
+                format!("{other:?} is not loss or reward"),
+            ))
+        }
+    };
+    let log = loss.bool("kl_log")?;
+    Ok((coef > 0.0 || log).then_some(KlConfig {
+        estimator,
+        coef,
+        place,
+    }))
 }

@@ -356,6 +356,37 @@ fn over_sampling_arms() -> Vec<Arm> {
     ]
 }
 
+/// The regularizers' arms: every arm keeps the reference and logs the KL to it
+/// (`loss.kl_log` in the experiment's base sets).
+fn regularizer_arms() -> Vec<Arm> {
+    vec![
+        arm("off", &[]),
+        arm("entropy", &sets(&[("loss.entropy_coef", "1.0".into())])),
+        arm(
+            "kl-loss",
+            &sets(&[
+                ("loss.kl_coef", "3.0".into()),
+                ("loss.kl_in", "\"loss\"".into()),
+            ]),
+        ),
+        arm(
+            "kl-reward",
+            &sets(&[
+                ("loss.kl_coef", "10.0".into()),
+                ("loss.kl_in", "\"reward\"".into()),
+            ]),
+        ),
+    ]
+}
+
+fn entropy(r: &ArmRun) -> Option<f64> {
+    num(&r.summary, "entropy_mean")
+}
+
+fn kl_ref(r: &ArmRun) -> Option<f64> {
+    num(&r.summary, "kl_ref_mean")
+}
+
 fn is_arms() -> Vec<Arm> {
     let mut v = Vec::new();
     for mode in ["dis", "icepop", "ppo", "pg"] {
@@ -635,6 +666,23 @@ pub static EXPERIMENTS: &[Experiment] = &[
             ("reward", reward),
         ],
         chart: ChartKind::Bars(0),
+        unavailable: None,
+    },
+    Experiment {
+        name: "regularizers",
+        about: "the entropy bonus (coefficient 1) and the k3 KL to the stage's initial weights \
+                in the loss (coefficient 3) or in the reward (coefficient 10), against \
+                neither: the mean entropy of the trained tokens and their mean KL to the \
+                reference (large coefficients, so a short run shows their direction)",
+        base_sets: &["loss.kl_log=true"],
+        arms: regularizer_arms,
+        columns: &[
+            ("entropy", entropy),
+            ("KL to reference", kl_ref),
+            ("reward", reward),
+            ("RL time (s)", rl_time),
+        ],
+        chart: ChartKind::Bars(1),
         unavailable: None,
     },
     Experiment {

@@ -690,6 +690,15 @@ struct RlTotals {
     /// Tokens whose PPO surrogate took its clipped branch.
     #[serde(default)]
     clipped: u64,
+    /// Entropy and KL-to-reference sums over trained tokens (sluice_runtime's LearnerTotals).
+    #[serde(default)]
+    entropy_sum: f64,
+    #[serde(default)]
+    entropy_tokens: u64,
+    #[serde(default)]
+    kl_sum: f64,
+    #[serde(default)]
+    kl_tokens: u64,
     /// Groups without reward variance: dropped by dynamic sampling, and trained (all of them
     /// with dynamic sampling off; past its cap with it on).
     #[serde(default)]

@@ -2,6 +2,10 @@
 //! writes metrics and checkpoints at barriers), held-out evaluation and the baselines.
 
 use super::*;
+use sluice_runtime::regularize::Reference;
+
+/// The KL reference's weights in an RL checkpoint (runs with a KL term).
+const REFERENCE_FILE: &str = "reference.safetensors";
 
 impl RunContext<'_> {
     /// Supervised warm-up on the tasks' demonstrations, mixed by target share.
@@ -250,6 +254,8 @@ impl RunContext<'_> {
                     eps_neg: cfg.loss.eps_neg,
                     beta: cfg.loss.beta,
                     temperature: 1.0,
+                    entropy: None,
+                    kl: None,
                 },
                 std_free: cfg.loss.std_free,
                 adv_eps: 1e-6,
@@ -258,10 +264,29 @@ impl RunContext<'_> {
                 minibatches: cfg.optim.minibatches,
                 epochs: cfg.optim.epochs,
                 decoupled: cfg.loss.decoupled,
+                regularizers: sluice_runtime::regularize::Regularizers {
+                    entropy_coef: cfg.loss.entropy_coef,
+                    kl: cfg.loss.kl,
+                },
             },
             self.state.rl_version,
         )
         .map_err(run_err)?;
+        // The KL reference: the stage's initial weights (the learner's copy), a checkpoint, or
+        // on resume the reference the checkpoint saved.
+        let reference_file = match (&resume, &self.resume_from) {
+            (Some(_), Some(ck)) if cfg.loss.kl.is_some() => Some(ck.join(REFERENCE_FILE)),
+            _ => cfg.loss.kl_reference.clone(),
+        };
+        if let Some(path) = reference_file {
+            let r = Reference::load(&path, learner.backend(), learner.model()).map_err(|e| {
+                TrainError::Input(match &resume {
+                    Some(_) => format!("resume: the KL reference: {e}"),
+                    None => format!("loss.kl_reference: {e}"),
+                })
+            })?;
+            learner.set_reference(r).map_err(run_err)?;
+        }
         if let (Some(_), Some(ck)) = (&resume, &self.resume_from) {
             // Weights and optimizer state at the barrier.
             learner
@@ -412,6 +437,10 @@ impl RunContext<'_> {
         t.samples += l.samples;
         t.optimizer_steps += l.optimizer_steps;
         t.clipped += l.clipped;
+        t.entropy_sum += l.entropy_sum;
+        t.entropy_tokens += l.entropy_tokens;
+        t.kl_sum += l.kl_sum;
+        t.kl_tokens += l.kl_tokens;
         t.accepted_tokens += l.accepted_tokens;
         t.gradient_tokens += l.gradient_tokens;
         t.sampled_tokens += report.rollout.sampled_tokens;
@@ -599,6 +628,10 @@ impl StageObserver for RlObserver<'_> {
                 learner
                     .save(&dir.join("learner.safetensors"))
                     .map_err(|e| format!("checkpoint: {e}"))?;
+                if let Some(r) = learner.reference() {
+                    r.save(&dir.join(REFERENCE_FILE), learner.model())
+                        .map_err(|e| format!("checkpoint: {e}"))?;
+                }
                 sluice_model::checkpoint::save_with_meta(
                     &dir.join("rollout.safetensors"),
                     &config,

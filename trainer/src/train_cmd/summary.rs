@@ -78,6 +78,10 @@ impl RunContext<'_> {
             // Trained tokens (repeats included) on the clipped branch of the ppo/icepop surrogate.
             "ppo_clipped_fraction": t.map_or(0.0, |t| ratio(t.clipped, t.masked_tokens)),
             "samples_trained": t.map_or(0, |t| t.samples),
+            // Mean softmax entropy of the trained tokens (nats), and with a KL reference the
+            // mean per-token KL estimate (loss.kl_estimator) of the behavior policy to it.
+            "entropy_mean": t.map_or(0.0, |t| mean_of(t.entropy_sum, t.entropy_tokens)),
+            "kl_ref_mean": t.map_or(0.0, |t| mean_of(t.kl_sum, t.kl_tokens)),
             "wall_s": wall_s,
             "rl_time_s": t.map_or(0.0, |t| t.elapsed_s),
             "effective_tokens_per_s": t.map_or(0.0, |t| t.accepted_tokens as f64 / elapsed),
@@ -202,5 +206,14 @@ impl RunContext<'_> {
             self.out_dir.display()
         );
         t
+    }
+}
+
+/// `sum / n`, 0 with no tokens.
+fn mean_of(sum: f64, n: u64) -> f64 {
+    if n > 0 {
+        sum / n as f64
+    } else {
+        0.0
     }
 }
