@@ -227,6 +227,23 @@ fn two_servers_train_with_zero_mismatch_across_the_process_boundary() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Two servers and a `sluice train` against them (stdout and stderr piped); the second server
+/// exits when its 41st unit of work arrives, mid-run, without answering it. Returns once it
+/// has: the first server (alive while held), the dead one's port, and the run.
+fn run_until_one_server_dies(cfg: &Path, out: &Path) -> (Server, String, Child) {
+    let a = Server::start(cfg, "127.0.0.1:0", None);
+    let mut b = Server::start(cfg, "127.0.0.1:0", Some(40));
+    let port = b.port().to_string();
+    let run = train(cfg, out, &[&a, &b])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = b.child.wait().unwrap();
+    assert_eq!(status.code(), Some(3), "the test hook's exit status");
+    (a, port, run)
+}
+
 #[test]
 fn a_killed_server_is_lost_then_rejoins_after_a_full_sync() {
     if !have_python() {
@@ -237,18 +254,8 @@ fn a_killed_server_is_lost_then_rejoins_after_a_full_sync() {
     // room), so the timeout sets the test's length; 3 s leaves the restarted process time to
     // start before the scheduler first polls it.
     let cfg = write_config(&dir, 24, 3.0);
-    let a = Server::start(&cfg, "127.0.0.1:0", None);
-    // Exits when its 41st unit of work arrives, mid-run, without answering it.
-    let mut b = Server::start(&cfg, "127.0.0.1:0", Some(40));
-    let port = b.port().to_string();
     let out = dir.join("run");
-    let run = train(&cfg, &out, &[&a, &b])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let status = b.child.wait().unwrap();
-    assert_eq!(status.code(), Some(3), "the test hook's exit status");
+    let (_a, port, run) = run_until_one_server_dies(&cfg, &out);
     // Restarted on the same port (a fresh process: other weights, no sequences).
     let restarted = Server::start(&cfg, &format!("127.0.0.1:{port}"), None);
     let o = run.wait_with_output().unwrap();
@@ -289,16 +296,8 @@ fn a_server_restarted_with_another_model_is_refused_by_name() {
     }
     let dir = scratch("fleet-refused");
     let cfg = write_config(&dir, 24, 3.0);
-    let a = Server::start(&cfg, "127.0.0.1:0", None);
-    let mut b = Server::start(&cfg, "127.0.0.1:0", Some(40));
-    let port = b.port().to_string();
     let out = dir.join("run");
-    let run = train(&cfg, &out, &[&a, &b])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    assert_eq!(b.child.wait().unwrap().code(), Some(3));
+    let (_a, port, run) = run_until_one_server_dies(&cfg, &out);
     // bf16: its image is half as long as the trainer's f32 one.
     let _other = Server::start_with(
         &cfg,
