@@ -26,7 +26,7 @@ impl RunContext<'_> {
                 LrSchedule::WarmupCosine {
                     warmup,
                     total: steps,
-                    min_ratio: 0.1,
+                    min_ratio: self.cfg.optim.sft_min_lr_ratio,
                 },
             ),
         )
