@@ -530,7 +530,7 @@ impl RunContext<'_> {
         let budget = crate::arms::RlBudget {
             steps: self.state.learner_steps,
             trained_tokens: t.accepted_tokens,
-            groups: t.shares.iter().map(|(k, v)| (k.clone(), v.1)).collect(),
+            sampled: t.flow.iter().map(|(k, v)| (k.clone(), v.0)).collect(),
         };
         let rate = |m: &BTreeMap<String, PassRate>| -> BTreeMap<String, f64> {
             m.iter().map(|(k, v)| (k.clone(), v.rate())).collect()
