@@ -95,7 +95,10 @@ impl Teachers {
     /// At least one teacher, each with at least one task, no task named twice.
     pub fn new(list: Vec<Teacher>) -> Result<Teachers> {
         if list.is_empty() {
-            return Err(Error::param("opd.teachers", "at least one teacher is needed"));
+            return Err(Error::param(
+                "opd.teachers",
+                "at least one teacher is needed",
+            ));
         }
         for (i, t) in list.iter().enumerate() {
             if t.tasks.is_empty() {
@@ -124,7 +127,9 @@ impl Teachers {
 
     /// The index of the teacher of `task`.
     pub fn of(&self, task: &str) -> Option<usize> {
-        self.list.iter().position(|t| t.tasks.iter().any(|x| x == task))
+        self.list
+            .iter()
+            .position(|t| t.tasks.iter().any(|x| x == task))
     }
 
     pub fn get(&self, i: usize) -> &Teacher {
@@ -172,7 +177,11 @@ pub fn token_advantages(
 /// The sum over a trajectory's trained tokens (after the first) of b_t - q_t, in f64, and
 /// their count: the k1 estimate of KL(mu || pi_T) summed over the tokens the teacher scored
 /// (tokens with a non-finite log-prob are left out).
-pub fn trajectory_gap(loss_mask: &[bool], behavior_logp: &[f32], teacher_logp: &[f32]) -> (f64, u64) {
+pub fn trajectory_gap(
+    loss_mask: &[bool],
+    behavior_logp: &[f32],
+    teacher_logp: &[f32],
+) -> (f64, u64) {
     let mut sum = 0.0f64;
     let mut n = 0u64;
     for j in 1..loss_mask.len() {

@@ -225,8 +225,7 @@ impl Learner {
         if let Some(opd) = cfg.opd {
             opd.validate()?;
             // The loss kernel takes one KL target: the reference's or the teachers'.
-            if matches!(opd.form, Some(OpdForm::Kl(_))) && cfg.regularizers.kl_in_loss().is_some()
-            {
+            if matches!(opd.form, Some(OpdForm::Kl(_))) && cfg.regularizers.kl_in_loss().is_some() {
                 return Err(Error::param(
                     "opd",
                     "the KL form toward the teachers and a KL to the reference in the loss \
@@ -458,7 +457,12 @@ impl Learner {
             _ => None,
         };
         // The KL term in the loss: toward the teachers (OPD's KL form) or the reference.
-        let kl_target = match (opd, &teacher, self.cfg.regularizers.kl_in_loss(), &reference) {
+        let kl_target = match (
+            opd,
+            &teacher,
+            self.cfg.regularizers.kl_in_loss(),
+            &reference,
+        ) {
             (Some((OpdForm::Kl(estimator), coef)), Some(q), _, _) => Some((
                 KlConfig {
                     estimator,
@@ -616,7 +620,15 @@ impl Learner {
                 report.loss += out.loss as f64 * pass.loss_weight;
                 report.micro_batches += 1;
                 report.tokens += n as u64;
-                self.audit(report, inputs_in, mb, &batch, &out, version, pass.at_version);
+                self.audit(
+                    report,
+                    inputs_in,
+                    mb,
+                    &batch,
+                    &out,
+                    version,
+                    pass.at_version,
+                );
             }
             // Several micro-batches: sum their gradients (the backward overwrites the
             // gradient arena), in micro-batch order.
@@ -643,7 +655,6 @@ impl Learner {
             self.model.compute.as_mut(),
         )
     }
-
 }
 
 /// A trajectory's masked (trained-on) tokens after the first.

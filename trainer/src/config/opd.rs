@@ -1,0 +1,265 @@
+//! `[opd]`: on-policy distillation in the RL stages (issue 28 item 6; sluice_runtime::distill),
+//! and the contradictions between it and the other switches (item 8), each refused naming both
+//! keys.
+
+use super::resolve::Get;
+use super::*;
+use sluice_kernels::ops::is_gate_loss::KlEstimator;
+use sluice_runtime::distill::{OpdConfig, OpdForm};
+use sluice_runtime::regularize::KlPlace;
+
+/// One teacher: a checkpoint and the tasks whose trajectories it scores.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TeacherSection {
+    pub checkpoint: PathBuf,
+    pub tasks: Vec<String>,
+}
+
+/// On-policy distillation (`[opd]` with `form` other than none, or `log`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpdSection {
+    /// The form (None: teachers score and the gap is logged, nothing trained on it) and coef.
+    pub config: OpdConfig,
+    pub teachers: Vec<TeacherSection>,
+}
+
+impl OpdSection {
+    /// The config key of teacher `i`'s checkpoint (for errors).
+    pub fn checkpoint_key(i: usize) -> String {
+        format!("opd.teachers[{i}].checkpoint")
+    }
+}
+
+/// The strings of an array (an error naming `key` otherwise).
+fn strings(v: &Value, key: &str) -> Result<Vec<String>, ConfigError> {
+    let Value::Array(a) = v else {
+        return Err(err(key, "expected an array of strings"));
+    };
+    a.iter()
+        .enumerate()
+        .map(|(i, x)| {
+            x.as_str()
+                .map(str::to_string)
+                .ok_or_else(|| err(&format!("{key}[{i}]"), "expected a string"))
+        })
+        .collect()
+}
+
+/// `opd.teachers`: an array of `{ checkpoint = "PATH", tasks = ["NAME", ...] }`.
+fn teachers(opd: &Get<'_>) -> Result<Vec<TeacherSection>, ConfigError> {
+    let Value::Array(list) = opd.value("teachers")? else {
+        return Err(err("opd.teachers", "expected an array of tables"));
+    };
+    let mut out = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        let key = format!("opd.teachers[{i}]");
+        let Value::Table(t) = t else {
+            return Err(err(
+                &key,
+                "expected a table { checkpoint = \"PATH\", tasks = [\"NAME\", ...] }",
+            ));
+        };
+        if let Some(k) = t
+            .keys()
+            .find(|k| !matches!(k.as_str(), "checkpoint" | "tasks"))
+        {
+            return Err(err(
+                &format!("{key}.{k}"),
+                "unknown key (a teacher has checkpoint and tasks)",
+            ));
+        }
+        let checkpoint = match t.get("checkpoint") {
+            Some(Value::String(p)) if !p.is_empty() => PathBuf::from(p),
+            Some(Value::String(_)) | None => {
+                return Err(err(
+                    &format!("{key}.checkpoint"),
+                    "missing: a teacher's checkpoint",
+                ))
+            }
+            Some(_) => return Err(err(&format!("{key}.checkpoint"), "expected a string")),
+        };
+        let tasks_key = format!("{key}.tasks");
+        let tasks = match t.get("tasks") {
+            Some(v) => strings(v, &tasks_key)?,
+            None => return Err(err(&tasks_key, "missing: the tasks the teacher scores")),
+        };
+        if tasks.is_empty() {
+            return Err(err(&tasks_key, "a teacher needs at least one task"));
+        }
+        out.push(TeacherSection { checkpoint, tasks });
+    }
+    Ok(out)
+}
+
+/// Resolves `[opd]` against the rest of the config (None: off). Every value is checked
+/// whether or not distillation is on.
+pub(super) fn resolve_opd(
+    table: &Table,
+    stages: &[StageSection],
+    buffer: &BufferSection,
+    loss: &LossSection,
+) -> Result<Option<OpdSection>, ConfigError> {
+    let opd = Get::section(table, "opd")?;
+    let estimator = KlEstimator::parse(opd.str("kl_estimator")?).map_err(|_| {
+        err(
+            "opd.kl_estimator",
+            format!(
+                "{:?} is not k1 or k3",
+                opd.str("kl_estimator").unwrap_or("")
+            ),
+        )
+    })?;
+    let with_grpo = opd.bool("with_grpo")?;
+    let form = match opd.str("form")? {
+        "none" => None,
+        "advantage" => Some(OpdForm::Advantage { with_grpo }),
+        "kl" => Some(OpdForm::Kl(estimator)),
+        o => {
+            return Err(err(
+                "opd.form",
+                format!("{o:?} is not none, advantage or kl"),
+            ))
+        }
+    };
+    let coef = opd.float("coef", |x| x > 0.0, "> 0")? as f32;
+    let log = opd.bool("log")?;
+    let list = teachers(&opd)?;
+    if with_grpo && !matches!(form, Some(OpdForm::Advantage { .. })) {
+        return Err(err(
+            "opd.with_grpo",
+            "adds GRPO's advantage to the per-token advantage of opd.form = \"advantage\"; \
+             with another form it does nothing",
+        ));
+    }
+    if form.is_none() && !log {
+        if !list.is_empty() {
+            return Err(err(
+                "opd.teachers",
+                "teachers without distillation: set opd.form (advantage or kl) or opd.log = true",
+            ));
+        }
+        return Ok(None);
+    }
+    let config = OpdConfig { form, coef };
+    if form == Some(OpdForm::Kl(KlEstimator::K1)) {
+        return Err(err(
+            "opd.kl_estimator",
+            "k1 with opd.form = \"kl\": k1's gradient in the loss is coef x grad log pi, the \
+             same whatever the teacher says, so it distils nothing; use k3, or opd.form = \
+             \"advantage\" (the k1 log-ratio as a detached per-token reward)",
+        ));
+    }
+    if list.is_empty() {
+        return Err(err(
+            "opd.teachers",
+            "on-policy distillation needs at least one teacher: [{ checkpoint = \"PATH\", \
+             tasks = [\"NAME\"] }]",
+        ));
+    }
+    // Every task of every RL stage scored by exactly one teacher; no teacher of a task no RL
+    // stage trains.
+    let rl_tasks: Vec<&String> = stages
+        .iter()
+        .filter(|s| s.kind == StageKind::Rl)
+        .flat_map(|s| &s.tasks)
+        .collect();
+    for (i, t) in list.iter().enumerate() {
+        if !t.checkpoint.is_file() {
+            return Err(err(
+                &OpdSection::checkpoint_key(i),
+                format!("no checkpoint file at {}", t.checkpoint.display()),
+            ));
+        }
+        for task in &t.tasks {
+            if !rl_tasks.contains(&task) {
+                return Err(err(
+                    &format!("opd.teachers[{i}].tasks"),
+                    format!("task {task:?} is in no RL stage"),
+                ));
+            }
+            if let Some(j) = list[..i].iter().position(|o| o.tasks.contains(task)) {
+                return Err(err(
+                    &format!("opd.teachers[{i}].tasks"),
+                    format!("task {task:?} already has a teacher (opd.teachers[{j}])"),
+                ));
+            }
+            if t.tasks.iter().filter(|x| *x == task).count() > 1 {
+                return Err(err(
+                    &format!("opd.teachers[{i}].tasks"),
+                    format!("names task {task:?} twice"),
+                ));
+            }
+        }
+    }
+    for (si, s) in stages.iter().enumerate() {
+        if s.kind != StageKind::Rl {
+            continue;
+        }
+        if let Some(task) = s
+            .tasks
+            .iter()
+            .find(|n| !list.iter().any(|t| t.tasks.contains(n)))
+        {
+            return Err(err(
+                "opd.teachers",
+                format!(
+                    "stage[{si}] trains task {task:?}, which no teacher scores (every task of an \
+                     RL stage needs one)"
+                ),
+            ));
+        }
+    }
+    conflicts(&config, buffer, loss)?;
+    Ok(Some(OpdSection {
+        config,
+        teachers: list,
+    }))
+}
+
+/// The pairs of settings that contradict distillation's form.
+fn conflicts(
+    opd: &OpdConfig,
+    buffer: &BufferSection,
+    loss: &LossSection,
+) -> Result<(), ConfigError> {
+    let pure_advantage = opd.form == Some(OpdForm::Advantage { with_grpo: false });
+    let kl_coef = loss.kl.map_or(0.0, |k| k.coef);
+    let kl_place = loss.kl.map(|k| k.place);
+    if matches!(opd.form, Some(OpdForm::Kl(_))) && kl_coef > 0.0 && kl_place == Some(KlPlace::Loss)
+    {
+        return Err(err(
+            "opd.form",
+            "\"kl\" together with loss.kl_coef > 0 and loss.kl_in = \"loss\": the loss kernel \
+             takes one KL target per token, the teacher's or the reference's; put the \
+             reference's KL in the reward (loss.kl_in = \"reward\") or use opd.form = \
+             \"advantage\"",
+        ));
+    }
+    if pure_advantage && kl_coef > 0.0 && kl_place == Some(KlPlace::Reward) {
+        return Err(err(
+            "loss.kl_in",
+            "\"reward\" with opd.form = \"advantage\" (without opd.with_grpo): the KL penalty \
+             shapes rewards before GRPO's advantages, which the teacher's advantages replace, so \
+             it would act nowhere; use loss.kl_in = \"loss\" or opd.with_grpo = true",
+        ));
+    }
+    if pure_advantage && buffer.dynamic_sampling.is_some() {
+        return Err(err(
+            "buffer.dynamic_sampling",
+            "with opd.form = \"advantage\" (without opd.with_grpo) the advantages come from \
+             the teacher, not from the group's rewards: dynamic sampling would drop groups \
+             that carry the teacher's signal; turn one off, or set opd.with_grpo = true",
+        ));
+    }
+    if opd.form == Some(OpdForm::Advantage { with_grpo: true }) && buffer.group_size < 2 {
+        return Err(err(
+            "opd.with_grpo",
+            format!(
+                "adds GRPO's advantage, which is 0 in a group of one (buffer.group_size = {}); \
+                 use groups of 2 or more, or opd.with_grpo = false",
+                buffer.group_size
+            ),
+        ));
+    }
+    Ok(())
+}
