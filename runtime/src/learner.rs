@@ -276,6 +276,12 @@ impl Learner {
         Ok(())
     }
 
+    /// Whether the learner's signal needs GRPO groups of 2 or more: false when on-policy
+    /// distillation gives every token its own advantage (or a KL term) without GRPO's.
+    pub fn needs_groups(&self) -> bool {
+        !self.cfg.opd.is_some_and(|o| o.needs_no_group())
+    }
+
     /// The teachers, if the learner distils.
     pub fn teachers(&self) -> Option<&Teachers> {
         self.teachers.as_ref()
