@@ -12,8 +12,11 @@
 //!   on-policy distillation): the per-token advantage A_t = coef x (q_t - b_t), detached, in
 //!   place of GRPO's per-trajectory advantage (groups of one need no group), or with
 //!   `with_grpo` added to it, A_t = A_grpo + coef x (q_t - b_t) (slime's documented form,
-//!   A_t - coef x KL_t with KL_t = b_t - q_t). It goes through the IS-gate loss unchanged: the
-//!   kernel's advantages are per token.
+//!   A_t - coef x KL_t with KL_t = b_t - q_t). With `center` the step's mean of q - b over
+//!   the scored tokens is subtracted first, A_t = coef x ((q_t - b_t) - mean(q - b)) (a
+//!   baseline: the tinker cookbook's form of its KL penalty, `kl_coef x (avg_logp_diff -
+//!   logp_diff_t)`), so the distillation advantages have mean 0 instead of -KL. It goes
+//!   through the IS-gate loss unchanged: the kernel's advantages are per token.
 //! - [`OpdForm::Kl`]: coef x k3(logp_t, q_t) per trained token in the loss, with its gradient
 //!   (the fused kernel's KL input, the teacher's log-probs where the KL reference's would go),
 //!   added to GRPO's loss.
@@ -29,8 +32,8 @@ use sluice_kernels::{Error, Result};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OpdForm {
     /// A_t = coef (q_t - b_t) per token; `with_grpo`: added to GRPO's advantage, else in its
-    /// place.
-    Advantage { with_grpo: bool },
+    /// place; `center`: less the step's mean of q - b (a baseline).
+    Advantage { with_grpo: bool, center: bool },
     /// coef x KL estimate to the teacher per trained token in the loss, with its gradient.
     Kl(KlEstimator),
 }
@@ -68,7 +71,10 @@ impl OpdConfig {
     pub fn needs_no_group(&self) -> bool {
         matches!(
             self.form,
-            Some(OpdForm::Advantage { with_grpo: false }) | Some(OpdForm::Kl(_))
+            Some(OpdForm::Advantage {
+                with_grpo: false,
+                ..
+            }) | Some(OpdForm::Kl(_))
         )
     }
 }
@@ -150,21 +156,23 @@ impl Teachers {
 }
 
 /// The advantage form's per-token advantages of one trajectory (indexed like its tokens; 0
-/// where not trained): coef (q_t - b_t), plus `grpo` (its GRPO advantage) when given. A token
-/// whose teacher or behavior log-prob is not finite gets no distillation signal.
+/// where not trained): coef ((q_t - b_t) + `mean_gap`), plus `grpo` (its GRPO advantage) when
+/// given. `mean_gap` is 0, or with centering the step's mean of b - q. A token whose teacher
+/// or behavior log-prob is not finite gets no distillation signal.
 pub fn token_advantages(
     coef: f32,
     loss_mask: &[bool],
     behavior_logp: &[f32],
     teacher_logp: &[f32],
     grpo: Option<f32>,
+    mean_gap: f32,
 ) -> Vec<f32> {
     let mut out = vec![0.0f32; loss_mask.len()];
     for j in 1..loss_mask.len() {
         if loss_mask[j] {
             let (q, b) = (teacher_logp[j], behavior_logp[j]);
             let distill = if q.is_finite() && b.is_finite() {
-                coef * (q - b)
+                coef * ((q - b) + mean_gap)
             } else {
                 0.0
             };
@@ -209,7 +217,7 @@ mod tests {
         let b = [0.0, 0.5f32.ln(), 0.25f32.ln(), 0.0, 0.125f32.ln()];
         let q = [-7.0, 0.25f32.ln(), 0.5f32.ln(), -3.0, 0.125f32.ln()];
         let ln2 = std::f32::consts::LN_2;
-        let a = token_advantages(0.5, &mask, &b, &q, None);
+        let a = token_advantages(0.5, &mask, &b, &q, None, 0.0);
         // Each is one f32 subtraction of two logs and one product: within 2 ulp of the value.
         let close = |x: f32, y: f32| (x - y).abs() <= 2.0 * f32::EPSILON * y.abs().max(1.0);
         assert_eq!(a[0], 0.0);
@@ -217,7 +225,7 @@ mod tests {
         assert!(close(a[1], -0.5 * ln2), "{a:?}");
         assert!(close(a[2], 0.5 * ln2), "{a:?}");
         assert_eq!(a[4], 0.0, "a teacher that agrees gives 0");
-        let with = token_advantages(0.5, &mask, &b, &q, Some(1.5));
+        let with = token_advantages(0.5, &mask, &b, &q, Some(1.5), 0.0);
         assert!(close(with[1], 1.5 - 0.5 * ln2), "{with:?}");
         assert!(close(with[2], 1.5 + 0.5 * ln2), "{with:?}");
         assert_eq!(with[4], 1.5);
@@ -233,7 +241,14 @@ mod tests {
         assert!((gap - 3.0 * std::f64::consts::LN_2).abs() < 1e-6, "{gap}");
         // A non-finite log-prob gives no signal and is not counted.
         let inf = [0.0, f32::NEG_INFINITY, 0.5f32.ln(), 0.0, 0.125f32.ln()];
-        assert_eq!(token_advantages(1.0, &mask, &b, &inf, None)[1], 0.0);
+        assert_eq!(token_advantages(1.0, &mask, &b, &inf, None, 0.0)[1], 0.0);
+        // Centered on a step whose mean gap b - q is ln 2 (the `half` teacher): every token's
+        // q - b is -ln 2, so every advantage is 0.
+        let centered = token_advantages(0.5, &mask, &b, &half, None, std::f32::consts::LN_2);
+        assert!(
+            centered.iter().all(|a| a.abs() <= 2.0 * f32::EPSILON),
+            "{centered:?}"
+        );
         assert_eq!(trajectory_gap(&mask, &b, &inf).1, 2);
     }
 
@@ -254,7 +269,10 @@ mod tests {
             assert!(OpdConfig { coef, ..ok }.validate().is_err(), "{coef}");
         }
         let grpo = OpdConfig {
-            form: Some(OpdForm::Advantage { with_grpo: true }),
+            form: Some(OpdForm::Advantage {
+                with_grpo: true,
+                center: false,
+            }),
             coef: 1.0,
         };
         assert!(!grpo.needs_no_group());

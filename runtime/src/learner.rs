@@ -451,15 +451,24 @@ impl Learner {
         // OPD's advantage form: per-token advantages, in place of GRPO's or added to them.
         let opd = self.cfg.opd.and_then(|o| Some((o.form?, o.coef)));
         let token_adv: Option<Vec<Vec<f32>>> = match (opd, &teacher) {
-            (Some((OpdForm::Advantage { with_grpo }, coef)), Some(q)) => Some(
-                flat.iter()
-                    .zip(q)
-                    .map(|((s, a, _), q)| {
-                        let grpo = with_grpo.then_some(*a);
-                        token_advantages(coef, &s.loss_mask, &s.behavior_logp, q, grpo)
-                    })
-                    .collect(),
-            ),
+            (Some((OpdForm::Advantage { with_grpo, center }, coef)), Some(q)) => {
+                // The step's mean gap b - q over the scored tokens (the centering baseline).
+                let mean_gap = if center && report.opd_tokens > 0 {
+                    (report.opd_gap_sum / report.opd_tokens as f64) as f32
+                } else {
+                    0.0
+                };
+                Some(
+                    flat.iter()
+                        .zip(q)
+                        .map(|((s, a, _), q)| {
+                            let grpo = with_grpo.then_some(*a);
+                            let (m, b) = (&s.loss_mask, &s.behavior_logp);
+                            token_advantages(coef, m, b, q, grpo, mean_gap)
+                        })
+                        .collect(),
+                )
+            }
             _ => None,
         };
         // The KL term in the loss: toward the teachers (OPD's KL form) or the reference.

@@ -110,9 +110,10 @@ pub(super) fn resolve_opd(
         )
     })?;
     let with_grpo = opd.bool("with_grpo")?;
+    let center = opd.bool("center")?;
     let form = match opd.str("form")? {
         "none" => None,
-        "advantage" => Some(OpdForm::Advantage { with_grpo }),
+        "advantage" => Some(OpdForm::Advantage { with_grpo, center }),
         "kl" => Some(OpdForm::Kl(estimator)),
         o => {
             return Err(err(
@@ -124,12 +125,14 @@ pub(super) fn resolve_opd(
     let coef = opd.float("coef", |x| x > 0.0, "> 0")? as f32;
     let log = opd.bool("log")?;
     let list = teachers(&opd)?;
-    if with_grpo && !matches!(form, Some(OpdForm::Advantage { .. })) {
-        return Err(err(
-            "opd.with_grpo",
-            "adds GRPO's advantage to the per-token advantage of opd.form = \"advantage\"; \
-             with another form it does nothing",
-        ));
+    for (on, key) in [(with_grpo, "opd.with_grpo"), (center, "opd.center")] {
+        if on && !matches!(form, Some(OpdForm::Advantage { .. })) {
+            return Err(err(
+                key,
+                "shapes the per-token advantages of opd.form = \"advantage\"; with another form \
+                 it does nothing",
+            ));
+        }
     }
     if form.is_none() && !log {
         if !list.is_empty() {
@@ -222,7 +225,13 @@ fn conflicts(
     buffer: &BufferSection,
     loss: &LossSection,
 ) -> Result<(), ConfigError> {
-    let pure_advantage = opd.form == Some(OpdForm::Advantage { with_grpo: false });
+    let pure_advantage = matches!(
+        opd.form,
+        Some(OpdForm::Advantage {
+            with_grpo: false,
+            ..
+        })
+    );
     let kl_coef = loss.kl.map_or(0.0, |k| k.coef);
     let kl_place = loss.kl.map(|k| k.place);
     if matches!(opd.form, Some(OpdForm::Kl(_))) && kl_coef > 0.0 && kl_place == Some(KlPlace::Loss)
@@ -251,7 +260,14 @@ fn conflicts(
              that carry the teacher's signal; turn one off, or set opd.with_grpo = true",
         ));
     }
-    if opd.form == Some(OpdForm::Advantage { with_grpo: true }) && buffer.group_size < 2 {
+    let with_grpo = matches!(
+        opd.form,
+        Some(OpdForm::Advantage {
+            with_grpo: true,
+            ..
+        })
+    );
+    if with_grpo && buffer.group_size < 2 {
         return Err(err(
             "opd.with_grpo",
             format!(
