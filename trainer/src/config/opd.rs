@@ -279,3 +279,259 @@ fn conflicts(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::load;
+    use super::*;
+
+    /// A file to stand in for a teacher's checkpoint (the config checks only that it is a file;
+    /// its architecture is checked when a run starts: trainer/tests/opd.rs).
+    fn teacher_file() -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("sluice-opd-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("teacher.safetensors");
+        std::fs::write(&p, b"stand-in").unwrap();
+        p
+    }
+
+    /// `opd.teachers` with one teacher of `tasks` at the stand-in file.
+    fn teachers(tasks: &str) -> String {
+        format!(
+            "opd.teachers=[{{ checkpoint = {:?}, tasks = [{tasks}] }}]",
+            teacher_file().to_str().unwrap()
+        )
+    }
+
+    fn both() -> String {
+        teachers("\"sort\", \"tool\"")
+    }
+
+    fn sets(extra: &[&str]) -> Vec<String> {
+        let mut v = vec![both()];
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    }
+
+    /// The error of `sets`: its key, and that its message names every one of `names`.
+    fn refused(sets: &[String], key: &str, names: &[&str]) {
+        let e = load(None, sets).unwrap_err();
+        assert_eq!(e.key, key, "{sets:?}: {e}");
+        for n in names {
+            assert!(e.to_string().contains(n), "{sets:?}: {e} does not name {n}");
+        }
+    }
+
+    #[test]
+    fn off_by_default_and_each_form_resolves() {
+        let d = load(None, &[]).unwrap();
+        assert_eq!(d.opd, None);
+        let c = load(None, &sets(&["opd.form=\"advantage\"", "opd.coef=0.5"])).unwrap();
+        let o = c.opd.unwrap();
+        assert_eq!(
+            o.config,
+            OpdConfig {
+                form: Some(OpdForm::Advantage {
+                    with_grpo: false,
+                    center: false
+                }),
+                coef: 0.5
+            }
+        );
+        assert_eq!(o.teachers.len(), 1);
+        assert_eq!(o.teachers[0].tasks, ["sort", "tool"]);
+        let c = load(None, &sets(&["opd.form=\"kl\""])).unwrap();
+        assert_eq!(
+            c.opd.unwrap().config.form,
+            Some(OpdForm::Kl(KlEstimator::K3))
+        );
+        let c = load(None, &sets(&["opd.log=true"])).unwrap();
+        assert_eq!(c.opd.unwrap().config.form, None, "measured, not trained on");
+        // Two teachers, one task each.
+        let f = teacher_file();
+        let two = format!(
+            "opd.teachers=[{{ checkpoint = {f:?}, tasks = [\"sort\"] }}, {{ checkpoint = {f:?}, \
+             tasks = [\"tool\"] }}]"
+        );
+        let c = load(None, &[two, "opd.form=\"kl\"".into()]).unwrap();
+        assert_eq!(c.opd.unwrap().teachers.len(), 2);
+        // The written config.toml loads back to the same section.
+        let c = load(None, &sets(&["opd.form=\"advantage\"", "opd.center=true"])).unwrap();
+        let p = teacher_file().with_file_name("config.toml");
+        std::fs::write(&p, c.to_toml()).unwrap();
+        assert_eq!(load(Some(&p), &[]).unwrap().opd, c.opd);
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let form = "opd.form=\"advantage\"";
+        for (extra, key) in [
+            (vec!["opd.form=\"fast\""], "opd.form"),
+            (vec![form, "opd.coef=0"], "opd.coef"),
+            (vec![form, "opd.coef=-1"], "opd.coef"),
+            (vec![form, "opd.kl_estimator=\"k2\""], "opd.kl_estimator"),
+            (vec![form, "opd.teachers=[1]"], "opd.teachers[0]"),
+            (vec![form, "opd.teachers=[{ tasks = [\"sort\"] }]"], "opd.teachers[0].checkpoint"),
+            (vec![form, "opd.teachers=[{ checkpoint = \"x\" }]"], "opd.teachers[0].tasks"),
+            (
+                vec![form, "opd.teachers=[{ checkpoint = \"x\", tasks = [] }]"],
+                "opd.teachers[0].tasks",
+            ),
+            (
+                vec![form, "opd.teachers=[{ checkpoint = \"x\", tasks = [\"sort\"], share = 1 }]"],
+                "opd.teachers[0].share",
+            ),
+            (
+                vec![form, "opd.teachers=[{ checkpoint = \"no/such.safetensors\", tasks = [\"sort\", \"tool\"] }]"],
+                "opd.teachers[0].checkpoint",
+            ),
+            // On without a teacher; teachers while off.
+            (vec![form, "opd.teachers=[]"], "opd.teachers"),
+            (vec![], "opd.teachers"),
+        ] {
+            let mut s = vec![both()];
+            s.extend(extra.iter().map(|x| x.to_string()));
+            let e = load(None, &s).unwrap_err();
+            assert_eq!(e.key, key, "{extra:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn every_task_of_an_rl_stage_has_exactly_one_teacher() {
+        let form = "opd.form=\"advantage\"".to_string();
+        // tool has no teacher.
+        refused(
+            &[teachers("\"sort\""), form.clone()],
+            "opd.teachers",
+            &["stage[1]", "tool"],
+        );
+        // A task no RL stage trains.
+        refused(
+            &[teachers("\"sort\", \"tool\", \"arith\""), form.clone()],
+            "opd.teachers[0].tasks",
+            &["arith"],
+        );
+        refused(
+            &[teachers("\"sort\", \"tool\", \"sort\""), form.clone()],
+            "opd.teachers[0].tasks",
+            &["sort"],
+        );
+        let f = teacher_file();
+        let twice = format!(
+            "opd.teachers=[{{ checkpoint = {f:?}, tasks = [\"sort\", \"tool\"] }}, {{ checkpoint \
+             = {f:?}, tasks = [\"tool\"] }}]"
+        );
+        refused(
+            &[twice, form],
+            "opd.teachers[1].tasks",
+            &["tool", "opd.teachers[0]"],
+        );
+    }
+
+    /// Item 8: the contradictions, each refused with both keys named.
+    #[test]
+    fn contradictions_name_both_keys() {
+        let adv = "opd.form=\"advantage\"";
+        let kl = "opd.form=\"kl\"";
+        for (extra, key, names) in [
+            // Dynamic sampling needs groups; with group size 1 in OPD it is refused (the
+            // buffer's own rule, whichever form).
+            (
+                vec![kl, "buffer.group_size=1", "buffer.dynamic_sampling=true"],
+                "buffer.dynamic_sampling",
+                vec!["buffer.group_size"],
+            ),
+            // ...and with the teacher's advantages in place of GRPO's it drops groups that
+            // carry signal.
+            (
+                vec![adv, "buffer.dynamic_sampling=true"],
+                "buffer.dynamic_sampling",
+                vec!["opd.form", "opd.with_grpo"],
+            ),
+            // The KL to the reference in the loss and OPD's KL form share the kernel's input.
+            (
+                vec![kl, "loss.kl_coef=0.1"],
+                "opd.form",
+                vec!["loss.kl_coef", "loss.kl_in"],
+            ),
+            (
+                vec![kl, "opd.kl_estimator=\"k1\""],
+                "opd.kl_estimator",
+                vec!["opd.form", "k1"],
+            ),
+            // A reward-shaping KL where the rewards no longer make the advantages.
+            (
+                vec![adv, "loss.kl_coef=0.1", "loss.kl_in=\"reward\""],
+                "loss.kl_in",
+                vec!["opd.form"],
+            ),
+            // GRPO's advantage in a group of one.
+            (
+                vec![adv, "opd.with_grpo=true", "buffer.group_size=1"],
+                "opd.with_grpo",
+                vec!["buffer.group_size"],
+            ),
+            // Options of the advantage form with another.
+            (
+                vec![kl, "opd.with_grpo=true"],
+                "opd.with_grpo",
+                vec!["opd.form"],
+            ),
+            (vec![kl, "opd.center=true"], "opd.center", vec!["opd.form"]),
+            // Measuring alone trains nothing without GRPO's groups.
+            (
+                vec!["opd.log=true", "buffer.group_size=1"],
+                "buffer.group_size",
+                vec!["opd.form"],
+            ),
+        ] {
+            let owned: Vec<String> = std::iter::once(both())
+                .chain(extra.iter().map(|s| s.to_string()))
+                .collect();
+            refused(&owned, key, &names);
+        }
+    }
+
+    /// Group size 1 where the teacher's signal needs no group; the compatible switches of
+    /// issue 28 together with each form.
+    #[test]
+    fn groups_of_one_and_compatible_switches_are_accepted() {
+        for form in [
+            vec!["opd.form=\"advantage\""],
+            vec!["opd.form=\"advantage\"", "opd.center=true"],
+            vec!["opd.form=\"kl\""],
+        ] {
+            let mut s = form.clone();
+            s.extend(["buffer.group_size=1", "buffer.groups_per_step=64"]);
+            let c = load(None, &sets(&s)).unwrap();
+            assert_eq!(c.buffer.group_size, 1);
+        }
+        let compatible = [
+            "opd.form=\"advantage\"",
+            "opd.with_grpo=true",
+            "buffer.dynamic_sampling=true",
+            "optim.minibatches=2",
+            "optim.epochs=2",
+            "loss.four_bounds=true",
+            "loss.aggregation=\"prompt\"",
+            "loss.mode=\"ppo\"",
+            "loss.decoupled=true",
+            "loss.entropy_coef=0.01",
+            "loss.kl_coef=0.1",
+            "run.mode=\"sync\"",
+            "rollout.over_sampling=1.5",
+            "rollout.partial_rollout=true",
+        ];
+        load(None, &sets(&compatible)).unwrap();
+        // The KL form with the reference's KL in the reward.
+        load(
+            None,
+            &sets(&[
+                "opd.form=\"kl\"",
+                "loss.kl_coef=0.1",
+                "loss.kl_in=\"reward\"",
+            ]),
+        )
+        .unwrap();
+    }
+}
