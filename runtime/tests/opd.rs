@@ -36,7 +36,7 @@ fn model(seed: u64) -> Model {
 
 /// The task of group g: "a" for even g, "b" for odd.
 fn task_of(g: usize) -> &'static str {
-    if g % 2 == 0 {
+    if g.is_multiple_of(2) {
         "a"
     } else {
         "b"
@@ -110,7 +110,7 @@ fn teacher_logps(s: &Sample) -> Vec<f32> {
     let seed = if s.task == "a" { 11 } else { 12 };
     let m = model(seed);
     let seq: Vec<i32> = s.tokens.iter().map(|&t| t as i32).collect();
-    let batch = PackedBatch::pack(&[seq.clone()], 16).unwrap();
+    let batch = PackedBatch::pack(std::slice::from_ref(&seq), 16).unwrap();
     // Row j predicts token j + 1 (the last row's target is unused).
     let mut targets: Vec<i32> = seq[1..].to_vec();
     targets.push(0);
@@ -127,6 +127,11 @@ fn teacher_logps(s: &Sample) -> Vec<f32> {
     std::iter::once(0.0)
         .chain(logp[..seq.len() - 1].iter().copied())
         .collect()
+}
+
+/// The positions of a trajectory's trained tokens (after the first).
+fn trained_positions(s: &Sample) -> impl Iterator<Item = usize> + '_ {
+    (1..s.tokens.len()).filter(|&j| s.loss_mask[j])
 }
 
 fn opd(form: OpdForm, coef: f32) -> LearnerConfig {
@@ -172,13 +177,11 @@ fn advantage_loss(batch: &[ReadyGroup], coef: f64, grpo_weight: f64, shift: f64)
     let (mut sum, mut d) = (0.0f64, 0u64);
     for (s, a) in trained(batch) {
         let q = teacher_logps(s);
-        for j in 1..s.tokens.len() {
-            if s.loss_mask[j] {
-                let b = s.behavior_logp[j] as f64;
-                let adv = coef * (q[j] as f64 - b + shift) + grpo_weight * a;
-                sum += adv * b;
-                d += 1;
-            }
+        for j in trained_positions(s) {
+            let b = s.behavior_logp[j] as f64;
+            let adv = coef * (q[j] as f64 - b + shift) + grpo_weight * a;
+            sum += adv * b;
+            d += 1;
         }
     }
     -sum / d as f64
@@ -203,11 +206,9 @@ fn gap(batch: &[ReadyGroup], task: &str) -> (f64, u64) {
         for s in &g.samples {
             let q = teacher_logps(s);
             let mut t = 0.0f64;
-            for j in 1..s.tokens.len() {
-                if s.loss_mask[j] {
-                    t += s.behavior_logp[j] as f64 - q[j] as f64;
-                    n += 1;
-                }
+            for j in trained_positions(s) {
+                t += s.behavior_logp[j] as f64 - q[j] as f64;
+                n += 1;
             }
             traj_sum.push(t);
         }
@@ -295,11 +296,9 @@ fn the_kl_form_adds_coef_k3_to_the_loss() {
     let (mut k3, mut d) = (0.0f64, 0u64);
     for (s, _) in trained(&batch) {
         let q = teacher_logps(s);
-        for j in 1..s.tokens.len() {
-            if s.loss_mask[j] {
-                k3 += kl_estimate(KlEstimator::K3, s.behavior_logp[j], q[j]).0 as f64;
-                d += 1;
-            }
+        for j in trained_positions(s) {
+            k3 += kl_estimate(KlEstimator::K3, s.behavior_logp[j], q[j]).0 as f64;
+            d += 1;
         }
     }
     assert!(k3 > 0.0);
