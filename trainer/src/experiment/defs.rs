@@ -387,59 +387,6 @@ fn kl_ref(r: &ArmRun) -> Option<f64> {
     num(&r.summary, "kl_ref_mean")
 }
 
-/// On-policy distillation's arms (the runner gives every arm the seed's teacher:
-/// [`teacher_steps`]): GRPO alone measuring the gap to the teacher (`off`), the teacher's
-/// log-ratio as every token's advantage in place of GRPO's (GLM-5), the same centered on the
-/// step's mean, and GRPO plus the k3 KL toward the teacher in the loss.
-fn opd_arms() -> Vec<Arm> {
-    let form = |f: &str| ("opd.form", format!("\"{f}\""));
-    vec![
-        arm("off", &sets(&[("opd.log", "true".into())])),
-        arm("advantage", &sets(&[form("advantage")])),
-        arm(
-            "advantage-centered",
-            &sets(&[form("advantage"), ("opd.center", "true".into())]),
-        ),
-        arm("kl", &sets(&[form("kl")])),
-    ]
-}
-
-fn opd_kl(r: &ArmRun) -> Option<f64> {
-    num(&r.summary, "opd_reverse_kl_mean")
-}
-
-/// The gap to the teacher over the stage's last quarter of steps (at least one).
-fn opd_kl_end(r: &ArmRun) -> Option<f64> {
-    let v: Vec<f64> = r
-        .lines
-        .iter()
-        .filter_map(|l| num(l, "opd_reverse_kl_window"))
-        .collect();
-    let q = (v.len() / 4).max(1);
-    (!v.is_empty()).then(|| v[v.len() - q..].iter().sum::<f64>() / q as f64)
-}
-
-fn opd_tokens(r: &ArmRun) -> Option<f64> {
-    num(&r.summary, "opd_scored_tokens")
-}
-
-fn sort_pass_after(r: &ArmRun) -> Option<f64> {
-    task_num(r, "sort", "pass_rate_after")
-}
-
-fn tool_pass_after(r: &ArmRun) -> Option<f64> {
-    task_num(r, "tool", "pass_rate_after")
-}
-
-/// Supervised steps of the teacher the runner trains per seed for an experiment that distils
-/// (the arms' starting point trained this many more steps on the RL stages' tasks), or None.
-pub fn teacher_steps(experiment: &str) -> Option<u64> {
-    match experiment {
-        "opd" => Some(150),
-        _ => None,
-    }
-}
-
 fn is_arms() -> Vec<Arm> {
     let mut v = Vec::new();
     for mode in ["dis", "icepop", "ppo", "pg"] {
@@ -796,13 +743,13 @@ pub static EXPERIMENTS: &[Experiment] = &[
             "optim.rl_adamw_lr=0.001",
             "buffer.groups_per_step=16",
         ],
-        arms: opd_arms,
+        arms: super::opd::opd_arms,
         columns: &[
-            ("KL to teacher", opd_kl),
-            ("KL to teacher, last quarter", opd_kl_end),
-            ("teacher-scored tokens", opd_tokens),
-            ("sort pass after", sort_pass_after),
-            ("tool pass after", tool_pass_after),
+            ("KL to teacher", super::opd::kl),
+            ("KL to teacher, last quarter", super::opd::kl_end),
+            ("teacher-scored tokens", super::opd::scored_tokens),
+            ("sort pass after", super::opd::sort_pass_after),
+            ("tool pass after", super::opd::tool_pass_after),
             ("reward", reward),
             ("RL time (s)", rl_time),
         ],

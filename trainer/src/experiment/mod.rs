@@ -23,8 +23,8 @@
 //! `--set run.replay=false` (the wall clock).
 
 mod defs;
+mod opd;
 mod report;
-mod teacher;
 
 pub use defs::{Arm, Experiment, EXPERIMENTS};
 
@@ -203,7 +203,7 @@ pub fn run_experiment(o: &ExperimentOptions, out: &mut dyn Write) -> Result<Valu
     let base = config::load(Some(&base_file), &base_sets)?;
     // An experiment that distils has no teacher yet: its arms are checked against the seed's
     // RL config once the teacher exists, before any arm runs.
-    let teacher_steps = defs::teacher_steps(exp.name);
+    let teacher_steps = opd::teacher_steps(exp.name);
     for a in arms.iter().filter(|_| teacher_steps.is_none()) {
         let mut sets = base_sets.clone();
         sets.extend(a.sets.iter().cloned());
@@ -278,7 +278,7 @@ pub fn run_experiment(o: &ExperimentOptions, out: &mut dyn Write) -> Result<Valu
             }
             if let Some(n) = teacher_steps {
                 let _ = writeln!(out, "experiment {}: teacher, seed {seed}", exp.name);
-                let teachers = teacher::train(&rl, n, seed, &out_dir)?;
+                let teachers = opd::train(&rl, n, seed, &out_dir)?;
                 set_key(&mut rl, "opd", "teachers", teachers);
             }
             let rl_file = out_dir.join(format!("rl-s{seed}.toml"));
