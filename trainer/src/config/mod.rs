@@ -21,10 +21,12 @@ use std::path::{Path, PathBuf};
 use toml::{Table, Value};
 
 mod merge;
+mod opd;
 mod resolve;
 mod servers;
 
 use merge::{defaults, merge_config, parse_set};
+pub use opd::{OpdSection, TeacherSection};
 use resolve::resolve;
 pub use resolve::HEARTBEAT_FLOOR_S;
 
@@ -271,6 +273,8 @@ pub struct TrainConfig {
     pub rollout: RolloutSection,
     pub buffer: BufferSection,
     pub loss: LossSection,
+    /// On-policy distillation in the RL stages (None: off).
+    pub opd: Option<OpdSection>,
     pub optim: OptimSection,
     pub sync: SyncSection,
     pub baselines: BaselinesSection,

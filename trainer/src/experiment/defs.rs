@@ -728,4 +728,35 @@ pub static EXPERIMENTS: &[Experiment] = &[
         chart: ChartKind::Bars(0),
         unavailable: None,
     },
+    Experiment {
+        name: "opd",
+        about: "on-policy distillation from a teacher (the arms' starting point trained 150 \
+                more supervised steps, per seed), in sync mode (every token trained at lag 0), \
+                the RL learning rate at 1e-3 and 16 groups per step: GRPO alone (off, the gap measured), the teacher's log-ratio per token as \
+                the advantage (GLM-5), the same centered on the step's mean, and GRPO plus the \
+                k3 KL toward the teacher in the loss: the gap to the teacher (mean behavior - \
+                teacher log-prob of the sampled tokens, the k1 estimate of KL(student || \
+                teacher)) over the stage and at its end, and the held-out pass rates after",
+        base_sets: &[
+            "run.mode=\"sync\"",
+            "optim.rl_muon_lr=0.001",
+            "optim.rl_adamw_lr=0.001",
+            "buffer.groups_per_step=16",
+        ],
+        arms: super::opd::opd_arms,
+        columns: &[
+            ("KL to teacher", super::opd::kl),
+            ("KL to teacher, last quarter", super::opd::kl_end),
+            ("teacher-scored tokens", super::opd::scored_tokens),
+            ("sort pass after", super::opd::sort_pass_after),
+            ("tool pass after", super::opd::tool_pass_after),
+            ("reward", reward),
+            ("RL time (s)", rl_time),
+        ],
+        chart: ChartKind::Steps(
+            |l| num(l, "opd_reverse_kl_window"),
+            "KL to the teacher (mean behavior - teacher logp)",
+        ),
+        unavailable: None,
+    },
 ];
