@@ -482,7 +482,8 @@ void wgmma_accumulator(const float* d, float* out, unsigned bytes) {
   std::memcpy(out, d, bytes);
 }
 
-void wgmma_issue(float* d, const float* value, unsigned bytes, const std::source_location& loc) {
+void wgmma_issue(float* d, const float* value, unsigned bytes, const std::source_location& loc, const void* a,
+                 unsigned a_bytes) {
   Worker& w = current("wgmma");
   Fiber& f = *t_cur;
   if (bytes > sizeof(PendingWgmma::value)) {
@@ -492,6 +493,8 @@ void wgmma_issue(float* d, const float* value, unsigned bytes, const std::source
   PendingWgmma p;
   p.d = d;
   p.bytes = bytes;
+  p.a = a;
+  p.a_bytes = a_bytes;
   p.group = -1;
   p.file = loc.file_name();
   p.line = loc.line();

@@ -189,7 +189,11 @@ void cp_async_wait(int pending_groups, const std::source_location& loc);
 // else d itself); then the issue of a result, which d receives at the wgmma_wait that covers its
 // commit group (d holds NaN until then).
 void wgmma_accumulator(const float* d, float* out, unsigned bytes);
-void wgmma_issue(float* d, const float* value, unsigned bytes, const std::source_location& loc);
+// `a`, `a_bytes`: the A fragment's registers of the register-source form (nullptr, 0 when A is in
+// shared memory); the thread must not read or write them until the same wait
+// (`async-operand-before-wait`).
+void wgmma_issue(float* d, const float* value, unsigned bytes, const std::source_location& loc,
+                 const void* a = nullptr, unsigned a_bytes = 0);
 void wgmma_commit(const std::source_location& loc);
 void wgmma_wait(int pending_groups, const std::source_location& loc);
 // Tensor-map copy (cp.async.bulk.tensor, tile mode) of the box at `coords` (rank entries, in
