@@ -391,8 +391,11 @@ void fence_proxy_async(const std::source_location&) {
 
 void async_proxy_read(const void* p, unsigned bytes, unsigned swizzle, const std::source_location& loc) {
   Worker& w = current("async_proxy_read");
-  if (w.L->checks != kChecksFull || bytes == 0) return;
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  // Bounds, a copy in flight, races: the operand's bytes as a read by the issuing thread (the
+  // emulation's per-thread element reads are not instrumented; hopper.cuh).
+  check_access(a, bytes, 0, 0, loc.file_name(), loc.line());
+  if (w.L->checks != kChecksFull || bytes == 0) return;
   Region* r = shared_region(w, a);
   if (!r || !r->proxy_tag) return;
   const size_t g0 = (a - r->start) / kGranule, g1 = (a - r->start + bytes - 1) / kGranule;

@@ -206,9 +206,10 @@ void tensor_copy_g2s(void* dst, const void* map, const int* coords, unsigned ran
 // memory become visible to later async-proxy reads (wgmma operands, tensor stores).
 void fence_proxy_async(const std::source_location& loc);
 // An async-proxy read (a wgmma operand) of [p, p + bytes) of shared memory that the instruction
-// reads with swizzle mode `swizzle` (0 none, 1 32B, 2 64B, 3 128B): reported if a thread wrote
-// the bytes without a fence.proxy.async after it, or a tensor copy landed them with another
-// swizzle. Called by one thread per warpgroup.
+// reads with swizzle mode `swizzle` (0 none, 1 32B, 2 64B, 3 128B): checked as a read by the
+// calling thread (bounds, copies in flight, races), and reported if a thread wrote the bytes
+// without a fence.proxy.async after it, or a tensor copy landed them with another swizzle.
+// Called by one thread per warpgroup.
 void async_proxy_read(const void* p, unsigned bytes, unsigned swizzle, const std::source_location& loc);
 
 // Profiler (kernels/emu/profile.cpp; docs/emulator.md, "Profiling"). Each is a no-op unless the

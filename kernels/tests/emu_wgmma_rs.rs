@@ -54,7 +54,14 @@ fn buffer_of<T: Copy>(data: &[T]) -> EmuBuffer {
 }
 
 /// One run of `emutest_wgmma_rs`: C (64 x n) and the thread's A[0] parity row; its findings.
-fn run(a: &[bf16], b: &[bf16], n: usize, mn_major: bool, early: bool, seed: u64) -> (Vec<f32>, Vec<EmuFinding>) {
+fn run(
+    a: &[bf16],
+    b: &[bf16],
+    n: usize,
+    mn_major: bool,
+    early: bool,
+    seed: u64,
+) -> (Vec<f32>, Vec<EmuFinding>) {
     let frag = buffer_of(&fragments(a));
     let bb = buffer_of(b);
     let mut out = EmuBuffer::alloc((64 * n + 128) * 4).expect("emu alloc");
@@ -67,7 +74,10 @@ fn run(a: &[bf16], b: &[bf16], n: usize, mn_major: bool, early: bool, seed: u64)
         mn_major as u64,
         early as u64,
     ];
-    let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
+    let mut params: Vec<*mut c_void> = slots
+        .iter_mut()
+        .map(|s| s as *mut u64 as *mut c_void)
+        .collect();
     let found = checked_launch("emutest_wgmma_rs", 1, 128, n * 16 * 2, &mut params, seed);
     let c = out
         .as_bytes()
@@ -141,12 +151,20 @@ fn register_a_products_equal_an_fmaf_chain_in_ascending_k_under_two_seeds() {
                 for col in 0..n {
                     let mut acc = 0f32;
                     for k in 0..16 {
-                        acc = a[row * 16 + k].to_f32().mul_add(b[col * 16 + k].to_f32(), acc);
+                        acc = a[row * 16 + k]
+                            .to_f32()
+                            .mul_add(b[col * 16 + k].to_f32(), acc);
                     }
                     let (x, y) = (c1[row * n + col], c2[row * n + col]);
-                    assert_eq!(x.to_bits(), acc.to_bits(), "N {n} MN {mn_major}: C[{row}][{col}]");
+                    assert_eq!(
+                        x.to_bits(),
+                        acc.to_bits(),
+                        "N {n} MN {mn_major}: C[{row}][{col}]"
+                    );
                     assert_eq!(x.to_bits(), y.to_bits(), "seeds differ at C[{row}][{col}]");
-                    assert!(acc != 0.0 || a[row * 16..row * 16 + 16].iter().all(|v| v.to_f32() == 0.0));
+                    assert!(
+                        acc != 0.0 || a[row * 16..row * 16 + 16].iter().all(|v| v.to_f32() == 0.0)
+                    );
                     compared += 1;
                 }
             }
@@ -168,9 +186,15 @@ fn planted_a_register_written_before_the_wait() {
         .iter()
         .filter(|f| f.kind == "async-operand-before-wait")
         .collect();
-    assert!(!hits.is_empty(), "no async-operand-before-wait finding: {found:#?}");
     assert!(
-        hits.iter().all(|f| f.location.as_ref().is_some_and(|l| l.file.ends_with("wgmma_rs.cu") && l.line == line)),
+        !hits.is_empty(),
+        "no async-operand-before-wait finding: {found:#?}"
+    );
+    assert!(
+        hits.iter().all(|f| f
+            .location
+            .as_ref()
+            .is_some_and(|l| l.file.ends_with("wgmma_rs.cu") && l.line == line)),
         "the findings do not name wgmma_rs.cu:{line}: {hits:#?}"
     );
     assert!(

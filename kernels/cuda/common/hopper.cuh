@@ -180,6 +180,30 @@ __device__ __forceinline__ void wgmma_fence() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #endif
 }
+
+// Pins registers an asynchronous wgmma reads or writes (its accumulator, or A in registers) in
+// place: an empty asm that "reads and writes" each, so the compiler cannot move other accesses
+// to them across a wgmma's issue, commit or wait. Nothing to do under the emulator.
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operand(float (&r)[N]) {
+#ifndef SLUICE_EMU
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+#else
+    (void)r;
+#endif
+}
+template <int N, int M>
+__device__ __forceinline__ void wgmma_fence_operand(uint32_t (&r)[N][M]) {
+#ifndef SLUICE_EMU
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int j = 0; j < M; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+#else
+    (void)r;
+#endif
+}
 #ifdef SLUICE_EMU
 __device__ __forceinline__ void wgmma_commit(SLUICE_HOPPER_LOC) { ::sluice_emu::wgmma_commit(loc); }
 // Waits until at most N committed wgmma groups of this thread are pending.
@@ -251,6 +275,11 @@ __device__ __forceinline__ uint64_t wgmma_desc_mn(uint32_t start, uint32_t lbo, 
 }
 
 #ifdef SLUICE_EMU
+// The emulation's own element reads and scratch arrays are not the kernel's accesses: they are
+// not instrumented (the checker would otherwise check every operand element of every thread, and
+// watch every scratch access while a wgmma is pending). The operands' bytes are checked once per
+// instruction instead (bounds, races, proxies), by operand_reads below.
+#define SLUICE_EMU_UNCHECKED __attribute__((no_sanitize("thread")))
 namespace emu_hopper {
 // Byte offset (from smem_base) of element (row, k), k < 16, of the operand `desc` describes;
 // `row` is the M (or N) index. `mn_major` selects the MN-major layouts.
@@ -277,7 +306,8 @@ inline unsigned swizzle_of(uint64_t desc) {
     const unsigned mode = static_cast<unsigned>(desc >> 62);
     return mode == 0 ? 0 : 4 - mode;
 }
-inline float smem_bf16(const void* smem_base, uint64_t desc, int row, int k, bool mn_major) {
+SLUICE_EMU_UNCHECKED inline float smem_bf16(const void* smem_base, uint64_t desc, int row, int k,
+                                            bool mn_major) {
     uint16_t h;
     memcpy(&h, reinterpret_cast<const char*>(smem_base) + operand_offset(desc, row, k, mn_major),
            2);
@@ -287,7 +317,8 @@ inline float smem_bf16(const void* smem_base, uint64_t desc, int row, int k, boo
     return f;
 }
 // The async proxy's reads of one operand (rows x 16 of K) in 16-byte chunks: each row's two
-// (K-major), or each K row's rows/8 (MN-major).
+// (K-major), or each K row's rows/8 (MN-major). The runtime checks each chunk's bounds and
+// races as a read by the calling thread (one per warpgroup) and its proxy and swizzle tags.
 inline void operand_reads(const void* smem_base, uint64_t desc, int rows, bool mn_major,
                           const std::source_location& loc) {
     const char* base = reinterpret_cast<const char*>(smem_base);
@@ -310,29 +341,103 @@ inline void operand_reads(const void* smem_base, uint64_t desc, int rows, bool m
 // out[4j + 2r + c] = (scale_d ? in[..] : 0) + sum over k ascending of arow[r][k] * B[col][k]
 // (one fmaf at a time), col = 8j + 2t + c: a thread's part of a wgmma m64nNk16 given its two
 // rows of A (rows 16 warp + g and + 8) and B through `desc_b`.
+// The bf16 at byte offset `off` from smem_base, widened exactly.
+SLUICE_EMU_UNCHECKED inline float bf16_at(const void* smem_base, uint32_t off) {
+    uint16_t h;
+    memcpy(&h, reinterpret_cast<const char*>(smem_base) + off, 2);
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+// Columns col0 and col0 + 1 (col0 even) of B, k = 0..15: K-major, a row's 16 k are two
+// contiguous 16-byte chunks; MN-major, the two columns are adjacent in one chunk per k. Element
+// offsets come from operand_offset, so every layout and swizzle is read as the header says.
+SLUICE_EMU_UNCHECKED inline void column_pair(float (&bcol)[2][16], const void* smem_base,
+                                             uint64_t desc_b, int col0, bool mn_major) {
+    if (mn_major) {
+        for (int k = 0; k < 16; ++k) {
+            const uint32_t off = operand_offset(desc_b, col0, k, true);
+            bcol[0][k] = bf16_at(smem_base, off);
+            bcol[1][k] = bf16_at(smem_base, off + 2);
+        }
+        return;
+    }
+    for (int c = 0; c < 2; ++c)
+        for (int k0 = 0; k0 < 16; k0 += 8) {
+            const uint32_t off = operand_offset(desc_b, col0 + c, k0, false);
+            for (int k = 0; k < 8; ++k) bcol[c][k0 + k] = bf16_at(smem_base, off + 2 * k);
+        }
+}
+// out[4j + 2r + c] = (scale_d ? in[..] : 0) + sum over k ascending of arow[r][k] * B[col][k]
+// (one fused multiply-add at a time), col = 8j + 2t + c: a thread's part of a wgmma m64nNk16
+// given its two rows of A (rows 16 warp + g and + 8) and B through `desc_b`.
 template <int N, int MajorB>
-inline void multiply(float (&out)[N / 2], const float (&in)[N / 2], const float (&arow)[2][16],
-                     uint64_t desc_b, int scale_d, const void* smem_base, int t) {
+__attribute__((always_inline)) inline void multiply_body(float (&out)[N / 2], const float (&in)[N / 2],
+                                                         const float (&arow)[2][16], uint64_t desc_b,
+                                                         int scale_d, const void* smem_base, int t) {
     for (int j = 0; j < N / 8; ++j) {
-        for (int c = 0; c < 2; ++c) {
-            float bcol[16];
-            for (int k = 0; k < 16; ++k)
-                bcol[k] = smem_bf16(smem_base, desc_b, 8 * j + 2 * t + c, k,
-                                    MajorB == kWgmmaMNMajor);
+        float bcol[2][16];
+        column_pair(bcol, smem_base, desc_b, 8 * j + 2 * t, MajorB == kWgmmaMNMajor);
+        for (int c = 0; c < 2; ++c)
             for (int r = 0; r < 2; ++r) {
                 float acc = scale_d ? in[4 * j + 2 * r + c] : 0.0f;
-                for (int k = 0; k < 16; ++k) acc = fmaf(arow[r][k], bcol[k], acc);
+                for (int k = 0; k < 16; ++k) acc = __builtin_fmaf(arow[r][k], bcol[c][k], acc);
                 out[4 * j + 2 * r + c] = acc;
             }
-        }
+    }
+}
+// The same compiled for the host's FMA unit where it has one (a fused multiply-add rounds once
+// either way: the same bits, without a library call per product).
+template <int N, int MajorB>
+SLUICE_EMU_UNCHECKED __attribute__((target("fma"))) void multiply_fma(
+    float (&out)[N / 2], const float (&in)[N / 2], const float (&arow)[2][16], uint64_t desc_b,
+    int scale_d, const void* smem_base, int t) {
+    multiply_body<N, MajorB>(out, in, arow, desc_b, scale_d, smem_base, t);
+}
+template <int N, int MajorB>
+SLUICE_EMU_UNCHECKED void multiply_portable(float (&out)[N / 2], const float (&in)[N / 2],
+                                            const float (&arow)[2][16], uint64_t desc_b,
+                                            int scale_d, const void* smem_base, int t) {
+    multiply_body<N, MajorB>(out, in, arow, desc_b, scale_d, smem_base, t);
+}
+template <int N, int MajorB>
+SLUICE_EMU_UNCHECKED inline void multiply(float (&out)[N / 2], const float (&in)[N / 2],
+                                          const float (&arow)[2][16], uint64_t desc_b,
+                                          int scale_d, const void* smem_base, int t) {
+    // (No function-local static: its guard would be an atomic the emulator does not link.)
+    if (__builtin_cpu_supports("fma")) {
+        multiply_fma<N, MajorB>(out, in, arow, desc_b, scale_d, smem_base, t);
+    } else {
+        multiply_portable<N, MajorB>(out, in, arow, desc_b, scale_d, smem_base, t);
     }
 }
 // The low (h = 0) or high (h = 1) bf16 of a register pair, widened exactly.
-inline float bf16_of_pair(uint32_t pair, int h) {
+SLUICE_EMU_UNCHECKED inline float bf16_of_pair(uint32_t pair, int h) {
     const uint32_t bits = (h == 0 ? (pair & 0xffffu) : (pair >> 16)) << 16;
     float f;
     memcpy(&f, &bits, 4);
     return f;
+}
+// The thread's two rows of A (rows 16 warp + g and + 8) from shared memory through `desc_a`.
+SLUICE_EMU_UNCHECKED inline void rows_from_smem(float (&arow)[2][16], const void* smem_base,
+                                                uint64_t desc_a, bool mn_major, int warp, int g) {
+    for (int r = 0; r < 2; ++r)
+        for (int k = 0; k < 16; ++k)
+            arow[r][k] = smem_bf16(smem_base, desc_a, 16 * warp + g + 8 * r, k, mn_major);
+}
+// The same rows from the registers of the quad 4g .. 4g + 3 of the warp (A's register fragment).
+SLUICE_EMU_UNCHECKED inline void rows_from_quad(float (&arow)[2][16], const uint32_t (&quad)[32][4],
+                                                int g) {
+    for (int j = 0; j < 4; ++j) {
+        const uint32_t* f = quad[4 * g + j];
+        for (int h = 0; h < 2; ++h) {
+            arow[0][2 * j + h] = bf16_of_pair(f[0], h);
+            arow[1][2 * j + h] = bf16_of_pair(f[1], h);
+            arow[0][2 * j + 8 + h] = bf16_of_pair(f[2], h);
+            arow[1][2 * j + 8 + h] = bf16_of_pair(f[3], h);
+        }
+    }
 }
 }  // namespace emu_hopper
 #endif
@@ -369,10 +474,7 @@ __device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], uint64_t desc_a, u
     ::sluice_emu::prof_quiet(1);
     // The thread's two rows of A and, per column it owns, the column of B, read once each.
     float arow[2][16];
-    for (int r = 0; r < 2; ++r)
-        for (int k = 0; k < 16; ++k)
-            arow[r][k] = emu_hopper::smem_bf16(smem_base, desc_a, 16 * warp + g + 8 * r, k,
-                                               MajorA == kWgmmaMNMajor);
+    emu_hopper::rows_from_smem(arow, smem_base, desc_a, MajorA == kWgmmaMNMajor, warp, g);
     emu_hopper::multiply<N, MajorB>(out, in, arow, desc_b, scale_d, smem_base, t);
     ::sluice_emu::prof_quiet(-1);
     ::sluice_emu::wgmma_issue(d, out, sizeof out, loc);
@@ -418,15 +520,7 @@ __device__ __forceinline__ void wgmma_bf16_rs(float (&d)[N / 2], const uint32_t 
     }
     ::sluice_emu::prof_quiet(1);
     float arow[2][16];
-    for (int j = 0; j < 4; ++j) {
-        const uint32_t* f = quad[4 * g + j];
-        for (int h = 0; h < 2; ++h) {
-            arow[0][2 * j + h] = emu_hopper::bf16_of_pair(f[0], h);
-            arow[1][2 * j + h] = emu_hopper::bf16_of_pair(f[1], h);
-            arow[0][2 * j + 8 + h] = emu_hopper::bf16_of_pair(f[2], h);
-            arow[1][2 * j + 8 + h] = emu_hopper::bf16_of_pair(f[3], h);
-        }
-    }
+    emu_hopper::rows_from_quad(arow, quad, g);
     emu_hopper::multiply<N, MajorB>(out, in, arow, desc_b, scale_d, smem_base, t);
     ::sluice_emu::prof_quiet(-1);
     ::sluice_emu::wgmma_issue(d, out, sizeof out, loc, a, sizeof a);

@@ -330,7 +330,21 @@ pub fn attention_forward_on(
         _ => {
             let out = Tensor::poisoned(backend, &[t, h, d], DType::F32)?;
             let lse = Tensor::poisoned(backend, &[t, h], DType::F32)?;
-            if t > 0 && order == RowOrder::Tiles {
+            if t > 0 && order == RowOrder::Wgmma {
+                // v3: every (query tile, head) block writes its rows' out and lse once.
+                crate::ops::attention_wgmma::launch_forward(
+                    backend,
+                    q,
+                    k,
+                    v,
+                    cu_seqlens,
+                    (t, h, hkv, d),
+                    causal,
+                    scale,
+                    &out,
+                    &lse,
+                )?;
+            } else if t > 0 && order == RowOrder::Tiles {
                 // Every (query tile, head) block writes its rows' out and lse once.
                 attention_tile::launch_forward(
                     backend,
@@ -486,8 +500,10 @@ pub fn attention_backward_saved_on(
         ));
     }
     lse.expect_dtype("lse", DType::F32)?;
-    // The order of the backward: the tiles' only when every operand is bf16.
-    let order = RowOrder::of(path, dout.dtype(), d).min_with(RowOrder::of(path, q.dtype(), d));
+    // The order of the backward: the tiles' only when every operand is bf16 (v3's is v2's).
+    let order = RowOrder::of(path, dout.dtype(), d)
+        .min_with(RowOrder::of(path, q.dtype(), d))
+        .backward();
     match backend {
         Backend::Cpu => {
             let mut dq = vec![0.0f32; t * h * d];
