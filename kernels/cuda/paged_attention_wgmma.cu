@@ -31,21 +31,25 @@ __device__ __forceinline__ bool aligned16(const void* p) {
     return (reinterpret_cast<uintptr_t>(p) % 16) == 0;
 }
 
-// Key j's row (of kv head g) in a cache, through one sequence's block-table row.
+// Key j's K and V rows (of kv head g) in the caches, through one sequence's block-table row:
+// one lookup for both.
 struct PagedRows {
-    const __nv_bfloat16* cache;
+    const __nv_bfloat16* k_cache;
+    const __nv_bfloat16* v_cache;
     const int* table;
     int BS, Hkv, D, g;
-    __device__ __forceinline__ const __nv_bfloat16* operator()(int j) const {
-        const size_t slot = (size_t)table[j / BS] * BS + (j % BS);
-        return cache + (slot * Hkv + g) * D;
+    __device__ __forceinline__ void operator()(int j, const __nv_bfloat16*& k,
+                                               const __nv_bfloat16*& v) const {
+        const size_t row = ((size_t)table[j / BS] * BS + (j % BS)) * Hkv + g;
+        k = k_cache + row * D;
+        v = v_cache + row * D;
     }
 };
 
 // The producer of a paged block: tile `tile` of the sequence's n_keys keys, gathered.
 template <int DP>
 struct PagedProducer {
-    PagedRows k, v;
+    PagedRows rows;
     int n_keys, D;
     bool vec_ok;
     __device__ __forceinline__ void operator()(int tile, unsigned char* stage,
@@ -53,9 +57,10 @@ struct PagedProducer {
                                                const sluice::RingPosition<STAGES>& pos,
                                                int lane) const {
         const int key0 = tile * KEY_TILE;
-        const PagedRows kr = k, vr = v;
+        const PagedRows kv = rows;
         gather_stage<DP>(
-            stage, [=](int r) { return kr(key0 + r); }, [=](int r) { return vr(key0 + r); },
+            stage,
+            [=](int r, const __nv_bfloat16*& k, const __nv_bfloat16*& v) { kv(key0 + r, k, v); },
             min(KEY_TILE, n_keys - key0), D, vec_ok, lane);
         if (lane == 0) ring.producer_commit(pos);
     }
@@ -86,8 +91,7 @@ __device__ __forceinline__ void decode_impl(const __nv_bfloat16* __restrict__ q,
     const bool vec_ok = D % 8 == 0 && aligned16(q) && aligned16(k_cache) && aligned16(v_cache);
     attend_block<DP, 1>(
         smem_raw, (n - 1) / KEY_TILE + 1,
-        PagedProducer<DP>{PagedRows{k_cache, table, BS, Hkv, D, g},
-                          PagedRows{v_cache, table, BS, Hkv, D, g}, n, D, vec_ok},
+        PagedProducer<DP>{PagedRows{k_cache, v_cache, table, BS, Hkv, D, g}, n, D, vec_ok},
         [&](int r) -> const __nv_bfloat16* {
             return r < rows ? q + ((size_t)b * H + h0 + r) * D : nullptr;
         },
@@ -136,8 +140,7 @@ __device__ __forceinline__ void prefill_impl(const __nv_bfloat16* __restrict__ q
     const int last = min(pos0 + PREFILL_ROWS, c) - 1;
     attend_block<DP, 2>(
         smem_raw, last / KEY_TILE + 1,
-        PagedProducer<DP>{PagedRows{k_cache, table, BS, Hkv, D, g},
-                          PagedRows{v_cache, table, BS, Hkv, D, g}, c, D, vec_ok},
+        PagedProducer<DP>{PagedRows{k_cache, v_cache, table, BS, Hkv, D, g}, c, D, vec_ok},
         [&](int r) -> const __nv_bfloat16* {
             return is_new(r) ? q + ((size_t)token(r) * H + h) * D : nullptr;
         },

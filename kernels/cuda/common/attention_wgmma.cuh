@@ -156,20 +156,22 @@ __device__ __forceinline__ void stage_q(unsigned char* smem, int wg, QRow q_row,
     sluice::named_barrier_sync(1 + wg, 128);
 }
 
-// The producer warp gathers one stage: rows r < n_valid of the K and V tiles from k_row(r),
-// v_row(r) (tile-relative), zero rows after them, in the swizzled layout; cp.async for whole
-// aligned chunks. On return every lane's copies have landed and been fenced to the async proxy,
-// and the warp has met at __syncwarp, so lane 0's arrival on `full` publishes all of them.
-template <int DP, class KRow, class VRow>
-__device__ __forceinline__ void gather_stage(unsigned char* stage, KRow k_row, VRow v_row,
-                                             int n_valid, int D, bool vec_ok, int lane) {
+// The producer warp gathers one stage: rows r < n_valid of the K and V tiles (kv_rows(r, k, v)
+// sets key r's rows, tile-relative: one block-table lookup serves both), zero rows after them,
+// in the swizzled layout; cp.async for whole aligned chunks. On return every lane's copies have
+// landed and been fenced to the async proxy, and the warp has met at __syncwarp, so lane 0's
+// arrival on `full` publishes all of them.
+template <int DP, class KvRows>
+__device__ __forceinline__ void gather_stage(unsigned char* stage, KvRows kv_rows, int n_valid,
+                                             int D, bool vec_ok, int lane) {
     using S = Shape<DP>;
     for (int idx = lane; idx < KEY_TILE * S::CHUNKS; idx += 32) {
         const int r = idx / S::CHUNKS, c = idx % S::CHUNKS;
         const int off = (c / 8) * S::KV_BOX_BYTES + swizzled(r, c % 8);
-        const bool valid = r < n_valid;
-        copy_chunk(stage + off, valid ? k_row(r) : nullptr, c, D, vec_ok, true);
-        copy_chunk(stage + S::KV_BYTES + off, valid ? v_row(r) : nullptr, c, D, vec_ok, true);
+        const __nv_bfloat16 *k_row = nullptr, *v_row = nullptr;
+        if (r < n_valid) kv_rows(r, k_row, v_row);
+        copy_chunk(stage + off, k_row, c, D, vec_ok, true);
+        copy_chunk(stage + S::KV_BYTES + off, v_row, c, D, vec_ok, true);
     }
     sluice::cp_async_commit();
     sluice::cp_async_wait<0>();
