@@ -90,9 +90,9 @@ __device__ __forceinline__ void forward_impl(const CUtensorMap* map_k, const CUt
         }
         gather_stage<DP>(
             stage,
-            [=](int r, const __nv_bfloat16*& kr, const __nv_bfloat16*& vr) {
-                kr = k_base + (size_t)(key0 + r) * kv_stride;
-                vr = v_base + (size_t)(key0 + r) * kv_stride;
+            [=](int r) {
+                return KvRows{k_base + (size_t)(key0 + r) * kv_stride,
+                              v_base + (size_t)(key0 + r) * kv_stride};
             },
             n_valid, D, vec_ok, lane);
         if (lane == 0) ring.producer_commit(pos);

@@ -38,11 +38,9 @@ struct PagedRows {
     const __nv_bfloat16* v_cache;
     const int* table;
     int BS, Hkv, D, g;
-    __device__ __forceinline__ void operator()(int j, const __nv_bfloat16*& k,
-                                               const __nv_bfloat16*& v) const {
+    __device__ __forceinline__ KvRows operator()(int j) const {
         const size_t row = ((size_t)table[j / BS] * BS + (j % BS)) * Hkv + g;
-        k = k_cache + row * D;
-        v = v_cache + row * D;
+        return KvRows{k_cache + row * D, v_cache + row * D};
     }
 };
 
@@ -60,7 +58,7 @@ struct PagedProducer {
         const PagedRows kv = rows;
         gather_stage<DP>(
             stage,
-            [=](int r, const __nv_bfloat16*& k, const __nv_bfloat16*& v) { kv(key0 + r, k, v); },
+            [=](int r) { return kv(key0 + r); },
             min(KEY_TILE, n_keys - key0), D, vec_ok, lane);
         if (lane == 0) ring.producer_commit(pos);
     }

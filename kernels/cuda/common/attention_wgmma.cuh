@@ -63,7 +63,7 @@ using sluice_attention_tile::store_pair;
 // Keys per online-softmax step, for training, decode and prefill alike (the bits contract: it
 // must not depend on D or on the device). 128 = the query rows of a training block, so both
 // consumer warpgroups of a causal block visit the same tiles, none of them fully masked; the
-// S tile (64 x 128 f32: 64 registers a thread) and O (64 at DP = 128) fit the consumers' 240
+// S tile (64 x 128 f32: 64 registers a thread) and O (64 at DP = 128) fit the consumers' 232
 // registers beside bf16 P (32).
 constexpr int KEY_TILE = 128;
 // Query rows per consumer warpgroup (the wgmma M).
@@ -156,22 +156,27 @@ __device__ __forceinline__ void stage_q(unsigned char* smem, int wg, QRow q_row,
     sluice::named_barrier_sync(1 + wg, 128);
 }
 
-// The producer warp gathers one stage: rows r < n_valid of the K and V tiles (kv_rows(r, k, v)
-// sets key r's rows, tile-relative: one block-table lookup serves both), zero rows after them,
+// Key r's K and V rows (D bf16 each).
+struct KvRows {
+    const __nv_bfloat16* k;
+    const __nv_bfloat16* v;
+};
+
+// The producer warp gathers one stage: rows r < n_valid of the K and V tiles (kv_rows(r) gives
+// key r's rows, tile-relative: one block-table lookup serves both), zero rows after them,
 // in the swizzled layout; cp.async for whole aligned chunks. On return every lane's copies have
 // landed and been fenced to the async proxy, and the warp has met at __syncwarp, so lane 0's
 // arrival on `full` publishes all of them.
-template <int DP, class KvRows>
-__device__ __forceinline__ void gather_stage(unsigned char* stage, KvRows kv_rows, int n_valid,
+template <int DP, class RowsOf>
+__device__ __forceinline__ void gather_stage(unsigned char* stage, RowsOf kv_rows, int n_valid,
                                              int D, bool vec_ok, int lane) {
     using S = Shape<DP>;
     for (int idx = lane; idx < KEY_TILE * S::CHUNKS; idx += 32) {
         const int r = idx / S::CHUNKS, c = idx % S::CHUNKS;
         const int off = (c / 8) * S::KV_BOX_BYTES + swizzled(r, c % 8);
-        const __nv_bfloat16 *k_row = nullptr, *v_row = nullptr;
-        if (r < n_valid) kv_rows(r, k_row, v_row);
-        copy_chunk(stage + off, k_row, c, D, vec_ok, true);
-        copy_chunk(stage + S::KV_BYTES + off, v_row, c, D, vec_ok, true);
+        const KvRows rows = r < n_valid ? kv_rows(r) : KvRows{nullptr, nullptr};
+        copy_chunk(stage + off, rows.k, c, D, vec_ok, true);
+        copy_chunk(stage + S::KV_BYTES + off, rows.v, c, D, vec_ok, true);
     }
     sluice::cp_async_commit();
     sluice::cp_async_wait<0>();
@@ -374,8 +379,9 @@ __device__ __forceinline__ void attend_block(unsigned char* smem_raw, int n_tile
     __syncthreads();
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
-        // The producer: warpgroup 0 gives its registers to the consumers; one warp works.
-        if constexpr (CONSUMERS == 2) sluice::setmaxnreg_dec<24>();
+        // The producer: warpgroup 0 gives registers to the consumers (40 left, not 24: the
+        // cp.async gather spilled at 24; 40 + 2 x 232 = 3 x 168); one warp works.
+        if constexpr (CONSUMERS == 2) sluice::setmaxnreg_dec<40>();
         if (threadIdx.x >= 32) return;
         const int lane = threadIdx.x;
         sluice::RingPosition<STAGES> pos;
@@ -385,7 +391,7 @@ __device__ __forceinline__ void attend_block(unsigned char* smem_raw, int n_tile
         }
         return;
     }
-    if constexpr (CONSUMERS == 2) sluice::setmaxnreg_inc<240>();
+    if constexpr (CONSUMERS == 2) sluice::setmaxnreg_inc<232>();
     const int c = wg - 1;
     auto row_of = [&](int r) { return c * WG_ROWS + r; };
     bool any = false;
