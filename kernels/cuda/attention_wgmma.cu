@@ -66,36 +66,15 @@ __device__ __forceinline__ void forward_impl(const CUtensorMap* map_k, const CUt
     // The block's last visible key decides its tiles: causal, its last row's position.
     const int last_row = min(row0 + ROWS, L) - 1;
     const int n_tiles = (causal ? last_row : L - 1) / KEY_TILE + 1;
-    const int kv_stride = Hkv * D;
+    const size_t kv_stride = (size_t)Hkv * D;
     const __nv_bfloat16* k_base = k + ((size_t)s0 * Hkv + g) * D;
     const __nv_bfloat16* v_base = v + ((size_t)s0 * Hkv + g) * D;
     auto produce = [&](int tile, unsigned char* stage, const sluice::Ring<STAGES>& ring,
                        const sluice::RingPosition<STAGES>& pos, int lane) {
         const int key0 = tile * KEY_TILE;
-        const int n_valid = min(KEY_TILE, L - key0);
-        if (TMA && n_valid == KEY_TILE && D == DP) {
-            if (lane == 0) {
-                // The whole tile inside the sequence: one tensor copy per 64-dim box of K and V.
-                uint64_t* full = ring.full_barrier(pos);
-                sluice::mbarrier_expect_tx(full, Shape<DP>::STAGE_BYTES);
-                for (int bx = 0; bx < Shape<DP>::BOXES; ++bx) {
-                    sluice::tma_load_3d(stage + bx * Shape<DP>::KV_BOX_BYTES, map_k, bx * BOX, g,
-                                        s0 + key0, full);
-                    sluice::tma_load_3d(stage + Shape<DP>::KV_BYTES + bx * Shape<DP>::KV_BOX_BYTES,
-                                        map_v, bx * BOX, g, s0 + key0, full);
-                }
-                ring.producer_commit(pos);
-            }
-            return;
-        }
-        gather_stage<DP>(
-            stage,
-            [=](int r) {
-                return KvRows{k_base + (size_t)(key0 + r) * kv_stride,
-                              v_base + (size_t)(key0 + r) * kv_stride};
-            },
-            n_valid, D, vec_ok, lane);
-        if (lane == 0) ring.producer_commit(pos);
+        produce_rows<DP, TMA>(stage, ring, pos, lane, map_k, map_v, g, s0 + key0,
+                              min(KEY_TILE, L - key0), k_base + (size_t)key0 * kv_stride,
+                              v_base + (size_t)key0 * kv_stride, kv_stride, D, vec_ok);
     };
     attend_block<DP, CONSUMERS>(
         smem_raw, n_tiles, produce,

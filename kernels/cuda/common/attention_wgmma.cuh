@@ -84,16 +84,19 @@ struct Shape {
     static constexpr int STAGE_BYTES = 2 * KV_BYTES;        // K, then V
 };
 
-// Shared memory of a block with CONSUMERS consumer warpgroups: the Q tile ([box][row][128 B]),
-// STAGES stages of (K, V), the ring's barriers; the stages and Q start at 1024-byte aligned
-// addresses (the swizzle atom), found from the raw base (SHARED_BYTES leaves 1024 of slack).
-template <int DP, int CONSUMERS>
+// Shared memory of a block with CONSUMERS consumer warpgroups: REGIONS tiles of the block's own
+// rows ([box][row][128 B]: Q for the forward; Q and dO, or K and V, for the backward's passes),
+// STAGES stages of the streamed pair (K and V, or Q and dO), the ring's barriers; the regions
+// and stages start at 1024-byte aligned addresses (the swizzle atom), found from the raw base
+// (SHARED_BYTES leaves 1024 of slack).
+template <int DP, int CONSUMERS, int REGIONS = 1>
 struct Layout {
     static constexpr int ROWS = CONSUMERS * WG_ROWS;
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
     static constexpr int Q_BOX_BYTES = ROWS * 128;
-    static constexpr int Q_BYTES = Shape<DP>::BOXES * Q_BOX_BYTES;
-    static constexpr int BARRIER_OFFSET = Q_BYTES + STAGES * Shape<DP>::STAGE_BYTES;
+    static constexpr int Q_BYTES = Shape<DP>::BOXES * Q_BOX_BYTES;  // one region
+    static constexpr int STAGE_OFFSET = REGIONS * Q_BYTES;
+    static constexpr int BARRIER_OFFSET = STAGE_OFFSET + STAGES * Shape<DP>::STAGE_BYTES;
     static constexpr int SHARED_BYTES = BARRIER_OFFSET + 2 * STAGES * 8 + 1024;
     static_assert(SHARED_BYTES <= 227 * 1024, "over sm_90's shared memory per block");
 };
@@ -138,23 +141,40 @@ __device__ __forceinline__ void copy_chunk(unsigned char* dst, const __nv_bfloat
     *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// A consumer warpgroup stages its 64 query rows (q_row(r), r < 64, nullptr: a zero row) into
-// its part of the Q tile, then fences them to the async proxy and meets at its named barrier
-// (1 + wg): the wgmmas read Q only after every thread of the warpgroup wrote its part.
-template <int DP, int CONSUMERS, class QRow>
-__device__ __forceinline__ void stage_q(unsigned char* smem, int wg, QRow q_row, int D,
-                                        bool vec_ok) {
+// A consumer warpgroup stages its 64 rows (row(r), r < 64, nullptr: a zero row) into its part of
+// a region (`region`: the region's first box). The caller then publishes them with
+// publish_rows: the wgmmas read them only after every thread of the warpgroup wrote its part.
+template <int DP, int CONSUMERS, class RowFn>
+__device__ __forceinline__ void stage_region(unsigned char* region, int wg, RowFn row, int D,
+                                             bool vec_ok) {
     using S = Shape<DP>;
     const int wt = threadIdx.x & 127;
     for (int idx = wt; idx < WG_ROWS * S::CHUNKS; idx += 128) {
         const int r = idx / S::CHUNKS, c = idx % S::CHUNKS;
-        unsigned char* dst = smem + (c / 8) * Layout<DP, CONSUMERS>::Q_BOX_BYTES +
+        unsigned char* dst = region + (c / 8) * Layout<DP, CONSUMERS>::Q_BOX_BYTES +
                              swizzled(wg * WG_ROWS + r, c % 8);
-        copy_chunk(dst, q_row(r), c, D, vec_ok, false);
+        copy_chunk(dst, row(r), c, D, vec_ok, false);
     }
+}
+// Fences the warpgroup's staged rows to the async proxy and meets at its named barrier (1 + wg).
+__device__ __forceinline__ void publish_rows(int wg) {
     sluice::fence_proxy_async_shared();
     sluice::named_barrier_sync(1 + wg, 128);
 }
+
+// The producer's fill of one stage with rows row0 .. row0 + n_valid - 1 of two [T, Hx, D] bf16
+// tensors (K and V, or Q and dO) of head `head`, zero rows after them: by tensor copies (one
+// box of 64 head dims x 128 rows per copy, through map_a and map_b) when TMA and the tile is
+// whole and D == DP, else gathered with cp.async from a_base + r * stride and b_base + r *
+// stride (row 0 of the tile). Ends with the commit on the stage's full barrier.
+template <int DP, bool TMA>
+__device__ __forceinline__ void produce_rows(unsigned char* stage, const sluice::Ring<STAGES>& ring,
+                                             const sluice::RingPosition<STAGES>& pos, int lane,
+                                             const CUtensorMap* map_a, const CUtensorMap* map_b,
+                                             int head, int row0, int n_valid,
+                                             const __nv_bfloat16* a_base,
+                                             const __nv_bfloat16* b_base, size_t stride, int D,
+                                             bool vec_ok);
 
 // Key r's K and V rows (D bf16 each).
 struct KvRows {
@@ -182,6 +202,34 @@ __device__ __forceinline__ void gather_stage(unsigned char* stage, RowsOf kv_row
     sluice::cp_async_wait<0>();
     sluice::fence_proxy_async_shared();
     __syncwarp();
+}
+
+template <int DP, bool TMA>
+__device__ __forceinline__ void produce_rows(unsigned char* stage, const sluice::Ring<STAGES>& ring,
+                                             const sluice::RingPosition<STAGES>& pos, int lane,
+                                             const CUtensorMap* map_a, const CUtensorMap* map_b,
+                                             int head, int row0, int n_valid,
+                                             const __nv_bfloat16* a_base,
+                                             const __nv_bfloat16* b_base, size_t stride, int D,
+                                             bool vec_ok) {
+    using S = Shape<DP>;
+    if (TMA && n_valid == KEY_TILE && D == DP) {
+        if (lane == 0) {
+            uint64_t* full = ring.full_barrier(pos);
+            sluice::mbarrier_expect_tx(full, S::STAGE_BYTES);
+            for (int bx = 0; bx < S::BOXES; ++bx) {
+                sluice::tma_load_3d(stage + bx * S::KV_BOX_BYTES, map_a, bx * BOX, head, row0, full);
+                sluice::tma_load_3d(stage + S::KV_BYTES + bx * S::KV_BOX_BYTES, map_b, bx * BOX,
+                                    head, row0, full);
+            }
+            ring.producer_commit(pos);
+        }
+        return;
+    }
+    gather_stage<DP>(
+        stage, [=](int r) { return KvRows{a_base + (size_t)r * stride, b_base + (size_t)r * stride}; },
+        n_valid, D, vec_ok, lane);
+    if (lane == 0) ring.producer_commit(pos);
 }
 
 // A consumer thread's part of its warpgroup's 64 rows: with warp w, g = lane / 4, t = lane % 4,
@@ -358,21 +406,16 @@ __device__ __forceinline__ void finish_rows(const WgRows<DP>& st, OutRow out_row
     }
 }
 
-// One block: the producer warp fills key tiles 0 .. n_tiles - 1 with produce(tile, stage, ring,
-// position, lane) (which ends with the commit on `full`), the consumer warpgroups attend their
-// rows over them. Block row r (0 .. ROWS - 1) belongs to consumer r / 64:
-//   q_row(r)     the query row (D bf16), nullptr for padding;
-//   last_key(r)  the last key row r sees, -1 for padding;
-//   out_row(r)   its output (D f32), nullptr: not written;   lse_out(r, x)  its logsumexp.
-// Every thread of the block calls it with THREADS threads; smem_raw holds SHARED_BYTES.
-template <int DP, int CONSUMERS, class Produce, class QRow, class LastKey, class OutRow,
-          class LseOut>
-__device__ __forceinline__ void attend_block(unsigned char* smem_raw, int n_tiles, Produce produce,
-                                             QRow q_row, LastKey last_key, OutRow out_row,
-                                             LseOut lse_out, int D, float scale, bool vec_ok) {
-    using L = Layout<DP, CONSUMERS>;
+// The warp-specialised block: the producer warp fills stages 0 .. n_tiles - 1 of the ring with
+// produce(tile, stage, ring, position, lane) (which ends with the commit on `full`), and each
+// consumer warpgroup c runs consume(c, ring, smem, stages) (smem: the aligned base, where the
+// regions start). Every thread of the block calls it with Layout::THREADS threads.
+template <int DP, int CONSUMERS, int REGIONS, class Produce, class Consume>
+__device__ __forceinline__ void run_pipeline(unsigned char* smem_raw, int n_tiles, Produce produce,
+                                             Consume consume) {
+    using L = Layout<DP, CONSUMERS, REGIONS>;
     unsigned char* smem = align_1024(smem_raw);
-    unsigned char* stages = smem + L::Q_BYTES;
+    unsigned char* stages = smem + L::STAGE_OFFSET;
     const sluice::Ring<STAGES> ring{reinterpret_cast<uint64_t*>(smem + L::BARRIER_OFFSET),
                                     reinterpret_cast<uint64_t*>(smem + L::BARRIER_OFFSET) + STAGES};
     if (threadIdx.x == 0) ring.init(1, 128 * CONSUMERS);
@@ -392,27 +435,51 @@ __device__ __forceinline__ void attend_block(unsigned char* smem_raw, int n_tile
         return;
     }
     if constexpr (CONSUMERS == 2) sluice::setmaxnreg_inc<232>();
-    const int c = wg - 1;
-    auto row_of = [&](int r) { return c * WG_ROWS + r; };
-    bool any = false;
-    for (int r = 0; r < WG_ROWS; ++r) any = any || last_key(row_of(r)) >= 0;
-    if (!any) {
-        // No row of this warpgroup attends (the tail of a sequence): release the stages only.
-        sluice::RingPosition<STAGES> pos;
-        for (int tile = 0; tile < n_tiles; ++tile, pos.advance()) {
-            ring.consumer_wait(pos);
-            ring.consumer_release(pos);
-        }
-        return;
+    consume(wg - 1, ring, smem, stages);
+}
+
+// A consumer warpgroup with nothing to compute releases the stages only.
+__device__ __forceinline__ void drain(const sluice::Ring<STAGES>& ring, int n_tiles) {
+    sluice::RingPosition<STAGES> pos;
+    for (int tile = 0; tile < n_tiles; ++tile, pos.advance()) {
+        ring.consumer_wait(pos);
+        ring.consumer_release(pos);
     }
-    stage_q<DP, CONSUMERS>(smem, c, [&](int r) { return q_row(row_of(r)); }, D, vec_ok);
-    WgRows<DP> st;
-    consume_tiles<DP, L::Q_BOX_BYTES>(
-        st, ring, smem_raw, sluice::smem_addr(smem_raw, smem + c * WG_ROWS * 128),
-        sluice::smem_addr(smem_raw, stages), n_tiles, [&](int r) { return last_key(row_of(r)); },
-        scale);
-    finish_rows<DP>(st, [&](int r) { return out_row(row_of(r)); },
-                    [&](int r, float x) { lse_out(row_of(r), x); }, D);
+}
+
+// One block of the forward, decode or prefill: the producer fills key tiles 0 .. n_tiles - 1
+// with produce(...), the consumer warpgroups attend their rows over them. Block row r (0 ..
+// ROWS - 1) belongs to consumer r / 64:
+//   q_row(r)     the query row (D bf16), nullptr for padding;
+//   last_key(r)  the last key row r sees, -1 for padding;
+//   out_row(r)   its output (D f32), nullptr: not written;   lse_out(r, x)  its logsumexp.
+template <int DP, int CONSUMERS, class Produce, class QRow, class LastKey, class OutRow,
+          class LseOut>
+__device__ __forceinline__ void attend_block(unsigned char* smem_raw, int n_tiles, Produce produce,
+                                             QRow q_row, LastKey last_key, OutRow out_row,
+                                             LseOut lse_out, int D, float scale, bool vec_ok) {
+    using L = Layout<DP, CONSUMERS>;
+    run_pipeline<DP, CONSUMERS, 1>(
+        smem_raw, n_tiles, produce,
+        [&](int c, const sluice::Ring<STAGES>& ring, unsigned char* smem, unsigned char* stages) {
+            auto row_of = [&](int r) { return c * WG_ROWS + r; };
+            bool any = false;
+            for (int r = 0; r < WG_ROWS; ++r) any = any || last_key(row_of(r)) >= 0;
+            if (!any) {
+                // No row of this warpgroup attends (the tail of a sequence).
+                drain(ring, n_tiles);
+                return;
+            }
+            stage_region<DP, CONSUMERS>(smem, c, [&](int r) { return q_row(row_of(r)); }, D, vec_ok);
+            publish_rows(c);
+            WgRows<DP> st;
+            consume_tiles<DP, L::Q_BOX_BYTES>(
+                st, ring, smem_raw, sluice::smem_addr(smem_raw, smem + c * WG_ROWS * 128),
+                sluice::smem_addr(smem_raw, stages), n_tiles,
+                [&](int r) { return last_key(row_of(r)); }, scale);
+            finish_rows<DP>(st, [&](int r) { return out_row(row_of(r)); },
+                            [&](int r, float x) { lse_out(row_of(r), x); }, D);
+        });
 }
 
 }  // namespace sluice_attention_wgmma

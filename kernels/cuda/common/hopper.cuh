@@ -1,5 +1,5 @@
 // Hopper (sm_90a) helpers: mbarrier, bulk asynchronous copies (plain and through a tensor map,
-// the TMA engine), async-proxy fences and wgmma m64nNk16 (bf16 x bf16 -> f32, N = 64/128/256)
+// the TMA engine), async-proxy fences and wgmma m64nNk16 (bf16 x bf16 -> f32, N = 32/64/128/256)
 // reading both operands from shared memory through matrix descriptors. Each has a portable
 // version for the emulator.
 //
@@ -452,7 +452,7 @@ SLUICE_EMU_UNCHECKED inline void rows_from_quad(float (&arow)[2][16], const uint
 template <int N, int MajorA = kWgmmaKMajor, int MajorB = kWgmmaKMajor>
 __device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
                                            int scale_d, const void* smem_base, SLUICE_HOPPER_LOC) {
-    static_assert(N == 64 || N == 128 || N == 256, "wgmma_bf16: N is 64, 128 or 256");
+    static_assert(N == 32 || N == 64 || N == 128 || N == 256, "wgmma_bf16: N is 32, 64, 128 or 256");
     const int wt = threadIdx.x & 127;
     const int warp = wt / 32, lane = wt % 32, g = lane / 4, t = lane % 4;
     // The accumulator this wgmma starts from: the newest pending result on d, else d (read by
@@ -463,7 +463,8 @@ __device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], uint64_t desc_a, u
     // from shared memory once (a model); the emulation's own reads are not counted. The same
     // thread reports the operands' async-proxy reads (a missing proxy fence, a layout mismatch).
     if (wt == 0) {
-        ::sluice_emu::prof_tensor_op(N == 64    ? "wgmma.m64n64k16.bf16"
+        ::sluice_emu::prof_tensor_op(N == 32    ? "wgmma.m64n32k16.bf16"
+                                     : N == 64  ? "wgmma.m64n64k16.bf16"
                                      : N == 128 ? "wgmma.m64n128k16.bf16"
                                                 : "wgmma.m64n256k16.bf16",
                                      2.0 * 64 * N * 16, loc);
@@ -535,6 +536,22 @@ __device__ __forceinline__ void setmaxnreg_dec() {}
 #else
 template <int N, int TA, int TB>
 struct WgmmaBf16;
+template <int TA, int TB>
+struct WgmmaBf16<32, TA, TB> {
+    static __device__ __forceinline__ void run(float (&d)[16], uint64_t desc_a, uint64_t desc_b,
+                                               int scale_d) {
+        asm volatile(
+            "{\n"
+            ".reg .pred p;\n"
+            "setp.ne.b32 p, %18, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+            "%16, %17, p, 1, 1, %19, %20;\n"
+            "}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
+    }
+};
 template <int TA, int TB>
 struct WgmmaBf16<64, TA, TB> {
     static __device__ __forceinline__ void run(float (&d)[32], uint64_t desc_a, uint64_t desc_b,

@@ -108,9 +108,9 @@ impl RowOrder {
         }
     }
 
-    /// The order of the backward that goes with a forward in this order: v3 has no backward
-    /// kernels of its own yet, so its training backward runs v2's (two passes on mma.sync) from
-    /// v3's saved out and lse; the other orders are their own.
+    /// The order of the backward that goes with a forward in this order: v3's backward kernels
+    /// (attention_wgmma_bwd.cu) compute v2's order, element by element (the tile widths of the
+    /// backward change no sum), so its CPU twin is v2's; the other orders are their own.
     pub fn backward(self) -> RowOrder {
         match self {
             RowOrder::Wgmma => RowOrder::Tiles,
@@ -214,20 +214,15 @@ const BWD_ROWS: usize = 64;
 /// Queries per step of the dK/dV pass.
 const BWD_QT: usize = 32;
 
-/// Launches the v2 backward: the prep kernel (delta = rowsum(dO * O) and lse, head-major), then
-/// the two passes: dK/dV per 64 keys of a kv head, dQ per 64 queries of a head. `inputs`: q, k,
-/// v, cu_seqlens, dout (BF16), out, lse (F32); `grads`: dq, dk, dv (F32, written once each).
-pub(crate) fn launch_backward(
+/// The backward's prep kernel (v2's and v3's): delta = rowsum(dO * O) and the forward's lse,
+/// both head-major [H, T] (F32), for the passes' whole-sector reads. Returns (delta, lse).
+pub(crate) fn launch_backward_prep(
     backend: &Backend,
-    inputs: [&Tensor; 7],
-    (t, h, hkv, d): (usize, usize, usize, usize),
-    causal: bool,
-    scale: f32,
-    grads: [&Tensor; 3],
-) -> Result<()> {
-    let [q, k, v, cu_seqlens, dout, out, lse_rows] = inputs;
-    let [dq, dk, dv] = grads;
-    let b = cu_seqlens.numel() - 1;
+    dout: &Tensor,
+    out: &Tensor,
+    lse_rows: &Tensor,
+    (t, h, d): (usize, usize, usize),
+) -> Result<(Tensor, Tensor)> {
     let delta = Tensor::poisoned(backend, &[h, t], DType::F32)?;
     let lse = Tensor::poisoned(backend, &[h, t], DType::F32)?;
     let rows = u32::try_from((t * h).div_ceil(4))
@@ -243,6 +238,24 @@ pub(crate) fn launch_backward(
             .arg_tensor(&delta)
             .arg_tensor(&lse),
     )?;
+    Ok((delta, lse))
+}
+
+/// Launches the v2 backward: the prep kernel (delta = rowsum(dO * O) and lse, head-major), then
+/// the two passes: dK/dV per 64 keys of a kv head, dQ per 64 queries of a head. `inputs`: q, k,
+/// v, cu_seqlens, dout (BF16), out, lse (F32); `grads`: dq, dk, dv (F32, written once each).
+pub(crate) fn launch_backward(
+    backend: &Backend,
+    inputs: [&Tensor; 7],
+    (t, h, hkv, d): (usize, usize, usize, usize),
+    causal: bool,
+    scale: f32,
+    grads: [&Tensor; 3],
+) -> Result<()> {
+    let [q, k, v, cu_seqlens, dout, out, lse_rows] = inputs;
+    let [dq, dk, dv] = grads;
+    let b = cu_seqlens.numel() - 1;
+    let (delta, lse) = launch_backward_prep(backend, dout, out, lse_rows, (t, h, d))?;
     let (lse, delta) = (&lse, &delta);
     let row = (padded_head_dim(d) + ROW_PAD) * 2;
     let blocks = t.div_ceil(BWD_ROWS) + b;

@@ -49,13 +49,18 @@ pub fn padded_head_dim(d: usize) -> usize {
     }
 }
 
-/// Dynamic shared memory of a block with `consumers` warpgroups (attention_wgmma.cuh's
-/// Layout::SHARED_BYTES): Q, the ring's stages of (K, V), its barriers, 1024 bytes of alignment.
-fn shared_bytes(d: usize, consumers: usize) -> u32 {
+/// Dynamic shared memory of a block with `consumers` warpgroups and `regions` tiles of its own
+/// rows (attention_wgmma.cuh's Layout::SHARED_BYTES): the regions (Q; or Q and dO, K and V in
+/// the backward), the ring's stages of two tiles, its barriers, 1024 bytes of alignment.
+fn shared_bytes_with(d: usize, consumers: usize, regions: usize) -> u32 {
     let dp = padded_head_dim(d);
-    let q = consumers * 64 * dp * 2;
+    let region = consumers * 64 * dp * 2;
     let stage = 2 * KEY_TILE * dp * 2;
-    (q + STAGES * stage + 2 * STAGES * 8 + 1024) as u32
+    (regions * region + STAGES * stage + 2 * STAGES * 8 + 1024) as u32
+}
+
+fn shared_bytes(d: usize, consumers: usize) -> u32 {
+    shared_bytes_with(d, consumers, 1)
 }
 
 /// v3 needs sm_90a on `cuda`; the emulator runs its portable version, the cpu its twin.
@@ -113,9 +118,10 @@ impl Drop for GatherOnly {
     }
 }
 
-/// The tensor map of k or v [T, Hkv, D] for the forward's copies: boxes of 64 head dims x 1 kv
-/// head x KEY_TILE tokens in the 128-byte swizzle. None where a copy cannot read whole boxes (D
-/// not 64 or 128) or the driver's rules refuse the tensor (alignment): the gather kernel runs.
+/// The tensor map of a [T, Hx, D] tensor (k, v; q, dout) for the producer's copies: boxes of 64
+/// head dims x 1 head x KEY_TILE tokens in the 128-byte swizzle. None where a copy cannot read
+/// whole boxes (D not 64 or 128) or the driver's rules refuse the tensor (alignment): the gather
+/// kernel runs.
 fn kv_map<'t>(
     backend: &Backend,
     x: &'t Tensor,
@@ -189,6 +195,87 @@ pub(crate) fn launch_forward(
             .arg_tensor(out)
             .arg_tensor(lse),
     )
+}
+
+/// Launches the v3 backward: v2's prep kernel (delta = rowsum(dO * O), lse and delta
+/// head-major), then the dK/dV pass per 128 keys of a kv head and the dQ pass per 128 queries of
+/// a head (kernels/cuda/attention_wgmma_bwd.cu), each output row written once, no atomics.
+/// `inputs`: q, k, v, cu_seqlens, dout (BF16), out, lse (F32); `grads`: dq, dk, dv (F32). The
+/// bits are v2's backward's on emu (the same operations in the same order).
+pub(crate) fn launch_backward(
+    backend: &Backend,
+    inputs: [&Tensor; 7],
+    (t, h, hkv, d): (usize, usize, usize, usize),
+    causal: bool,
+    scale: f32,
+    grads: [&Tensor; 3],
+) -> Result<()> {
+    check_device(backend)?;
+    let [q, k, v, cu_seqlens, dout, out, lse_rows] = inputs;
+    let [dq, dk, dv] = grads;
+    let b = cu_seqlens.numel() - 1;
+    let (delta, lse) =
+        crate::ops::attention_tile::launch_backward_prep(backend, dout, out, lse_rows, (t, h, d))?;
+    let blocks = query_tile_blocks(t, b, 1)?;
+    let dp = padded_head_dim(d);
+    let smem = shared_bytes_with(d, 2, 2);
+    let (lse, delta) = (&lse, &delta);
+    // The arguments after the maps, the same for both passes.
+    fn rest<'t>(
+        l: Launch<'t>,
+        tensors: [&'t Tensor; 7],
+        ints: [i32; 6],
+        scale: f32,
+        smem: u32,
+    ) -> Launch<'t> {
+        let mut l = l.shared_bytes(smem);
+        for x in tensors {
+            l = l.arg_tensor(x);
+        }
+        for i in ints {
+            l = l.arg_i32(i);
+        }
+        l.arg_f32(scale)
+    }
+    let tensors = [q, k, v, cu_seqlens, dout, lse, delta];
+    let ints = [
+        b as i32,
+        t as i32,
+        h as i32,
+        hkv as i32,
+        d as i32,
+        causal as i32,
+    ];
+    // dK, dV: the stream is Q and dO of the group's heads.
+    let maps = kv_map(backend, q, "q", h, d).zip(kv_map(backend, dout, "dout", h, d));
+    let name = match (&maps, dp) {
+        (Some(_), 64) => "attention_wgmma_bwd_dkdv_d64",
+        (Some(_), _) => "attention_wgmma_bwd_dkdv_d128",
+        (None, 64) => "attention_wgmma_bwd_dkdv_gather_d64",
+        (None, _) => "attention_wgmma_bwd_dkdv_gather_d128",
+    };
+    let mut l = Launch::new(name, [blocks, hkv as u32, 1], [384, 1, 1]);
+    if let Some((mq, mdo)) = &maps {
+        l = l.arg_tensor_map(mq).arg_tensor_map(mdo);
+    }
+    backend.launch(
+        &rest(l, tensors, ints, scale, smem)
+            .arg_tensor(dk)
+            .arg_tensor(dv),
+    )?;
+    // dQ: the stream is K and V, as in the forward.
+    let maps = kv_map(backend, k, "k", hkv, d).zip(kv_map(backend, v, "v", hkv, d));
+    let name = match (&maps, dp) {
+        (Some(_), 64) => "attention_wgmma_bwd_dq_d64",
+        (Some(_), _) => "attention_wgmma_bwd_dq_d128",
+        (None, 64) => "attention_wgmma_bwd_dq_gather_d64",
+        (None, _) => "attention_wgmma_bwd_dq_gather_d128",
+    };
+    let mut l = Launch::new(name, [blocks, h as u32, 1], [384, 1, 1]);
+    if let Some((mk, mv)) = &maps {
+        l = l.arg_tensor_map(mk).arg_tensor_map(mv);
+    }
+    backend.launch(&rest(l, tensors, ints, scale, smem).arg_tensor(dq))
 }
 
 /// Launches the v3 decode: out[B,H,D] (F32), one block per (sequence, kv head, 64 query heads).
@@ -285,6 +372,9 @@ mod tests {
         assert_eq!(shared_bytes(128, 2), 32768 + 131072 + 32 + 1024);
         // Layout<64, 1>: Q 8 KiB, 2 stages of 32 KiB.
         assert_eq!(shared_bytes(64, 1), 8192 + 65536 + 32 + 1024);
+        // The backward's Layout<128, 2, 2>: two regions of 32 KiB.
+        assert_eq!(shared_bytes_with(128, 2, 2), 65536 + 131072 + 32 + 1024);
+        assert!(shared_bytes_with(128, 2, 2) <= 227 * 1024);
         assert!(shared_bytes(128, 2) <= 227 * 1024);
     }
 }
