@@ -208,10 +208,10 @@ fn emu_backward_equals_v2_and_the_cpu_twin_bit_for_bit() {
         Case::new(51, &[1, 17, 200], 4, 2, 64, true),
         Case::new(52, &[127, 0, 33], 4, 4, 64, false),
         Case::new(53, &[70, 1, 17], 8, 1, 16, true),
-        Case::new(54, &[150, 17], 2, 1, 128, true),
+        Case::new(54, &[130, 9], 2, 1, 128, true),
     ];
     let mut compared = 0;
-    for c in &cases {
+    for (n, c) in cases.iter().enumerate() {
         let (t, h, hkv, d) = (c.t(), c.h, c.hkv, c.d);
         let grads = |be: &Backend, path: AttentionPath, out: &[f32], lse: &[f32]| {
             let bf = |shape: &[usize], x: &[f32]| {
@@ -234,8 +234,11 @@ fn emu_backward_equals_v2_and_the_cpu_twin_bit_for_bit() {
         };
         let (out, lse) = c.forward(&emu(1));
         let v3 = grads(&emu(1), V3, &out, &lse);
-        let v3_seed2 = grads(&emu(2), V3, &out, &lse);
-        let v2 = grads(&emu(1), AttentionPath::Tiles, &out, &lse);
+        // A second schedule seed for the first case (the emulator is slow; v2's kernels and the
+        // twin already pin every case's bits).
+        let v3_seed2 = (n == 0).then(|| grads(&emu(2), V3, &out, &lse));
+        // v2's kernels on the first case (attention.rs pins v2 to the same twin on the rest).
+        let v2 = (n == 0).then(|| grads(&emu(1), AttentionPath::Tiles, &out, &lse));
         let twin = grads(&Backend::Cpu, V3, &out, &lse);
         let what = format!(
             "lens {:?} H {h} Hkv {hkv} D {d} causal {}",
@@ -246,19 +249,19 @@ fn emu_backward_equals_v2_and_the_cpu_twin_bit_for_bit() {
                 v3[i].iter().all(|x| x.is_finite()),
                 "{what}: {name} rows left unwritten"
             );
-            assert_bits_eq(&v3[i], &v2[i], &format!("{what}: {name} v3 vs v2 on emu"));
+            if let Some(v2) = &v2 {
+                assert_bits_eq(&v3[i], &v2[i], &format!("{what}: {name} v3 vs v2 on emu"));
+            }
             assert_bits_eq(&v3[i], &twin[i], &format!("{what}: {name} v3 emu vs cpu"));
-            assert_bits_eq(
-                &v3[i],
-                &v3_seed2[i],
-                &format!("{what}: {name} seeds 1 vs 2"),
-            );
+            if let Some(other) = &v3_seed2 {
+                assert_bits_eq(&v3[i], &other[i], &format!("{what}: {name} seeds 1 vs 2"));
+            }
             compared += v3[i].len();
         }
     }
     // dq + dk + dv elements: (218 x 4 + 218 x 2 x 2) x 64 + (160 x 4 x 3) x 64
-    //   + (88 x 8 + 88 x 2) x 16 + (167 x 2 + 167 x 2) x 128.
-    assert_eq!(compared, 1744 * 64 + 1920 * 64 + 880 * 16 + 668 * 128);
+    //   + (88 x 8 + 88 x 2) x 16 + (139 x 2 + 139 x 2) x 128.
+    assert_eq!(compared, 1744 * 64 + 1920 * 64 + 880 * 16 + 556 * 128);
 }
 
 /// The producer fills a stage by tensor copies (whole tiles inside a sequence, D = 64 or 128) or
@@ -476,4 +479,36 @@ fn cuda_matches_the_cpu_and_decode_equals_training() {
         assert!(rel_norm(&a, &want64) <= BF16_TOL);
     }
     check_decode_positions(&gpu);
+    // The backward from the GPU's saved forward, against the CPU twin from the same out and lse.
+    let c = Case::new(51, &[1, 17, 200], 4, 2, 64, true);
+    let (t, h, hkv, d) = (c.t(), c.h, c.hkv, c.d);
+    let (out, lse) = c.forward(&gpu);
+    let grads = |be: &Backend| {
+        let bf =
+            |shape: &[usize], x: &[f32]| Tensor::from_f32_as(be, shape, DType::BF16, x).unwrap();
+        let cu = Tensor::from_slice(be, &[4], &c.cu()).unwrap();
+        let o = Tensor::from_slice(be, &[t, h, d], &out).unwrap();
+        let l = Tensor::from_slice(be, &[t, h], &lse).unwrap();
+        let g = attention_backward_saved_on(
+            V3,
+            be,
+            &bf(&[t, h, d], &c.q),
+            &bf(&[t, hkv, d], &c.k),
+            &bf(&[t, hkv, d], &c.v),
+            &cu,
+            &o,
+            &l,
+            &bf(&[t, h, d], &c.dout),
+            true,
+            None,
+        )
+        .unwrap();
+        [g.dq, g.dk, g.dv].map(|x| x.to_vec::<f32>().unwrap())
+    };
+    let (got, again, want) = (grads(&gpu), grads(&gpu), grads(&Backend::Cpu));
+    for i in 0..3 {
+        assert_bits_eq(&got[i], &again[i], "cuda backward run twice");
+        let want64: Vec<f64> = want[i].iter().map(|&x| x as f64).collect();
+        assert!(rel_norm(&got[i], &want64) <= BF16_TOL, "cuda gradient {i}");
+    }
 }

@@ -79,8 +79,8 @@ pub enum RowOrder {
     Chunks,
     /// v2: tiles of 32 keys, P rounded to bf16 before it multiplies V.
     Tiles,
-    /// v3: v2's order over tiles of 128 keys (common/attention_wgmma.cuh). Forward, decode and
-    /// prefill only: v3's backward is v2's ([`RowOrder::backward`]).
+    /// v3: v2's order over tiles of 128 keys (common/attention_wgmma.cuh), forward, decode and
+    /// prefill; v3's backward kernels compute v2's backward order ([`RowOrder::backward`]).
     Wgmma,
 }
 

@@ -3,8 +3,9 @@
 //! (kernels/cuda/attention_wgmma.cu), the paged decode and prefill
 //! (kernels/cuda/paged_attention_wgmma.cu), all on the tile routine of
 //! kernels/cuda/common/attention_wgmma.cuh. Chosen with `SLUICE_ATTENTION=wgmma` (or `v3`),
-//! which switches the three together ([`crate::ops::attention_tile::AttentionPath`]); the
-//! training backward stays v2's (from v3's saved out and lse).
+//! which switches the three together ([`crate::ops::attention_tile::AttentionPath`]), and the
+//! training backward (kernels/cuda/attention_wgmma_bwd.cu: v2's two passes on wgmma, with v2's
+//! bits).
 //!
 //! THE ORDER of v3 is v2's over tiles of [`KEY_TILE`] = 128 keys (the header of
 //! attention_wgmma.cuh has it in full). Its CPU twin is v2's, generalised by tile width

@@ -96,7 +96,7 @@ pub fn attention_backward_reference(
             let (dor, outr) = (&dout[r * d..(r + 1) * d], &out[r * d..(r + 1) * d]);
             match order {
                 RowOrder::Chunks => dot_fma(dor, outr),
-                // v3's backward is v2's (RowOrder::backward).
+                // v3's backward kernels compute v2's order (RowOrder::backward).
                 RowOrder::Tiles | RowOrder::Wgmma => attention_tile::delta_tiles(dor, outr),
             }
         })
