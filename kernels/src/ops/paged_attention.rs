@@ -18,6 +18,7 @@ use crate::error::{Error, Result};
 use crate::launch::{blocks_for, Launch};
 use crate::ops::attention::{attend_row, resolve_scale, scale_param, MAX_HEAD_DIM, SCALE_DEFAULT};
 use crate::ops::attention_tile::{self, AttentionPath, PagedArgs, RowOrder};
+use crate::ops::attention_wgmma;
 use crate::par;
 use crate::runner::{OpCall, OpOutputs, OpSpec, ParamSpec, TensorSpec};
 use crate::tensor::Tensor;
@@ -535,7 +536,7 @@ pub fn paged_attention_on(
         }
         _ => {
             let out = Tensor::poisoned(backend, &[b, h, d], DType::F32)?;
-            if b > 0 && order == RowOrder::Tiles {
+            if b > 0 && order != RowOrder::Chunks {
                 if b > i32::MAX as usize || hkv > 65535 {
                     return Err(Error::shape(
                         "q",
@@ -554,7 +555,12 @@ pub fn paged_attention_on(
                     bs,
                     mb,
                 };
-                attention_tile::launch_decode(backend, q, &c, (b, h, d), scale, &out)?;
+                if order == RowOrder::Wgmma {
+                    // v3: one block per (sequence, kv head, 64 query heads).
+                    attention_wgmma::launch_decode(backend, q, &c, (b, h, d), scale, &out)?;
+                } else {
+                    attention_tile::launch_decode(backend, q, &c, (b, h, d), scale, &out)?;
+                }
             } else if b > 0 {
                 let name = if q.dtype() == DType::BF16 {
                     "paged_attention_decode_bf16"
@@ -837,7 +843,7 @@ pub fn paged_prefill_on(
         }
         _ => {
             let out = Tensor::poisoned(backend, &[t, h, d], DType::F32)?;
-            if t > 0 && order == RowOrder::Tiles {
+            if t > 0 && order != RowOrder::Chunks {
                 // One block per (128-position tile of a sequence, head) writes its new tokens'
                 // rows once; every slot it reads is below context_lens[b] (checked above).
                 let c = PagedArgs {
@@ -849,7 +855,27 @@ pub fn paged_prefill_on(
                     bs,
                     mb,
                 };
-                attention_tile::launch_prefill(backend, q, &c, cu_seqlens, (t, h, d), scale, &out)?;
+                if order == RowOrder::Wgmma {
+                    attention_wgmma::launch_prefill(
+                        backend,
+                        q,
+                        &c,
+                        cu_seqlens,
+                        (t, h, d),
+                        scale,
+                        &out,
+                    )?;
+                } else {
+                    attention_tile::launch_prefill(
+                        backend,
+                        q,
+                        &c,
+                        cu_seqlens,
+                        (t, h, d),
+                        scale,
+                        &out,
+                    )?;
+                }
             } else if t > 0 {
                 let name = if q.dtype() == DType::BF16 {
                     "paged_attention_prefill_bf16"
