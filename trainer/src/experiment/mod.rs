@@ -22,6 +22,7 @@
 
 mod defs;
 mod report;
+mod tito;
 
 pub use defs::{Arm, Experiment, EXPERIMENTS};
 
