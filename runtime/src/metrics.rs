@@ -127,6 +127,9 @@ pub struct RolloutCounters {
     pub started_lengths: LengthHistogram,
     #[serde(default)]
     pub trained_lengths: LengthHistogram,
+    /// Text tasks' round trips of finished trajectories ([`crate::env::Task::round_trip`]).
+    #[serde(default)]
+    pub round_trip: crate::env::RoundTripCounts,
 }
 
 /// Counts of generated lengths in power-of-two buckets: bucket 0 holds length 0, bucket k

@@ -124,6 +124,9 @@ pub struct RolloutSection {
     pub over_sampling: Option<sluice_runtime::system::OverSampling>,
     /// Rollout servers (`http://host:port`) driven as the replicas; empty: in-process engines.
     pub servers: Vec<String>,
+    /// Train the text tasks' model turns decoded and re-encoded instead of as sampled (the
+    /// round trip of `sluice experiment tito`, crate::tasks::round_trip); needs a BPE.
+    pub retokenize: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]

@@ -337,6 +337,7 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         fail,
         over_sampling: over_sampling(&rollout, mode)?,
         servers: super::servers::parse(rollout.value("servers")?)?,
+        retokenize: rollout.bool("retokenize")?,
     };
 
     let buffer = Get::section(&table, "buffer")?;
@@ -674,6 +675,7 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
             ),
         ));
     }
+    retokenize(&rollout_s, &tokenizer_s, &stage_s, &tasks_s)?;
     for t in &tasks_s {
         if t.concurrency < buffer_s.group_size as u64 {
             return Err(err(
@@ -712,6 +714,44 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
     };
     super::servers::check(&mut cfg, replicas)?;
     Ok(cfg)
+}
+
+/// `rollout.retokenize`: a BPE (the character tokenizer's decode and encode are inverse, so
+/// the round trip would change no id and the arm would train what tito trains), and RL stages
+/// of text tasks only (raw-id tasks have no text to round-trip).
+fn retokenize(
+    rollout: &RolloutSection,
+    tokenizer: &TokenizerSection,
+    stages: &[StageSection],
+    tasks: &[TaskSection],
+) -> Result<(), ConfigError> {
+    if !rollout.retokenize {
+        return Ok(());
+    }
+    if tokenizer.kind == TokenizerKind::Char {
+        return Err(err(
+            "rollout.retokenize",
+            "needs tokenizer.kind = \"bpe\": the character tokenizer's decode and encode are \
+             inverse, so the round trip would change no id (configs/bpe.toml has a BPE)",
+        ));
+    }
+    for s in stages.iter().filter(|s| s.kind == StageKind::Rl) {
+        for name in &s.tasks {
+            if let Some(t) = tasks.iter().find(|t| &t.name == name) {
+                if !crate::tasks::is_text(&t.kind) {
+                    return Err(err(
+                        "rollout.retokenize",
+                        format!(
+                            "task {name} (kind {}) works on raw ids: it has no text to \
+                             round-trip",
+                            t.kind
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The KL-to-reference keys of `[loss]` (issue 28 item 7): None unless `kl_coef > 0` or

@@ -1,6 +1,11 @@
 //! The experiments of `sluice experiment`: arms (config overrides), the figures each reports
 //! and the chart it draws.
 
+use super::tito::{
+    lag0_abs_diff, ratio_spread, round_trip_changed, round_trip_tokens, round_trip_trained,
+    sort_pass_after, tito_arms, tool_pass_after, zero_lag_mismatch, zero_lag_mismatch_share,
+    zero_lag_tokens,
+};
 use super::ArmRun;
 use serde_json::Value;
 
@@ -11,7 +16,7 @@ pub struct Arm {
     pub sets: Vec<String>,
 }
 
-fn arm(name: impl Into<String>, sets: &[String]) -> Arm {
+pub(super) fn arm(name: impl Into<String>, sets: &[String]) -> Arm {
     Arm {
         name: name.into(),
         sets: sets.to_vec(),
@@ -44,11 +49,11 @@ pub struct Experiment {
     pub unavailable: Option<&'static str>,
 }
 
-fn num(v: &Value, key: &str) -> Option<f64> {
+pub(super) fn num(v: &Value, key: &str) -> Option<f64> {
     v.get(key).and_then(Value::as_f64)
 }
 
-fn task_num(r: &ArmRun, task: &str, key: &str) -> Option<f64> {
+pub(super) fn task_num(r: &ArmRun, task: &str, key: &str) -> Option<f64> {
     r.summary["tasks"][task].get(key).and_then(Value::as_f64)
 }
 
@@ -210,7 +215,7 @@ fn optimizer_steps(r: &ArmRun) -> Option<f64> {
     num(&r.summary, "optimizer_steps")
 }
 
-fn sets(pairs: &[(&str, String)]) -> Vec<String> {
+pub(super) fn sets(pairs: &[(&str, String)]) -> Vec<String> {
     pairs.iter().map(|(k, v)| format!("{k}={v}")).collect()
 }
 
@@ -687,19 +692,35 @@ pub static EXPERIMENTS: &[Experiment] = &[
     },
     Experiment {
         name: "tito",
-        about: "token-in-token-out against a text round trip (decode the sampled tokens, \
-                re-tokenise, train on those)",
-        base_sets: &[],
-        arms: Vec::new,
-        columns: &[],
-        chart: ChartKind::Bars(0),
-        unavailable: Some(
-            "not built yet: its text round-trip arm (decode the sampled ids, re-encode, train \
-             on those) is still to write. It needs the BPE tokenizer (`--config \
-             configs/bpe.toml`, where 30 of 32 sampled turns re-encode to other ids: \
-             trainer/tests/bpe.rs); with the default character tokenizer decode and encode are \
-             inverse, so the two arms would train the same data",
-        ),
+        about: "token-in-token-out (the learner trains the ids the engine sampled) against a \
+                text round trip (rollout.retokenize: each model turn decoded and encoded \
+                again, the learner trained on the re-encoded ids with the sampled log-prob \
+                mass spread over them), on configs/bpe.toml's BPE, in sync mode so that every \
+                trained token is zero-lag and any learner-behavior mismatch is the round \
+                trip's: the turns it changes, the zero-lag mismatch, the IS gate's drops, the \
+                reward and the held-out pass rates after the stage",
+        base_sets: &[
+            "tokenizer.kind=\"bpe\"",
+            "tokenizer.path=\"configs/tokenizer/tasks-bpe.json\"",
+            "run.mode=\"sync\"",
+        ],
+        arms: tito_arms,
+        columns: &[
+            ("turns a round trip changes", round_trip_changed),
+            ("turns trained re-encoded", round_trip_trained),
+            ("trained / sampled tokens", round_trip_tokens),
+            ("zero-lag tokens", zero_lag_tokens),
+            ("zero-lag mismatch", zero_lag_mismatch),
+            ("zero-lag mismatch share", zero_lag_mismatch_share),
+            ("lag-0 mean |logp diff|", lag0_abs_diff),
+            ("IS ratio max - min", ratio_spread),
+            ("IS gated", is_clip),
+            ("reward", reward),
+            ("sort pass after", sort_pass_after),
+            ("tool pass after", tool_pass_after),
+        ],
+        chart: ChartKind::Bars(5),
+        unavailable: None,
     },
     Experiment {
         name: "async-speedup",

@@ -25,6 +25,7 @@
 mod defs;
 mod opd;
 mod report;
+mod tito;
 
 pub use defs::{Arm, Experiment, EXPERIMENTS};
 

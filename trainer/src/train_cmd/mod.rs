@@ -242,6 +242,18 @@ fn plan(o: &TrainOptions) -> Result<Plan, TrainError> {
                 message: m,
             })
         })?;
+        // With a BPE, text tasks count the model turns a decode-then-encode round trip would
+        // change, and with rollout.retokenize train the re-encoded ids (sluice experiment tito).
+        let task =
+            if crate::tasks::is_text(&t.kind) && cfg.tokenizer.kind == config::TokenizerKind::Bpe {
+                crate::tasks::round_trip::RoundTrip::wrap(
+                    task,
+                    Arc::clone(&tok),
+                    cfg.rollout.retokenize,
+                )
+            } else {
+                task
+            };
         tasks.insert(t.name.clone(), task);
     }
     let out = match (&o.resume, &o.out) {
@@ -746,6 +758,9 @@ struct RlTotals {
     /// Finished trajectories by terminal reason.
     #[serde(default)]
     by_terminal: BTreeMap<String, u64>,
+    /// Text tasks' round trips (a BPE run; `rollout.retokenize`).
+    #[serde(default)]
+    round_trip: sluice_runtime::env::RoundTripCounts,
 }
 
 impl RunContext<'_> {

@@ -477,6 +477,7 @@ impl RunContext<'_> {
         for (k, n) in &report.rollout.env_faults {
             *t.env_faults.entry(k.clone()).or_default() += n;
         }
+        t.round_trip.add(&report.rollout.round_trip);
         for (k, n) in &report.rollout.by_terminal {
             *t.by_terminal.entry(k.clone()).or_default() += n;
         }

@@ -108,6 +108,9 @@ impl RunContext<'_> {
             "env_calls": tt.env_calls,
             "env_faults": tt.env_faults,
             "trajectories_by_terminal": tt.by_terminal,
+            // With a BPE: the text tasks' model turns, those a decode-then-encode round trip
+            // changes, those trained re-encoded (rollout.retokenize), and their tokens.
+            "round_trip": tt.round_trip,
             "group_dup_rate": t.map_or(0.0, |t| ratio(t.dup, t.released)),
             "zero_lag_tokens": t.map_or(0, |t| t.zero_lag),
             "zero_lag_mismatch_tokens": t.map_or(0, |t| t.zero_lag_mismatch),
