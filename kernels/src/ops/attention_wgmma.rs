@@ -21,10 +21,10 @@
 //! bits: the stage holds the same values.
 
 use crate::device::Backend;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::launch::Launch;
 use crate::ops::attention_tile::PagedArgs;
-use crate::dtype::DType;
 use crate::tensor::Tensor;
 use crate::tensor_map::{Swizzle, TensorMap, TiledMap};
 
