@@ -115,7 +115,7 @@ struct BwdSeq {
 
 // The dQ pass's consumer warpgroup c: rows (queries) at sequence positions row0 + 64 c + r.
 // q_row(r), do_row(r): the rows (nullptr past the sequence); lse_h, delta_h: head h's statistics
-// from the sequence start; dq_row(p): the output row of position p. n_tiles key tiles stream.
+// (its sequence's part, fragment order); dq_row(p): the output row of position p. n_tiles tiles.
 template <int DP, class QRow, class DoRow, class DqRow>
 __device__ __forceinline__ void dq_consume(int c, const sluice::Ring<STAGES>& ring,
                                            const void* smem_raw, unsigned char* smem,
@@ -194,8 +194,8 @@ __device__ __forceinline__ void dq_consume(int c, const sluice::Ring<STAGES>& ri
 
 // The dK/dV pass's consumer warpgroup c: rows (keys) at sequence positions key0 + 64 c + r.
 // k_row(r), v_row(r): the rows; item(i, h, q0): the head and first query position of stream
-// tile i; lse_of(h), delta_of(h): head h's statistics from the sequence start; dk_row(j),
-// dv_row(j): the output rows of key position j.
+// tile i; lse_of(h), delta_of(h): head h's statistics (its sequence's part, fragment order);
+// dk_row(j), dv_row(j): the output rows of key position j.
 template <int DP, class KRow, class VRow, class Item, class LseOf, class DeltaOf, class DkRow,
           class DvRow>
 __device__ __forceinline__ void dkdv_consume(int c, const sluice::Ring<STAGES>& ring,
