@@ -9,31 +9,42 @@
 //               (dS from registers, K MN-major). dQ *= scale at the end.
 //   dK/dV pass: a block owns 128 keys of one kv head (64 per warpgroup), K and V staged once;
 //               the ring streams (head of the GQA group ascending, query tile of 128 ascending)
-//               tiles of Q and dO. Per 32-query step: S^T = K Q^T and dP^T = V dO^T, then
-//               dV += bf16(P^T) dO and dK += bf16(dS^T) Q (registers x MN-major tiles).
-//               dK *= scale at the end.
+//               tiles of Q and dO. Per 64-query step: S^T = K Q^T and dP^T = V dO^T (wgmma
+//               m64n64k16 from shared memory), P and dS in registers with lse and delta read
+//               in fragment order (attention_bwd_stats.cuh), then dV += bf16(P^T) dO and
+//               dK += bf16(dS^T) Q (registers x MN-major tiles). dK *= scale at the end.
 //
 // THE ORDER is v2's, element by element: P = exp(s * scale - lse) (0 where masked), dS =
 // P * (dP - delta) (round-to-nearest multiply), P and dS rounded to bf16 as operands; dQ sums
 // over keys ascending, dK and dV over the group's heads ascending, then queries ascending, one
 // fmaf chain per element (the emulated wgmma adds in ascending k, as the emulated mma.sync
 // does). So under the emulator v3's gradients equal v2's bit for bit, and the CPU twin is v2's
-// (kernels/src/ops/attention/reference.rs). The only freedom is where a tile ends: a 32- or
-// 64-row step may cover masked rows v2's 16- or 32-row steps skip; they add P = +0 or dS = +-0 products,
-// which can change only the sign of a gradient element that is exactly zero.
+// (kernels/src/ops/attention/reference.rs). The only freedom is where a step ends: a 64-row step
+// may cover masked rows v2's 16- or 32-row steps skip; they add P = +0 or dS = +0 times a
+// finite bf16, a +-0 product, which changes no nonzero sum and can change only the sign of a
+// sum that is exactly zero (and a chain from +0 reaches -0 only through products that
+// underflow).
 #pragma once
 
+#include "attention_bwd_stats.cuh"
 #include "attention_wgmma.cuh"
 
 #if SLUICE_HOPPER_OK
 namespace sluice_attention_wgmma_bwd {
 
 using namespace sluice_attention_wgmma;
+using namespace sluice_attention_stats;
 
 constexpr int CONSUMERS = 2;
 constexpr int HALF = 64;   // keys of a stage tile per step of the dQ pass
-constexpr int QSTEP = 32;  // queries of a stage tile per step of the dK/dV pass (64 spilled at
-                           // D = 128: dK and dV take 128 registers a thread)
+// Queries of a stage tile per step of the dK/dV pass. 64, not 32: an m64n32 step re-reads its A
+// operand (K for S^T, V for dP^T: 64 x 16 per k16) once per 32 queries, as many shared-memory
+// wavefronts as its tensor time; at 64 the A reads are halved (docs/perf/attention.md, "v3's
+// dK/dV pass at 64 queries a step"). Registers: dK and dV 128 a thread, S^T and dP^T 64, under
+// the consumers' 232 only with the masking branch-free (p = seen ? exp(..) : 0 as a select: a
+// branch around each exp held about 30 more registers and spilled).
+constexpr int QSTEP = 64;
+static_assert(QSTEP == STAT_PAD, "a dK/dV step reads one STAT_PAD-aligned part of the stats");
 template <int DP>
 using BwdLayout = Layout<DP, CONSUMERS, 2>;
 
@@ -104,7 +115,7 @@ struct BwdSeq {
 
 // The dQ pass's consumer warpgroup c: rows (queries) at sequence positions row0 + 64 c + r.
 // q_row(r), do_row(r): the rows (nullptr past the sequence); lse_h, delta_h: head h's statistics
-// from the sequence start; dq_row(p): the output row of position p. n_tiles key tiles stream.
+// (its sequence's part, fragment order); dq_row(p): the output row of position p. n_tiles tiles.
 template <int DP, class QRow, class DoRow, class DqRow>
 __device__ __forceinline__ void dq_consume(int c, const sluice::Ring<STAGES>& ring,
                                            const void* smem_raw, unsigned char* smem,
@@ -130,8 +141,8 @@ __device__ __forceinline__ void dq_consume(int c, const sluice::Ring<STAGES>& ri
     for (int h = 0; h < 2; ++h) {
         pos[h] = first + 16 * warp + g + 8 * h;
         const bool in = pos[h] < sq.L;
-        lse[h] = in ? lse_h[pos[h]] : 0.0f;
-        delta[h] = in ? delta_h[pos[h]] : 0.0f;
+        lse[h] = in ? lse_h[stat_slot(pos[h])] : 0.0f;
+        delta[h] = in ? delta_h[stat_slot(pos[h])] : 0.0f;
     }
     // The last key any row of the warpgroup sees (uniform over the warpgroup).
     const int wg_last = sq.causal ? min(first + WG_ROWS - 1, sq.L - 1) : sq.L - 1;
@@ -183,8 +194,8 @@ __device__ __forceinline__ void dq_consume(int c, const sluice::Ring<STAGES>& ri
 
 // The dK/dV pass's consumer warpgroup c: rows (keys) at sequence positions key0 + 64 c + r.
 // k_row(r), v_row(r): the rows; item(i, h, q0): the head and first query position of stream
-// tile i; lse_of(h), delta_of(h): head h's statistics from the sequence start; dk_row(j),
-// dv_row(j): the output rows of key position j.
+// tile i; lse_of(h), delta_of(h): head h's statistics (its sequence's part, fragment order);
+// dk_row(j), dv_row(j): the output rows of key position j.
 template <int DP, class KRow, class VRow, class Item, class LseOf, class DeltaOf, class DkRow,
           class DvRow>
 __device__ __forceinline__ void dkdv_consume(int c, const sluice::Ring<STAGES>& ring,
@@ -238,22 +249,32 @@ __device__ __forceinline__ void dkdv_consume(int c, const sluice::Ring<STAGES>& 
             sluice::wgmma_fence_operand(s);
             sluice::wgmma_fence_operand(dp);
 #pragma unroll
-            for (int j = 0; j < QSTEP / 8; ++j)
+            for (int jp = 0; jp < QSTEP / 16; ++jp) {
+                // Columns j = 2jp, 2jp + 1: one 16-byte load of lse and of delta (stat_slot).
+                const int slot = i0 + 32 * (jp / 2) + 16 * (jp % 2) + 4 * t;
+                const float4 l4 = *reinterpret_cast<const float4*>(lse_h + slot);
+                const float4 d4 = *reinterpret_cast<const float4*>(delta_h + slot);
+                const float lse_c[4] = {l4.x, l4.y, l4.z, l4.w};
+                const float delta_c[4] = {d4.x, d4.y, d4.z, d4.w};
 #pragma unroll
-                for (int cc = 0; cc < 2; ++cc) {
-                    const int i = i0 + 8 * j + 2 * t + cc;  // the query of this column
-                    const bool in = i < sq.L;
-                    const float lse = in ? lse_h[i] : 0.0f;
-                    const float delta = in ? delta_h[i] : 0.0f;
+                for (int jj = 0; jj < 2; ++jj)
 #pragma unroll
-                    for (int hh = 0; hh < 2; ++hh) {
-                        const int e = 4 * j + 2 * hh + cc;
-                        const bool seen = in && kpos[hh] < sq.L && (!sq.causal || i >= kpos[hh]);
-                        const float p = seen ? expf(mul_rn(s[e], sq.scale) - lse) : 0.0f;
-                        s[e] = p;
-                        dp[e] = seen ? mul_rn(p, dp[e] - delta) : 0.0f;
+                    for (int cc = 0; cc < 2; ++cc) {
+                        const int j = 2 * jp + jj;
+                        const int i = i0 + 8 * j + 2 * t + cc;  // the query of this column
+                        const bool in = i < sq.L;
+#pragma unroll
+                        for (int hh = 0; hh < 2; ++hh) {
+                            const int e = 4 * j + 2 * hh + cc;
+                            const bool seen =
+                                in && kpos[hh] < sq.L && (!sq.causal || i >= kpos[hh]);
+                            const float ex = expf(mul_rn(s[e], sq.scale) - lse_c[2 * jj + cc]);
+                            const float p = seen ? ex : 0.0f;
+                            s[e] = p;
+                            dp[e] = seen ? mul_rn(p, dp[e] - delta_c[2 * jj + cc]) : 0.0f;
+                        }
                     }
-                }
+            }
             uint32_t pp[QSTEP / 16][4], pd[QSTEP / 16][4];
             pack_frags<QSTEP>(pp, s);
             pack_frags<QSTEP>(pd, dp);

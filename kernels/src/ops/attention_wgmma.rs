@@ -21,6 +21,7 @@
 //! bits: the stage holds the same values.
 
 use crate::device::Backend;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::launch::Launch;
 use crate::ops::attention_tile::PagedArgs;
@@ -198,9 +199,57 @@ pub(crate) fn launch_forward(
     )
 }
 
-/// Launches the v3 backward: v2's prep kernel (delta = rowsum(dO * O), lse and delta
-/// head-major), then the dK/dV pass per 128 keys of a kv head and the dQ pass per 128 queries of
-/// a head (kernels/cuda/attention_wgmma_bwd.cu), each output row written once, no atomics.
+/// Alignment of a sequence's part of the backward's statistics, in positions (STAT_PAD of
+/// kernels/cuda/common/attention_bwd_stats.cuh: the dK/dV pass's query step).
+const STAT_PAD: usize = 64;
+
+/// Floats per head of the backward's statistics in fragment order (attention_bwd_stats.cuh's
+/// stat_stride): every sequence's part starts STAT_PAD-aligned.
+fn stat_stride(t: usize, b: usize) -> usize {
+    t.div_ceil(STAT_PAD) * STAT_PAD + STAT_PAD * b
+}
+
+/// v3's prep: delta = rowsum(dO * O) in v2's order and lse, both [H, stat_stride(T, B)] in the
+/// fragment order the passes read with 16-byte loads (attention_bwd_stats.cuh). The slots
+/// between sequences are never written and never read as values (the passes mask them).
+fn launch_backward_prep(
+    backend: &Backend,
+    dout: &Tensor,
+    out: &Tensor,
+    lse_rows: &Tensor,
+    cu_seqlens: &Tensor,
+    (t, h, d): (usize, usize, usize),
+) -> Result<(Tensor, Tensor)> {
+    let b = cu_seqlens.numel() - 1;
+    let stride = stat_stride(t, b);
+    if stride > i32::MAX as usize {
+        return Err(Error::Invalid(format!(
+            "{t} tokens in {b} sequences exceed the backward's 32-bit statistics offsets"
+        )));
+    }
+    let delta = Tensor::poisoned(backend, &[h, stride], DType::F32)?;
+    let lse = Tensor::poisoned(backend, &[h, stride], DType::F32)?;
+    let rows = u32::try_from((t * h).div_ceil(4))
+        .map_err(|_| Error::Invalid(format!("{t} x {h} rows exceed a grid's x dimension")))?;
+    backend.launch(
+        &Launch::new("attention_wgmma_bwd_prep", [rows, 1, 1], [128, 1, 1])
+            .arg_tensor(dout)
+            .arg_tensor(out)
+            .arg_tensor(lse_rows)
+            .arg_tensor(cu_seqlens)
+            .arg_i32(b as i32)
+            .arg_i32(t as i32)
+            .arg_i32(h as i32)
+            .arg_i32(d as i32)
+            .arg_tensor(&delta)
+            .arg_tensor(&lse),
+    )?;
+    Ok((delta, lse))
+}
+
+/// Launches the v3 backward: its prep (delta = rowsum(dO * O) and lse in fragment order), then
+/// the dK/dV pass per 128 keys of a kv head and the dQ pass per 128 queries of a head
+/// (kernels/cuda/attention_wgmma_bwd.cu), each output row written once, no atomics.
 /// `inputs`: q, k, v, cu_seqlens, dout (BF16), out, lse (F32); `grads`: dq, dk, dv (F32). The
 /// bits are v2's backward's on emu (the same operations in the same order).
 pub(crate) fn launch_backward(
@@ -215,8 +264,7 @@ pub(crate) fn launch_backward(
     let [q, k, v, cu_seqlens, dout, out, lse_rows] = inputs;
     let [dq, dk, dv] = grads;
     let b = cu_seqlens.numel() - 1;
-    let (delta, lse) =
-        crate::ops::attention_tile::launch_backward_prep(backend, dout, out, lse_rows, (t, h, d))?;
+    let (delta, lse) = launch_backward_prep(backend, dout, out, lse_rows, cu_seqlens, (t, h, d))?;
     let blocks = query_tile_blocks(t, b, 1)?;
     let dp = padded_head_dim(d);
     let smem = shared_bytes_with(d, 2, 2);
