@@ -309,10 +309,11 @@ fn async_outpaces_sync_when_the_environment_is_slow() {
     assert!((speedup - a / s).abs() < 1e-9);
 }
 
-/// The tito preset: the mini model on configs/bpe.toml's BPE (the experiment sets the
-/// tokenizer), a 30-step warm-up of its own (the shared one is on the character vocabulary),
-/// then 3 RL steps per arm. A short warm-up leaves the model unsure enough to sample turns a
-/// round trip changes (docs/perf/experiments.md: 5% after 30 steps, 0.1% after 150).
+/// The tito preset: the mini model on the experiment's digit-triples BPE (the experiment sets
+/// the tokenizer), a 60-step warm-up of its own (the shared one is on the character
+/// vocabulary), then 3 RL steps per arm. Even a model sure of its format samples number
+/// tokenizations the BPE would not write (`1` `36` `89` for `136` `89`), and a round trip
+/// changes those turns (docs/perf/experiments.md: 8% after the standard 150-step warm-up).
 #[test]
 fn a_text_round_trip_trains_other_ids_and_breaks_the_zero_lag_match() {
     let dir = scratch("exp-tito");
@@ -321,7 +322,7 @@ fn a_text_round_trip_trains_other_ids_and_breaks_the_zero_lag_match() {
         &cfg,
         "[run]\nlog_every = 1000\ncheckpoint_every = 0\n\
          [model]\nconfig = \"configs/model/mini.toml\"\n\
-         [[stage]]\nkind = \"sft\"\nsteps = 30\ntasks = [\"sort\", \"tool\"]\n\
+         [[stage]]\nkind = \"sft\"\nsteps = 60\ntasks = [\"sort\", \"tool\"]\n\
          [[stage]]\nkind = \"rl\"\nsteps = 3\ntasks = [\"sort\", \"tool\"]\n\
          [rollout]\neval_problems = 8\n\
          [tasks.sort]\ndigits = 4\n",
@@ -342,7 +343,7 @@ fn a_text_round_trip_trains_other_ids_and_breaks_the_zero_lag_match() {
         serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
     assert_eq!(r["clock"], "virtual");
     assert!(
-        r["sets"].to_string().contains("tasks-bpe.json"),
+        r["sets"].to_string().contains("tasks-bpe-digits3.json"),
         "{}",
         r["sets"]
     );
@@ -353,11 +354,13 @@ fn a_text_round_trip_trains_other_ids_and_breaks_the_zero_lag_match() {
     for arm in ["tito", "roundtrip"] {
         let n = value(&r, arm, "zero-lag tokens");
         assert!(n >= 500.0, "{arm}: {n} zero-lag tokens");
-        // The hazard is in both arms' samples: turns whose decode-then-encode gives other ids.
+        // The hazard is in both arms' samples: turns whose decode-then-encode gives other
+        // ids, a visible share of them (measured 0.19 on this preset; 0.03 with the
+        // digit-per-token BPE of configs/bpe.toml, whose only merges are in `sort`).
         let hazard = value(&r, arm, "turns a round trip changes");
         assert!(
-            hazard > 0.0,
-            "{arm}: no sampled turn changes in a round trip"
+            hazard >= 0.05,
+            "{arm}: {hazard} of the sampled turns change in a round trip"
         );
     }
     // tito trains the sampled ids: nothing re-encoded, the learner's log-probs equal the
@@ -381,6 +384,11 @@ fn a_text_round_trip_trains_other_ids_and_breaks_the_zero_lag_match() {
     assert!(value(&r, "roundtrip", "zero-lag mismatch") > 0.0);
     assert!(value(&r, "roundtrip", "lag-0 mean |logp diff|") > 0.0);
     assert!(value(&r, "roundtrip", "IS ratio max - min") > 0.0);
+    // Re-encoding changes how many ids are trained, and the IS gate drops some of them
+    // (measured: 0.999 trained / sampled, 14% of the zero-lag tokens mismatched, 11% gated).
+    assert_ne!(value(&r, "roundtrip", "trained / sampled tokens"), 1.0);
+    assert!(value(&r, "roundtrip", "zero-lag mismatch share") >= 0.02);
+    assert!(value(&r, "roundtrip", "IS gated") > 0.0);
     // The switch is refused where it would change nothing or has no text: exit 2, the key
     // named, no run folder.
     for (sets, want) in [

@@ -695,13 +695,15 @@ pub static EXPERIMENTS: &[Experiment] = &[
         about: "token-in-token-out (the learner trains the ids the engine sampled) against a \
                 text round trip (rollout.retokenize: each model turn decoded and encoded \
                 again, the learner trained on the re-encoded ids with the sampled log-prob \
-                mass spread over them), on configs/bpe.toml's BPE, in sync mode so that every \
-                trained token is zero-lag and any learner-behavior mismatch is the round \
+                mass spread over them), on a BPE that merges digit pairs and triples \
+                (configs/tokenizer/tasks-bpe-digits3.json, 512 ids; configs/bpe.toml's \
+                digit-per-token one with --set tokenizer.path=...), in sync mode so that \
+                every trained token is zero-lag and any learner-behavior mismatch is the round \
                 trip's: the turns it changes, the zero-lag mismatch, the IS gate's drops, the \
                 reward and the held-out pass rates after the stage",
         base_sets: &[
             "tokenizer.kind=\"bpe\"",
-            "tokenizer.path=\"configs/tokenizer/tasks-bpe.json\"",
+            "tokenizer.path=\"configs/tokenizer/tasks-bpe-digits3.json\"",
             "run.mode=\"sync\"",
         ],
         arms: tito_arms,

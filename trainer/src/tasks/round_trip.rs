@@ -444,6 +444,47 @@ mod tests {
     }
 
     #[test]
+    fn a_number_sampled_in_other_pieces_is_re_split_as_the_digit_triples_bpe_splits_it() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../configs/tokenizer/tasks-bpe-digits3.json");
+        let tok = TextTokenizer::Bpe(Arc::new(super::super::bpe::Bpe::load(&path).unwrap()));
+        // `1924` encodes as `192` `4`; sampled one digit per token, then `<eot>`.
+        let canonical = ids(&tok, &["192", "4"]);
+        assert_eq!(canonical.len(), 2);
+        assert_eq!(tok.encode("1924").unwrap(), canonical);
+        let bytes = ids(&tok, &["1", "9", "2", "4", "<eot>"]);
+        let s0 = sample(
+            &ids(&tok, &["<bos><user>37*52<eot><assistant>"]),
+            &[(bytes, true)],
+        );
+        let mut s = s0.clone();
+        let c = round_trip(&tok, &mut s, true);
+        assert_eq!((c.turns, c.turns_changed, c.turns_retokenized), (1, 1, 1));
+        assert_eq!((c.tokens_sampled, c.tokens_trained), (5, 3));
+        s.validate().unwrap();
+        let p = s0.prompt_len;
+        assert_eq!(
+            &s.tokens[p..],
+            &[canonical.clone(), ids(&tok, &["<eot>"])].concat()[..]
+        );
+        // `192`: the mass of `1` `9` `2` (-0.25 - 0.5 - 0.75), the version of `2`; `4` and
+        // `<eot>` as sampled, bit for bit.
+        assert_eq!(s.behavior_logp[p], -1.5);
+        assert_eq!(s.weight_version[p], WeightVersion(4));
+        assert_eq!(&s.behavior_logp[p + 1..], &s0.behavior_logp[p + 3..]);
+        assert_eq!(&s.weight_version[p + 1..], &s0.weight_version[p + 3..]);
+        // The same text sampled canonically round-trips unchanged.
+        let s1 = sample(
+            &ids(&tok, &["<bos><user>37*52<eot><assistant>"]),
+            &[(ids(&tok, &["192", "4", "<eot>"]), true)],
+        );
+        let mut s = s1.clone();
+        let c = round_trip(&tok, &mut s, true);
+        assert_eq!((c.turns, c.turns_changed), (1, 0));
+        assert_eq!(s, s1);
+    }
+
+    #[test]
     fn a_lone_byte_becomes_the_replacement_characters_bytes_sharing_its_logp() {
         let tok = bpe();
         // A byte that is not a character on its own (one of 0x80-0xFF) then `5`: the text is
