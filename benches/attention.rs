@@ -1,11 +1,13 @@
 //! Attention benches: training forward/backward and paged decode. CPU always; CUDA at the H200
 //! target shapes when a GPU is present (skipped silently otherwise). Throughput is printed as
 //! elements/s where one element is one FLOP (training; 4*D per visible query-key pair and head
-//! forward, 2.5x that backward) or one byte of K/V read (decode).
+//! forward, 2.5x that backward) or one byte of K/V read (decode). On an sm_90 GPU the target
+//! shapes run on v3 (`AttentionPath::Wgmma`) as well as on the process's path.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use sluice_kernels::ops::attention::{attention_backward_saved, attention_forward};
-use sluice_kernels::ops::paged_attention::paged_attention;
+use sluice_kernels::ops::attention::{attention_backward_saved, attention_forward_on};
+use sluice_kernels::ops::attention_tile::{attention_path, AttentionPath};
+use sluice_kernels::ops::paged_attention::paged_attention_on;
 use sluice_kernels::testing::Rng;
 use sluice_kernels::{Backend, DType, Device, Tensor};
 use std::hint::black_box;
@@ -41,7 +43,14 @@ fn train_inputs(be: &Backend, s: &Train, dtype: DType) -> [Tensor; 5] {
     ]
 }
 
-fn bench_train(c: &mut Criterion, be: &Backend, label: &str, s: &Train, dtype: DType) {
+fn bench_train(
+    c: &mut Criterion,
+    be: &Backend,
+    label: &str,
+    s: &Train,
+    dtype: DType,
+    path: AttentionPath,
+) {
     let [q, k, v, cu, dout] = train_inputs(be, s, dtype);
     let mut g = c.benchmark_group(format!("attention/{label}"));
     g.sample_size(10)
@@ -50,12 +59,12 @@ fn bench_train(c: &mut Criterion, be: &Backend, label: &str, s: &Train, dtype: D
     g.throughput(Throughput::Elements(s.fwd_flops()));
     g.bench_function("forward_flops", |b| {
         b.iter(|| {
-            let o = attention_forward(be, &q, &k, &v, &cu, true, None).unwrap();
+            let o = attention_forward_on(path, be, &q, &k, &v, &cu, true, None).unwrap();
             be.synchronize().unwrap();
             black_box(o)
         })
     });
-    let fwd = attention_forward(be, &q, &k, &v, &cu, true, None).unwrap();
+    let fwd = attention_forward_on(path, be, &q, &k, &v, &cu, true, None).unwrap();
     g.throughput(Throughput::Elements(s.fwd_flops() * 5 / 2));
     g.bench_function("backward_flops", |b| {
         b.iter(|| {
@@ -79,7 +88,14 @@ struct Decode {
     bs: usize,
 }
 
-fn bench_decode(c: &mut Criterion, be: &Backend, label: &str, s: &Decode, dtype: DType) {
+fn bench_decode(
+    c: &mut Criterion,
+    be: &Backend,
+    label: &str,
+    s: &Decode,
+    dtype: DType,
+    path: AttentionPath,
+) {
     let mut rng = Rng::new(2);
     let mb = s.ctx.div_ceil(s.bs);
     let nb = s.b * mb;
@@ -108,7 +124,7 @@ fn bench_decode(c: &mut Criterion, be: &Backend, label: &str, s: &Decode, dtype:
     g.throughput(Throughput::Bytes(kv_bytes));
     g.bench_function("decode_kv_bytes", |b| {
         b.iter(|| {
-            let o = paged_attention(be, &q, &kc, &vc, &bt, &cl, None).unwrap();
+            let o = paged_attention_on(path, be, &q, &kc, &vc, &bt, &cl, None).unwrap();
             be.synchronize().unwrap();
             black_box(o)
         })
@@ -118,6 +134,7 @@ fn bench_decode(c: &mut Criterion, be: &Backend, label: &str, s: &Decode, dtype:
 
 fn benches(c: &mut Criterion) {
     let cpu = Backend::Cpu;
+    let path = attention_path().unwrap();
     let small = Train {
         seqs: 4,
         len: 256,
@@ -125,7 +142,14 @@ fn benches(c: &mut Criterion) {
         hkv: 2,
         d: 64,
     };
-    bench_train(c, &cpu, "cpu_f32_4x256_h8_kv2_d64", &small, DType::F32);
+    bench_train(
+        c,
+        &cpu,
+        "cpu_f32_4x256_h8_kv2_d64",
+        &small,
+        DType::F32,
+        path,
+    );
     let dec = Decode {
         b: 16,
         h: 8,
@@ -134,7 +158,14 @@ fn benches(c: &mut Criterion) {
         ctx: 1024,
         bs: 16,
     };
-    bench_decode(c, &cpu, "cpu_f32_b16_h8_kv2_d64_ctx1024", &dec, DType::F32);
+    bench_decode(
+        c,
+        &cpu,
+        "cpu_f32_b16_h8_kv2_d64_ctx1024",
+        &dec,
+        DType::F32,
+        path,
+    );
     if let Ok(gpu) = Backend::open(Device::Cuda(0)) {
         let target = Train {
             seqs: 8,
@@ -143,7 +174,14 @@ fn benches(c: &mut Criterion) {
             hkv: 32,
             d: 128,
         };
-        bench_train(c, &gpu, "cuda_bf16_8x4096_h32_d128", &target, DType::BF16);
+        bench_train(
+            c,
+            &gpu,
+            "cuda_bf16_8x4096_h32_d128",
+            &target,
+            DType::BF16,
+            path,
+        );
         let dec = Decode {
             b: 256,
             h: 32,
@@ -158,7 +196,28 @@ fn benches(c: &mut Criterion) {
             "cuda_bf16_b256_h32_d128_ctx4096",
             &dec,
             DType::BF16,
+            path,
         );
+        // v3 where the GPU has wgmma (sm_90), beside the process's path.
+        let v3 = AttentionPath::Wgmma;
+        if path != v3 && sluice_kernels::ops::attention_wgmma::check_device(&gpu).is_ok() {
+            bench_train(
+                c,
+                &gpu,
+                "cuda_bf16_8x4096_h32_d128_v3",
+                &target,
+                DType::BF16,
+                v3,
+            );
+            bench_decode(
+                c,
+                &gpu,
+                "cuda_bf16_b256_h32_d128_ctx4096_v3",
+                &dec,
+                DType::BF16,
+                v3,
+            );
+        }
     }
 }
 

@@ -7,10 +7,13 @@ Steps:
 2. exports the small model's weights and one batch from sluice (SLUICE_PEER_DIR) and runs the
    peer's numerics check on them (scripts/peer-xla.py check: same loss and gradient norm of the
    same batch, decode logits equal to the full forward), so both sides time the same model;
-3. ROUNDS rounds (default 3), each: sluice decode (B = 1, 4, 16, 64), peer decode (dense and
-   top-k forms), sluice train step (forward, backward, optimizer), peer train step (dense and
-   ragged top-k forms); the load average is read before each program;
-4. the medians over rounds of each program's own median, and the ratios, into the report.
+3. ROUNDS rounds (default 3), each: sluice decode (B = 1, 4, 16, 64) and peer decode (every MoE
+   form), then sluice train step (forward, backward, optimizer) and peer train step (every MoE
+   form), each pair in alternating order (sluice first in odd rounds, the peer first in even
+   ones); the load average is read before each program;
+4. the medians over rounds of each program's own median; for each measurement the peer's
+   fastest form (by that median), named, its ratio to sluice, and the ratio of each round's
+   pair, into the report.
 
 Only Python's standard library here; the peer makes its own venv (.venv-xla/).
 Usage: python3 scripts/compare-xla.py [--rounds 3] [--out docs/perf/cpu-vs-xla.md]
@@ -93,13 +96,14 @@ def main():
     rows = []  # (round, program, record)
     loads = []
     for r in range(args.rounds):
-        steps = [
-            ("sluice decode", rollout),
-            ("peer decode", peer + ["decode", "--model", MODEL, "--checkpoint", ckpt]),
-            ("sluice train", train),
-            ("peer train", peer + ["train", "--model", MODEL, "--checkpoint", ckpt]),
-        ]
-        for name, cmd in steps:
+        decode = [("sluice decode", rollout),
+                  ("peer decode", peer + ["decode", "--model", MODEL, "--checkpoint", ckpt])]
+        training = [("sluice train", train),
+                    ("peer train", peer + ["train", "--model", MODEL, "--checkpoint", ckpt])]
+        if r % 2:
+            decode.reverse()
+            training.reverse()
+        for name, cmd in decode + training:
             before = load()
             loads.append(before)
             print(f"round {r + 1}: {name} (load {before:.2f})", file=sys.stderr)
@@ -112,6 +116,20 @@ def main():
     for _, _, rec in rows:
         series.setdefault((rec["what"], rec["form"], str(rec["batch"])), []).append(rec["ms"])
     med = {key: median(v) for key, v in series.items()}
+    per_round = {}
+    for r, _, rec in rows:
+        per_round[(r, rec["what"], rec["form"], str(rec["batch"]))] = rec["ms"]
+
+    def fastest(what, batch, forms):
+        # The peer's fastest form of one measurement, by its median over rounds.
+        known = [(med[(what, f, batch)], f) for f in forms if (what, f, batch) in med]
+        return min(known) if known else (None, None)
+
+    def paired(what, batch, form):
+        # Each round's peer / sluice of the same measurement (the two ran back to back).
+        return [per_round[(r, what, form, batch)] / per_round[(r, what, "sluice", batch)]
+                for r in range(args.rounds)
+                if (r, what, form, batch) in per_round and (r, what, "sluice", batch) in per_round]
 
     commit = run(["git", "rev-parse", "--short", "HEAD"]).strip()
     dirty = run(["git", "status", "--porcelain", "--untracked-files=no"]).strip()
@@ -135,7 +153,21 @@ def main():
         "",
         "Each figure is the median over rounds of each program's own median (sluice: 5 fresh",
         "engines x 64 decode steps, 7 train steps; peer: 5 x 63 decode steps, 5 train steps, after",
-        "compilation).",
+        "compilation). Both sides run f32 on every core of the machine; each number is the wall",
+        "time of one step.",
+        "",
+        "The peer runs each measurement in every MoE form it has and the fastest one (by its",
+        "median over rounds) is set against sluice: `dense` (every expert on every token, gates 0",
+        "outside the top-k: 4x the expert FLOPs of top-2 of 8, in einsums), `dense_flat` (decode:",
+        "the same as three plain matmuls on weights laid out once), `topk` (decode: each token's",
+        "k experts' weights gathered), `ragged` (train: tokens sorted by expert, one",
+        "`jax.lax.ragged_dot` per weight) and `blocksparse` (token-slots sorted by expert, each",
+        "expert's segment padded to whole blocks, one batched matmul over the blocks with each",
+        "block's expert weights gathered, rows scattered back: MegaBlocks' layout, 128-row blocks",
+        "at the train step's 4096 token-slots, where 32, 64 and 256 rows ran slower; sluice's own",
+        "MoE is a grouped GEMM over exact per-expert segments). Every form is checked below",
+        "against sluice's loss and gradient norm, its gradients against the dense form's, and its",
+        "decode against its full forward.",
         "",
         "## Numerics check (same model)",
         "",
@@ -148,6 +180,8 @@ def main():
                          f"{c['loss_rel_diff']:.1e} | {c['ok']} |")
             lines.append(f"| gradient global norm | {c['form']} | {c['grad_norm']:.7f} | {c['sluice_grad_norm']:.7f} | "
                          f"{c['grad_norm_rel_diff']:.1e} | {c['ok']} |")
+            lines.append(f"| every gradient tensor vs the dense form's, max abs diff / max abs | {c['form']} | "
+                         f"{c['grad_vs_dense_rel_max']:.1e} | - | - | {c['ok']} |")
         else:
             lines.append(f"| peer decode (KV cache) vs its full forward, max rel. logit diff | {c['form']} | "
                          f"{c['decode_vs_forward_rel_max']:.1e} | - | - | {c['ok']} |")
@@ -155,44 +189,58 @@ def main():
         "",
         "## Decode step (ms per step; B sequences, one token each, contexts 17..80)",
         "",
-        "| B | sluice | peer dense (einsum) | peer dense (3 flat matmuls) | peer top-k (gathered experts) | peer fastest / sluice | sluice system CPU share |",
-        "|---|---|---|---|---|---|---|",
+        "| B | sluice | peer dense (einsum) | peer dense (3 flat matmuls) | peer top-k (gathered experts) | peer block-sparse | peer fastest / sluice (form; each round's pair) | sluice system CPU share |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     fmt = lambda x: f"{x:.3f}" if x is not None else "-"
+    fmt1 = lambda x: f"{x:.1f}" if x is not None else "-"
+    decode_forms = ("dense", "dense_flat", "topk", "blocksparse")
+
+    def ratio_cell(what, b, s, forms):
+        best, form = fastest(what, b, forms)
+        if not (s and best):
+            return "-"
+        pairs = paired(what, b, form)
+        spread = f"{min(pairs):.2f}-{max(pairs):.2f}" if pairs else "-"
+        return f"{best / s:.2f}x ({form}; {spread})"
+
     for b in ("1", "4", "16", "64"):
         s = med.get(("decode", "sluice", b))
-        peers = [med.get(("decode", f, b)) for f in ("dense", "dense_flat", "topk")]
-        known = [x for x in peers if x is not None]
-        fastest = min(known) if known else None
-        ratio = f"{fastest / s:.2f}x" if s and fastest else "-"
+        peers = [med.get(("decode", f, b)) for f in decode_forms]
         user = sum(r.get("user_s", 0.0) for _, _, r in rows if r["what"] == "decode" and r["form"] == "sluice" and str(r["batch"]) == b)
         sys_s = sum(r.get("sys_s", 0.0) for _, _, r in rows if r["what"] == "decode" and r["form"] == "sluice" and str(r["batch"]) == b)
         share = f"{100 * sys_s / (user + sys_s):.1f}% ({sys_s:.2f} of {user + sys_s:.2f} s)" if user + sys_s > 0 else "-"
-        lines.append(f"| {b} | {fmt(s)} | {fmt(peers[0])} | {fmt(peers[1])} | {fmt(peers[2])} | {ratio} | {share} |")
+        lines.append(f"| {b} | {fmt(s)} | {' | '.join(fmt(x) for x in peers)} | {ratio_cell('decode', b, s, decode_forms)} | {share} |")
     lines += [
         "",
         "A ratio above 1 means sluice is faster. The system CPU share is of the timed decode steps",
         "of every round together (user and system CPU seconds from /proc/self/stat).",
     ]
+    forms = ("dense", "ragged", "blocksparse")
     s = med.get(("train", "sluice", "32x64"))
     sf = med.get(("train_fwd_bwd", "sluice", "32x64"))
-    pd = med.get(("train", "dense", "32x64"))
-    pr = med.get(("train", "ragged", "32x64"))
-    fastest = min(x for x in (pd, pr) if x is not None)
+    names = {"dense": "dense MoE (einsum)", "ragged": "top-k MoE (ragged_dot)",
+             "blocksparse": "top-k MoE (block-sparse)"}
     lines += [
         "",
         "## Train step (32 sequences x 64 tokens: forward, loss, backward, optimizer)",
         "",
         "| program | ms per step |",
         "|---|---|",
-        f"| sluice (forward + backward only) | {sf:.1f} |",
-        f"| sluice (with Muon + AdamW) | {s:.1f} |",
-        f"| peer, dense MoE, one compiled step | {pd:.1f} |",
-        f"| peer, top-k MoE (ragged_dot), one compiled step | {pr:.1f} |",
-        f"| peer fastest / sluice | {fastest / s:.2f}x |",
+        f"| sluice (forward + backward only) | {fmt1(sf)} |",
+        f"| sluice (with Muon + AdamW) | {fmt1(s)} |",
+    ]
+    for f in forms:
+        lines.append(f"| peer, {names[f]}, one compiled step | {fmt1(med.get(('train', f, '32x64')))} |")
+    lines += [
+        f"| peer fastest / sluice (form; each round's pair) | {ratio_cell('train', '32x64', s, forms)} |",
         "",
-        "A ratio above 1 means sluice is faster. What changed in sluice's CPU path to get here, and",
-        "what each change kept, is docs/perf/cpu-path.md.",
+        "A ratio above 1 means sluice is faster; each round's pair is that round's peer step over",
+        "its sluice step, the two run back to back. Until 2026-12-06 the peer trained in the dense",
+        "and ragged forms only, which XLA runs 2.5-3x slower than the block-sparse one on this",
+        "machine: the report of 2026-12-01 (commit 3af1b5b) put sluice 2.27x ahead on the train",
+        "step, a lead over a slow peer rather than over XLA. What changed in sluice's CPU path,",
+        "and what each change kept, is docs/perf/cpu-path.md.",
         "",
         "## Every run",
         "",

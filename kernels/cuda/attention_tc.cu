@@ -14,6 +14,7 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "common/attention_bwd_stats.cuh"
 #include "common/attention_tile.cuh"
 
 namespace sluice_attention_tc {
@@ -180,21 +181,15 @@ __device__ __forceinline__ void store_rows(const float (&acc)[DP / 8][4], float*
     }
 }
 
-// delta[h][t] = rowsum(dO * O) and lse[h][t], head-major for the two passes' coalesced reads.
-// One warp per (token, head) row: lane l adds d = l, l + 32, ... ascending (fmaf from 0), then
-// the 32 partial sums meet in an xor tree (16, 8, 4, 2, 1); the CPU twin is delta_tiles in
-// kernels/src/ops/attention_tile.rs.
+// delta[h][t] = rowsum(dO * O) (common/attention_bwd_stats.cuh's order) and lse[h][t],
+// head-major for the two passes' coalesced reads. One warp per (token, head) row.
 __device__ void prep_impl(const __nv_bfloat16* __restrict__ dout, const float* __restrict__ out,
                           const float* __restrict__ lse, int T_tokens, int H, int D,
                           float* __restrict__ delta_t, float* __restrict__ lse_t) {
     const int lane = threadIdx.x % 32;
     const long long r = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (r >= (long long)T_tokens * H) return;  // warp-uniform
-    float acc = 0.0f;
-    for (int d = lane; d < D; d += 32)
-        acc = fmaf(__bfloat162float(dout[r * D + d]), out[r * D + d], acc);
-#pragma unroll
-    for (int off = 16; off >= 1; off /= 2) acc = acc + __shfl_xor_sync(0xffffffffu, acc, off);
+    const float acc = sluice_attention_stats::row_delta(dout + r * D, out + r * D, D, lane);
     if (lane == 0) {
         const long long t = r / H, h = r % H;
         delta_t[h * T_tokens + t] = acc;

@@ -391,8 +391,11 @@ void fence_proxy_async(const std::source_location&) {
 
 void async_proxy_read(const void* p, unsigned bytes, unsigned swizzle, const std::source_location& loc) {
   Worker& w = current("async_proxy_read");
-  if (w.L->checks != kChecksFull || bytes == 0) return;
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  // Bounds, a copy in flight, races: the operand's bytes as a read by the issuing thread (the
+  // emulation's per-thread element reads are not instrumented; hopper.cuh).
+  check_access(a, bytes, 0, 0, loc.file_name(), loc.line());
+  if (w.L->checks != kChecksFull || bytes == 0) return;
   Region* r = shared_region(w, a);
   if (!r || !r->proxy_tag) return;
   const size_t g0 = (a - r->start) / kGranule, g1 = (a - r->start + bytes - 1) / kGranule;
@@ -482,7 +485,8 @@ void wgmma_accumulator(const float* d, float* out, unsigned bytes) {
   std::memcpy(out, d, bytes);
 }
 
-void wgmma_issue(float* d, const float* value, unsigned bytes, const std::source_location& loc) {
+void wgmma_issue(float* d, const float* value, unsigned bytes, const std::source_location& loc, const void* a,
+                 unsigned a_bytes) {
   Worker& w = current("wgmma");
   Fiber& f = *t_cur;
   if (bytes > sizeof(PendingWgmma::value)) {
@@ -492,6 +496,8 @@ void wgmma_issue(float* d, const float* value, unsigned bytes, const std::source
   PendingWgmma p;
   p.d = d;
   p.bytes = bytes;
+  p.a = a;
+  p.a_bytes = a_bytes;
   p.group = -1;
   p.file = loc.file_name();
   p.line = loc.line();

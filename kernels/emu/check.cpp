@@ -458,6 +458,18 @@ void check_watch(uintptr_t a, size_t n, unsigned flags, uintptr_t pc) {
              pc);
       return;
     }
+    // The register-source form reads A from the thread's registers while it runs: touching them
+    // before the wait is undefined (the PTX ISA, wgmma.mma_async); a write may change the product.
+    const uintptr_t ra = reinterpret_cast<uintptr_t>(p.a);
+    if (p.a && a < ra + p.a_bytes && ra < a + n) {
+      report(*w, "async-operand-before-wait",
+             where(*w) + " " + thread_str(*f) +
+                 format(": %s of the A registers of the wgmma issued at %s:%u before the wgmma_wait that ends it "
+                        "(the instruction reads them asynchronously)",
+                        access_word(flags), p.file, p.line),
+             pc);
+      return;
+    }
   }
 }
 

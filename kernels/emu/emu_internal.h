@@ -153,6 +153,10 @@ enum FiberState : unsigned char { kReady, kRunning, kBarrier, kWarp, kWarpGroup,
 struct PendingWgmma {
   float* d;
   unsigned bytes;
+  // The A fragment's registers of the register-source form (null for shared-memory A): the
+  // thread's own registers, which it must not touch until the wait (PTX ISA, wgmma.mma_async).
+  const void* a;
+  unsigned a_bytes;
   int group;  // -1 while not committed
   const char* file;
   unsigned line;

@@ -189,7 +189,11 @@ void cp_async_wait(int pending_groups, const std::source_location& loc);
 // else d itself); then the issue of a result, which d receives at the wgmma_wait that covers its
 // commit group (d holds NaN until then).
 void wgmma_accumulator(const float* d, float* out, unsigned bytes);
-void wgmma_issue(float* d, const float* value, unsigned bytes, const std::source_location& loc);
+// `a`, `a_bytes`: the A fragment's registers of the register-source form (nullptr, 0 when A is in
+// shared memory); the thread must not read or write them until the same wait
+// (`async-operand-before-wait`).
+void wgmma_issue(float* d, const float* value, unsigned bytes, const std::source_location& loc,
+                 const void* a = nullptr, unsigned a_bytes = 0);
 void wgmma_commit(const std::source_location& loc);
 void wgmma_wait(int pending_groups, const std::source_location& loc);
 // Tensor-map copy (cp.async.bulk.tensor, tile mode) of the box at `coords` (rank entries, in
@@ -202,9 +206,10 @@ void tensor_copy_g2s(void* dst, const void* map, const int* coords, unsigned ran
 // memory become visible to later async-proxy reads (wgmma operands, tensor stores).
 void fence_proxy_async(const std::source_location& loc);
 // An async-proxy read (a wgmma operand) of [p, p + bytes) of shared memory that the instruction
-// reads with swizzle mode `swizzle` (0 none, 1 32B, 2 64B, 3 128B): reported if a thread wrote
-// the bytes without a fence.proxy.async after it, or a tensor copy landed them with another
-// swizzle. Called by one thread per warpgroup.
+// reads with swizzle mode `swizzle` (0 none, 1 32B, 2 64B, 3 128B): checked as a read by the
+// calling thread (bounds, copies in flight, races), and reported if a thread wrote the bytes
+// without a fence.proxy.async after it, or a tensor copy landed them with another swizzle.
+// Called by one thread per warpgroup.
 void async_proxy_read(const void* p, unsigned bytes, unsigned swizzle, const std::source_location& loc);
 
 // Profiler (kernels/emu/profile.cpp; docs/emulator.md, "Profiling"). Each is a no-op unless the

@@ -70,8 +70,30 @@ fn gemm_case(m: usize, n: usize, k: usize, dtype: DType, path: GemmPath) -> Benc
     }
 }
 
+/// The attention path of a bench row: the process's (`default`) or v3 (`wgmma`, whose CUDA
+/// test checks the same GPU run).
+fn attention_row_path(v3: bool, default_check: &'static str) -> (&'static str, &'static str) {
+    if v3 {
+        (
+            "wgmma",
+            "attention_wgmma::cuda_matches_the_cpu_and_decode_equals_training",
+        )
+    } else {
+        ("default", default_check)
+    }
+}
+
+fn path_of(v3: bool) -> Result<ops::attention_tile::AttentionPath> {
+    if v3 {
+        Ok(ops::attention_tile::AttentionPath::Wgmma)
+    } else {
+        ops::attention_tile::attention_path()
+    }
+}
+
 /// Causal training attention over `batch` sequences of `len` tokens, `h` query heads sharing
-/// `hkv` key/value heads of width `d`.
+/// `hkv` key/value heads of width `d`; `v3`: on attention v3 (wgmma) instead of the process's
+/// path.
 fn attention_case(
     batch: usize,
     len: usize,
@@ -79,15 +101,17 @@ fn attention_case(
     hkv: usize,
     d: usize,
     dtype: DType,
+    v3: bool,
 ) -> BenchCase {
     let t = batch * len;
     // Causal: query i sees i + 1 keys; QK^T and PV are 2 FLOPs per multiply-add each.
     let pairs = batch as f64 * (len * (len + 1) / 2) as f64;
+    let (path, check) = attention_row_path(v3, "attention::cuda_matches_reference");
     BenchCase {
         op: "attention_forward",
         pass: Pass::Forward,
-        path: "default",
-        check: "attention::cuda_matches_reference",
+        path,
+        check,
         cuda_only: false,
         shape: format!(
             "{batch}x{len} tokens H={h} Hkv={hkv} D={d} {}",
@@ -101,15 +125,18 @@ fn attention_case(
             let v = random(b, &[t, hkv, d], dtype, 9)?;
             let cu: Vec<i32> = (0..=batch).map(|i| (i * len) as i32).collect();
             let cu = Tensor::from_slice(b, &[batch + 1], &cu)?;
+            let path = path_of(v3)?;
             let run: BenchRun = Box::new(move |b: &Backend| {
-                ops::attention::attention_forward(b, &q, &k, &v, &cu, true, None).map(|_| ())
+                ops::attention::attention_forward_on(path, b, &q, &k, &v, &cu, true, None)
+                    .map(|_| ())
             });
             Ok(run)
         }),
     }
 }
 
-/// Decode: one query per sequence over a `ctx`-token paged context (block size 16).
+/// Decode: one query per sequence over a `ctx`-token paged context (block size 16); `v3` as
+/// [`attention_case`].
 fn paged_attention_case(
     batch: usize,
     ctx: usize,
@@ -117,15 +144,17 @@ fn paged_attention_case(
     hkv: usize,
     d: usize,
     dtype: DType,
+    v3: bool,
 ) -> BenchCase {
     const BLOCK: usize = 16;
     let blocks_per_seq = ctx.div_ceil(BLOCK);
     let kv_bytes = 2 * batch * ctx * hkv * d * dtype.size_bytes();
+    let (path, check) = attention_row_path(v3, "paged_attention::cuda_matches_reference");
     BenchCase {
         op: "paged_attention",
         pass: Pass::Forward,
-        path: "default",
-        check: "paged_attention::cuda_matches_reference",
+        path,
+        check,
         cuda_only: false,
         shape: format!(
             "B={batch} ctx={ctx} H={h} Hkv={hkv} D={d} {}",
@@ -141,8 +170,9 @@ fn paged_attention_case(
             let table: Vec<i32> = (0..nb as i32).collect();
             let table = Tensor::from_slice(b, &[batch, blocks_per_seq], &table)?;
             let lens = Tensor::from_slice(b, &[batch], &vec![ctx as i32; batch])?;
+            let path = path_of(v3)?;
             let run: BenchRun = Box::new(move |b: &Backend| {
-                ops::paged_attention::paged_attention(b, &q, &kc, &vc, &table, &lens, None)
+                ops::paged_attention::paged_attention_on(path, b, &q, &kc, &vc, &table, &lens, None)
                     .map(|_| ())
             });
             Ok(run)
@@ -562,9 +592,11 @@ pub fn all_cases(preset: Preset) -> Vec<BenchCase> {
             moe_case(32, 32, 4, 2, 32, DType::F32, false),
             moe_backward_case(32, 32, 4, 2, 32, DType::F32, false),
             moe_case(32, 32, 4, 2, 32, DType::BF16, true),
-            attention_case(1, 32, 2, 1, 32, DType::F32),
+            attention_case(1, 32, 2, 1, 32, DType::F32, false),
+            attention_case(1, 64, 2, 1, 64, DType::BF16, true),
             attention_backward_case(1, 32, 2, 1, 32, DType::F32),
-            paged_attention_case(2, 64, 2, 1, 32, DType::F32),
+            paged_attention_case(2, 64, 2, 1, 32, DType::F32, false),
+            paged_attention_case(2, 64, 2, 1, 64, DType::BF16, true),
             rmsnorm_case(32, 64, DType::F32),
             softmax_case(16, 128, DType::F32),
             transpose_case(64, 48, DType::F32),
@@ -581,9 +613,11 @@ pub fn all_cases(preset: Preset) -> Vec<BenchCase> {
             newton_schulz_case(48, 128, 512, DType::F32, NsPrecision::Bf16),
             moe_case(1024, 256, 16, 2, 128, DType::F32, false),
             moe_backward_case(256, 128, 8, 2, 64, DType::F32, false),
-            attention_case(2, 128, 4, 2, 64, DType::F32),
+            attention_case(2, 128, 4, 2, 64, DType::F32, false),
+            attention_case(2, 128, 4, 2, 64, DType::BF16, true),
             attention_backward_case(2, 128, 4, 2, 64, DType::F32),
-            paged_attention_case(8, 512, 8, 2, 64, DType::F32),
+            paged_attention_case(8, 512, 8, 2, 64, DType::F32, false),
+            paged_attention_case(8, 512, 8, 2, 64, DType::BF16, true),
             rmsnorm_case(1024, 1024, DType::F32),
             softmax_case(256, 4096, DType::F32),
             transpose_case(1024, 1000, DType::F32),
@@ -606,9 +640,11 @@ pub fn all_cases(preset: Preset) -> Vec<BenchCase> {
             moe_case(16384, 2048, 64, 8, 1024, DType::BF16, true),
             moe_backward_case(16384, 2048, 64, 8, 1024, DType::BF16, false),
             moe_backward_case(16384, 2048, 64, 8, 1024, DType::BF16, true),
-            attention_case(8, 4096, 32, 32, 128, DType::BF16),
+            attention_case(8, 4096, 32, 32, 128, DType::BF16, false),
+            attention_case(8, 4096, 32, 32, 128, DType::BF16, true),
             attention_backward_case(8, 4096, 32, 32, 128, DType::BF16),
-            paged_attention_case(256, 4096, 32, 32, 128, DType::BF16),
+            paged_attention_case(256, 4096, 32, 32, 128, DType::BF16, false),
+            paged_attention_case(256, 4096, 32, 32, 128, DType::BF16, true),
             topk_case(65536, 256, 8, DType::BF16),
             rmsnorm_case(16384, 2048, DType::BF16),
             softmax_case(8192, 8192, DType::BF16),

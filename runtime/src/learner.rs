@@ -21,26 +21,34 @@
 //! the sampler and the loss sharing one row reduction); the learner counts them and every one
 //! whose bits differ (`zero_lag_mismatch_tokens`, expected 0).
 //!
+//! On-policy distillation (crate::distill): with teachers, every trained token also gets its
+//! teacher's log-prob from a forward-only pass (as the KL reference's), and the student trains
+//! on the per-token log-ratio as its advantage, or on a KL term toward the teacher in the loss.
+//!
 //! Precision: the learner computes in its model's precision ([`Model::precision`]). In bf16 the
 //! forward and backward read the bf16 compute copy, the optimizer updates the f32 master
 //! weights and refreshes the copy after every step, and a publication carries the copy: the
 //! weights the engines run on are exactly the ones the learner's logp is computed with.
 
+mod report;
+mod scoring;
+
 pub use crate::advantage::{advantages, advantages_of};
 use crate::buffer::ReadyGroup;
+use crate::distill::{token_advantages, OpdConfig, OpdForm, Teachers};
 pub use crate::mismatch::Mismatch;
-use crate::regularize::{trajectory_kl, Reference, Regularizers};
+use crate::regularize::{trajectory_kl, KlConfig, KlPlace, Reference, Regularizers};
 use crate::trajectory::{Sample, WeightVersion};
+pub use report::{StepReport, TaskStep};
 use sluice_kernels::ops::elementwise::residual_add;
 use sluice_kernels::ops::is_gate_loss::{GateMode, GateParams, KlPenalty, TokenInputs};
 use sluice_kernels::{Backend, DType, Error, Result};
-use sluice_model::forward::{policy_loss_and_grad_on, token_logps_of_on};
+use sluice_model::forward::policy_loss_and_grad_on;
 use sluice_model::optim::{OptimConfig, OptimState, Optimizer, StepStats};
 use sluice_model::{Arena, Model, PackedBatch};
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// How the learner turns groups into a gradient step.
 #[derive(Clone, Copy, Debug)]
@@ -68,6 +76,9 @@ pub struct LearnerConfig {
     /// The entropy bonus and the KL to a reference (crate::regularize); `loss.entropy` and
     /// `loss.kl` stay None (the learner sets them per micro-batch).
     pub regularizers: Regularizers,
+    /// On-policy distillation (crate::distill; its teachers come with
+    /// [`Learner::set_teachers`]). None: off.
+    pub opd: Option<OpdConfig>,
 }
 
 impl Default for LearnerConfig {
@@ -82,6 +93,7 @@ impl Default for LearnerConfig {
             epochs: 1,
             decoupled: None,
             regularizers: Regularizers::default(),
+            opd: None,
         }
     }
 }
@@ -109,74 +121,6 @@ pub struct Publication {
     pub params: Arc<Arena>,
 }
 
-/// Per-task figures of one step.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct TaskStep {
-    pub groups: u64,
-    /// Trajectories, repeats included.
-    pub samples: u64,
-    /// Sum of rewards over the unique (not repeated) trajectories.
-    pub reward_sum: f64,
-    pub unique_samples: u64,
-}
-
-/// What one learner step did.
-#[derive(Clone, Debug, Default)]
-pub struct StepReport {
-    /// The learner's version after the step.
-    pub version: WeightVersion,
-    /// The loss: the mean over the first epoch's minibatches of each one's token mean (the
-    /// batch's token mean with one minibatch).
-    pub loss: f64,
-    /// The last optimizer step's statistics.
-    pub optim: Option<StepStats>,
-    /// Optimizer steps taken (minibatches x epochs).
-    pub optimizer_steps: u64,
-    /// Masked tokens (repeats included) whose clipped surrogate took the clipped branch
-    /// (`ppo` and `icepop`: A > 0 and rho > 1 + eps_high, or A < 0 and rho < 1 - eps_low).
-    pub clipped: u64,
-    pub micro_batches: u64,
-    /// Tokens in the packed batches (prompts and observations included).
-    pub tokens: u64,
-    /// Masked (trained-on) tokens, repeats included.
-    pub masked_tokens: u64,
-    /// Masked tokens the hard gate kept, over unique trajectories only (the numerator of
-    /// effective throughput).
-    pub accepted_unique_tokens: u64,
-    /// Masked tokens of unique trajectories.
-    pub masked_unique_tokens: u64,
-    /// Of `accepted_unique_tokens`, those of trajectories whose advantage is not 0: the
-    /// tokens that carry a gradient (a group whose rewards are all equal carries none).
-    pub gradient_unique_tokens: u64,
-    pub ratio_sum: f64,
-    pub ratio_min: f32,
-    pub ratio_max: f32,
-    pub gated_low: u64,
-    pub gated_high: u64,
-    pub zero_lag_tokens: u64,
-    pub zero_lag_mismatch_tokens: u64,
-    /// Masked tokens (repeats included) by lag = learner version - token version.
-    pub lag_hist: Vec<u64>,
-    /// Learner-vs-behavior log-prob mismatch of the masked tokens (repeats included) whose
-    /// whole context is at the learner's version (the zero-lag tokens above, repeats
-    /// included): expected exactly 0.
-    pub mismatch_lag0: Mismatch,
-    /// The same over every other masked token (the token or an earlier one of its trajectory
-    /// at an older version): policy drift.
-    pub mismatch_lagpos: Mismatch,
-    pub per_task: BTreeMap<String, TaskStep>,
-    /// Sum of the softmax entropy (under the learner's weights of each token's optimizer step,
-    /// first epoch) over the masked tokens, repeats included, and their count.
-    pub entropy_sum: f64,
-    pub entropy_tokens: u64,
-    /// With a KL reference: the sum over masked tokens (repeats included) of the KL estimate
-    /// at the behavior log-probs (KL(mu || ref)), and their count.
-    pub kl_sum: f64,
-    pub kl_tokens: u64,
-    /// Wall time of the step's compute.
-    pub compute: Duration,
-}
-
 /// The learner: the model, its optimizer and state, on one backend.
 pub struct Learner {
     backend: Backend,
@@ -187,6 +131,8 @@ pub struct Learner {
     steps: u64,
     /// The frozen KL reference (with `cfg.regularizers.kl`).
     reference: Option<Reference>,
+    /// On-policy distillation's teachers (with `cfg.opd`).
+    teachers: Option<Teachers>,
 }
 
 impl std::fmt::Debug for Learner {
@@ -196,13 +142,16 @@ impl std::fmt::Debug for Learner {
 }
 
 /// What every optimizer step of a learner step reads: the flattened trajectories (sample,
-/// advantage, is a repeat), prompt-aggregation weights, decoupled PPO's proximal log-probs,
-/// and the KL reference's (both [trajectory][position]).
+/// GRPO advantage, is a repeat), prompt-aggregation weights, decoupled PPO's proximal
+/// log-probs, the per-token advantages of OPD's advantage form (which replace the GRPO ones),
+/// and the log-probs of the KL term's target in the loss (the reference's or the teachers'),
+/// all [trajectory][position].
 struct StepInputs<'a, 's> {
     flat: &'a [(&'s Sample, f32, bool)],
     weights: Option<&'a [f32]>,
     prox: Option<&'a [Vec<f32>]>,
-    reference: Option<&'a [Vec<f32>]>,
+    token_adv: Option<&'a [Vec<f32>]>,
+    kl_target: Option<(KlConfig, &'a [Vec<f32>])>,
 }
 
 /// How one optimizer step of a learner step is counted in its report.
@@ -273,6 +222,17 @@ impl Learner {
                 ));
             }
         }
+        if let Some(opd) = cfg.opd {
+            opd.validate()?;
+            // The loss kernel takes one KL target: the reference's or the teachers'.
+            if matches!(opd.form, Some(OpdForm::Kl(_))) && cfg.regularizers.kl_in_loss().is_some() {
+                return Err(Error::param(
+                    "opd",
+                    "the KL form toward the teachers and a KL to the reference in the loss \
+                     both need the loss kernel's one KL input",
+                ));
+            }
+        }
         if !(cfg.adv_eps.is_finite() && cfg.adv_eps > 0.0) {
             return Err(Error::param(
                 "adv_eps",
@@ -295,7 +255,36 @@ impl Learner {
             cfg,
             steps,
             reference,
+            teachers: None,
         })
+    }
+
+    /// Gives on-policy distillation its teachers (each must have the policy's layout and
+    /// compute precision); needed before the first step of a learner with `cfg.opd`.
+    pub fn set_teachers(&mut self, teachers: Teachers) -> Result<()> {
+        if self.cfg.opd.is_none() {
+            return Err(Error::Invalid(
+                "teachers were given to a learner without on-policy distillation".into(),
+            ));
+        }
+        if let Some(i) = (0..teachers.len()).find(|&i| !teachers.get(i).model.fits(&self.model)) {
+            return Err(Error::Invalid(format!(
+                "OPD teacher {i}'s weights are not the policy's layout and precision"
+            )));
+        }
+        self.teachers = Some(teachers);
+        Ok(())
+    }
+
+    /// Whether the learner's signal needs GRPO groups of 2 or more: false when on-policy
+    /// distillation gives every token its own advantage (or a KL term) without GRPO's.
+    pub fn needs_groups(&self) -> bool {
+        !self.cfg.opd.is_some_and(|o| o.needs_no_group())
+    }
+
+    /// The teachers, if the learner distils.
+    pub fn teachers(&self) -> Option<&Teachers> {
+        self.teachers.as_ref()
     }
 
     /// The KL reference, if the learner keeps one.
@@ -310,9 +299,7 @@ impl Learner {
                 "a KL reference was given to a learner without a KL term".into(),
             ));
         }
-        if reference.params().layout() != self.model.layout()
-            || reference.params().dtype() != self.model.compute_weights().dtype()
-        {
+        if !reference.fits(&self.model) {
             return Err(Error::Invalid(
                 "the KL reference's weights are not the policy's layout and precision".into(),
             ));
@@ -436,6 +423,9 @@ impl Learner {
             Some(r) => Some(self.token_logps(&flat, r.params())?),
             None => None,
         };
+        // On-policy distillation: every masked token's teacher log-prob (its task's teacher),
+        // and the gap to it measured.
+        let teacher = self.opd_scores(&flat, &mut report)?;
         let mut penalty = vec![0.0f64; flat.len()];
         if let (Some(refs), Some(kl)) = (&reference, self.cfg.regularizers.kl) {
             let in_reward = self.cfg.regularizers.kl_in_reward().is_some();
@@ -458,6 +448,47 @@ impl Learner {
                 flat[i].1 = a;
             }
         }
+        // OPD's advantage form: per-token advantages, in place of GRPO's or added to them.
+        let opd = self.cfg.opd.and_then(|o| Some((o.form?, o.coef)));
+        let token_adv: Option<Vec<Vec<f32>>> = match (opd, &teacher) {
+            (Some((OpdForm::Advantage { with_grpo, center }, coef)), Some(q)) => {
+                // The step's mean gap b - q over the scored tokens (the centering baseline).
+                let mean_gap = if center && report.opd_tokens > 0 {
+                    (report.opd_gap_sum / report.opd_tokens as f64) as f32
+                } else {
+                    0.0
+                };
+                Some(
+                    flat.iter()
+                        .zip(q)
+                        .map(|((s, a, _), q)| {
+                            let grpo = with_grpo.then_some(*a);
+                            let (m, b) = (&s.loss_mask, &s.behavior_logp);
+                            token_advantages(coef, m, b, q, grpo, mean_gap)
+                        })
+                        .collect(),
+                )
+            }
+            _ => None,
+        };
+        // The KL term in the loss: toward the teachers (OPD's KL form) or the reference.
+        let kl_target = match (
+            opd,
+            &teacher,
+            self.cfg.regularizers.kl_in_loss(),
+            &reference,
+        ) {
+            (Some((OpdForm::Kl(estimator), coef)), Some(q), _, _) => Some((
+                KlConfig {
+                    estimator,
+                    coef,
+                    place: KlPlace::Loss,
+                },
+                q.as_slice(),
+            )),
+            (_, _, Some(k), Some(r)) => Some((k, r.as_slice())),
+            _ => None,
+        };
         // Decoupled PPO: every masked token's log-prob under the proximal policy, the weights
         // now, before any optimizer step of this learner step.
         let prox = match self.cfg.decoupled {
@@ -480,7 +511,8 @@ impl Learner {
                     flat: &flat,
                     weights,
                     prox: prox.as_deref(),
-                    reference: reference.as_deref(),
+                    token_adv: token_adv.as_deref(),
+                    kl_target,
                 };
                 let stats = self.optimizer_step(&inputs, range, &mut report, version, pass)?;
                 report.optim = Some(stats);
@@ -491,51 +523,6 @@ impl Learner {
         report.version = self.version();
         report.compute = start.elapsed();
         Ok(report)
-    }
-
-    /// The log-prob of every masked token of `flat` under `weights` (decoupled PPO's proximal
-    /// policy: the learner's current weights; the KL reference), forward only, through the same
-    /// micro-batches and row reduction as the training pass (so equal weights give the
-    /// learner's bits, and at zero lag the rollout's). Indexed [trajectory][position]; 0 where
-    /// not masked.
-    fn token_logps(&self, flat: &[(&Sample, f32, bool)], weights: &Arena) -> Result<Vec<Vec<f32>>> {
-        let mut out: Vec<Vec<f32>> = flat
-            .iter()
-            .map(|(s, _, _)| vec![0.0; s.tokens.len()])
-            .collect();
-        for mb in self.micro_batches(flat, 0..flat.len()) {
-            let seqs: Vec<Vec<i32>> = mb
-                .seqs
-                .iter()
-                .map(|&i| flat[i].0.tokens.iter().map(|&t| t as i32).collect())
-                .collect();
-            let batch = PackedBatch::pack(&seqs, self.model.config.vocab)?;
-            let mut targets = vec![0i32; batch.len()];
-            for (b, &i) in mb.seqs.iter().enumerate() {
-                let s = flat[i].0;
-                let r = batch.seq_range(b);
-                for j in 0..s.tokens.len() - 1 {
-                    targets[r.start + j] = s.tokens[j + 1] as i32;
-                }
-            }
-            let logp = token_logps_of_on(
-                &self.backend,
-                &self.model.config,
-                weights,
-                &batch,
-                &targets,
-                mb.temperature,
-            )?;
-            for (b, &i) in mb.seqs.iter().enumerate() {
-                let r = batch.seq_range(b);
-                for j in 0..flat[i].0.tokens.len() - 1 {
-                    if flat[i].0.loss_mask[j + 1] {
-                        out[i][j + 1] = logp[r.start + j];
-                    }
-                }
-            }
-        }
-        Ok(out)
     }
 
     /// One optimizer step on the trajectories `flat[range]`: their loss is their own token mean,
@@ -577,7 +564,7 @@ impl Learner {
             let mut behavior = vec![0.0f32; n];
             let mut adv = vec![0.0f32; n];
             let mut weight = vec![0.0f32; if weights.is_some() { n } else { 0 }];
-            let kl_loss = self.cfg.regularizers.kl_in_loss();
+            let kl_loss = inputs_in.kl_target;
             let mut ref_logp = vec![0.0f32; if kl_loss.is_some() { n } else { 0 }];
             let mut masked_here = 0usize;
             let mut weight_here = 0.0f32;
@@ -589,6 +576,9 @@ impl Learner {
                     if s.loss_mask[j + 1] {
                         mask[r.start + j] = 1.0;
                         behavior[r.start + j] = s.behavior_logp[j + 1];
+                        // The token's own advantage in OPD's advantage form, else its
+                        // trajectory's.
+                        let a = inputs_in.token_adv.map_or(a, |t| t[i][j + 1]);
                         adv[r.start + j] = a;
                         if let (Some(prox), Some(cap)) = (inputs_in.prox, self.cfg.decoupled) {
                             let p = prox[i][j + 1];
@@ -600,8 +590,8 @@ impl Learner {
                         if let Some(w) = weights {
                             weight[r.start + j] = w[i];
                         }
-                        if let (Some(refs), true) = (inputs_in.reference, kl_loss.is_some()) {
-                            ref_logp[r.start + j] = refs[i][j + 1];
+                        if let Some((_, target)) = kl_loss {
+                            ref_logp[r.start + j] = target[i][j + 1];
                         }
                     }
                 }
@@ -633,7 +623,7 @@ impl Learner {
             let params = GateParams {
                 temperature: mb.temperature,
                 entropy: Some(self.cfg.regularizers.entropy_coef * share),
-                kl: kl_loss.map(|k| KlPenalty {
+                kl: kl_loss.map(|(k, _)| KlPenalty {
                     estimator: k.estimator,
                     coef: k.coef * share,
                 }),
@@ -645,7 +635,15 @@ impl Learner {
                 report.loss += out.loss as f64 * pass.loss_weight;
                 report.micro_batches += 1;
                 report.tokens += n as u64;
-                self.audit(report, flat, mb, &batch, &out, version, pass.at_version);
+                self.audit(
+                    report,
+                    inputs_in,
+                    mb,
+                    &batch,
+                    &out,
+                    version,
+                    pass.at_version,
+                );
             }
             // Several micro-batches: sum their gradients (the backward overwrites the
             // gradient arena), in micro-batch order.
@@ -671,134 +669,6 @@ impl Learner {
             &mut self.state,
             self.model.compute.as_mut(),
         )
-    }
-
-    /// Groups the trajectories `flat[range]` by sampling temperature, then packs them in order
-    /// into micro-batches of at most `micro_batch_tokens` tokens.
-    fn micro_batches(
-        &self,
-        flat: &[(&Sample, f32, bool)],
-        range: std::ops::Range<usize>,
-    ) -> Vec<MicroBatch> {
-        let mut by_temp: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
-        for (i, (s, _, _)) in flat.iter().enumerate().take(range.end).skip(range.start) {
-            by_temp
-                .entry(loss_temperature(s).to_bits())
-                .or_default()
-                .push(i);
-        }
-        let mut out = Vec::new();
-        for (bits, idx) in by_temp {
-            let temperature = f32::from_bits(bits);
-            let mut cur = MicroBatch {
-                seqs: Vec::new(),
-                temperature,
-                tokens: 0,
-            };
-            for i in idx {
-                let len = flat[i].0.tokens.len();
-                if !cur.seqs.is_empty() && cur.tokens + len > self.cfg.micro_batch_tokens {
-                    out.push(std::mem::replace(
-                        &mut cur,
-                        MicroBatch {
-                            seqs: Vec::new(),
-                            temperature,
-                            tokens: 0,
-                        },
-                    ));
-                }
-                cur.seqs.push(i);
-                cur.tokens += len;
-            }
-            if !cur.seqs.is_empty() {
-                out.push(cur);
-            }
-        }
-        out
-    }
-
-    /// Counts acceptance, ratios, lags and the zero-lag audit of one micro-batch.
-    /// `at_version`: the weights are still those of `learner` (the batch's first optimizer
-    /// step); otherwise no token is zero-lag.
-    #[allow(clippy::too_many_arguments)]
-    fn audit(
-        &self,
-        report: &mut StepReport,
-        flat: &[(&Sample, f32, bool)],
-        mb: &MicroBatch,
-        batch: &PackedBatch,
-        out: &sluice_kernels::ops::is_gate_loss::GateReference,
-        learner: WeightVersion,
-        at_version: bool,
-    ) {
-        for (b, &i) in mb.seqs.iter().enumerate() {
-            let (s, advantage, repeat) = flat[i];
-            let r0 = batch.seq_range(b).start;
-            // Tokens [0, same) all carry the learner's version (and the weights are it).
-            let same = if at_version {
-                s.weight_version
-                    .iter()
-                    .position(|&v| v != learner)
-                    .unwrap_or(s.tokens.len())
-            } else {
-                0
-            };
-            for j in 1..s.tokens.len() {
-                if !s.loss_mask[j] {
-                    continue;
-                }
-                let row = r0 + j - 1;
-                let lag = learner.0.saturating_sub(s.weight_version[j].0) as usize;
-                if report.lag_hist.len() <= lag {
-                    report.lag_hist.resize(lag + 1, 0);
-                }
-                report.lag_hist[lag] += 1;
-                report.masked_tokens += 1;
-                if let Some(&h) = out.entropy.get(row) {
-                    report.entropy_sum += h as f64;
-                    report.entropy_tokens += 1;
-                }
-                let rho = out.ratio[row];
-                report.ratio_sum += rho as f64;
-                report.ratio_min = report.ratio_min.min(rho);
-                report.ratio_max = report.ratio_max.max(rho);
-                let accepted = out.accepted[row] != 0;
-                if matches!(self.cfg.loss.mode, GateMode::Ppo | GateMode::Icepop) && accepted {
-                    let (el, eh) = self.cfg.loss.bounds(advantage);
-                    if (advantage > 0.0 && rho > 1.0 + eh) || (advantage < 0.0 && rho < 1.0 - el) {
-                        report.clipped += 1;
-                    }
-                }
-                if !repeat {
-                    report.masked_unique_tokens += 1;
-                    report.accepted_unique_tokens += u64::from(accepted);
-                    report.gradient_unique_tokens += u64::from(accepted && advantage != 0.0);
-                }
-                if !accepted {
-                    // Which side of the gate (the kernel's counters hold the batch totals).
-                    if rho < 1.0 {
-                        report.gated_low += 1;
-                    } else {
-                        report.gated_high += 1;
-                    }
-                }
-                if j < same {
-                    report
-                        .mismatch_lag0
-                        .add_token(out.logp[row], s.behavior_logp[j]);
-                } else {
-                    report
-                        .mismatch_lagpos
-                        .add_token(out.logp[row], s.behavior_logp[j]);
-                }
-                if j < same && !repeat {
-                    report.zero_lag_tokens += 1;
-                    if out.logp[row].to_bits() != s.behavior_logp[j].to_bits() {
-                        report.zero_lag_mismatch_tokens += 1;
-                    }
-                }
-            }
-        }
     }
 }
 

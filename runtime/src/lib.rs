@@ -9,6 +9,7 @@
 pub mod advantage;
 pub mod buffer;
 pub mod clock;
+pub mod distill;
 pub mod engine;
 pub mod env;
 pub mod eval;
@@ -22,6 +23,7 @@ pub mod orchestrator;
 pub mod regularize;
 pub mod remote;
 pub mod router;
+pub mod scoring;
 pub mod sync;
 pub mod system;
 pub mod trajectory;

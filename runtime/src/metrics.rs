@@ -32,6 +32,11 @@
 //! - kl_ref_window, kl_ref_mean: with a KL reference (`loss.kl_coef > 0` or `loss.kl_log`),
 //!   the mean per-token KL estimate (the configured k1 or k3) of the behavior policy to the
 //!   reference over the trained tokens, this step and over the stage (0 without a reference);
+//! - opd_reverse_kl_window, opd_reverse_kl_mean, opd_scored_tokens: with on-policy
+//!   distillation's teachers (`opd.form` or `opd.log`), the mean over the tokens they scored of
+//!   behavior logp - teacher logp (the k1 estimate of KL(mu || teacher) at the student's own
+//!   samples), this step and over the stage, and the tokens scored so far (0 without
+//!   teachers); opd_reverse_kl_window.NAME per task, when there are teachers;
 //! - reward_mean.NAME: mean reward of the unique trajectories of task NAME trained on;
 //!   learner_share.NAME: that task's share of the groups the learner consumed;
 //! - sync_bytes, sync_encoding (publication steps only): bytes sent to the replicas for this
@@ -122,6 +127,9 @@ pub struct RolloutCounters {
     pub started_lengths: LengthHistogram,
     #[serde(default)]
     pub trained_lengths: LengthHistogram,
+    /// Text tasks' round trips of finished trajectories ([`crate::env::Task::round_trip`]).
+    #[serde(default)]
+    pub round_trip: crate::env::RoundTripCounts,
 }
 
 /// Counts of generated lengths in power-of-two buckets: bucket 0 holds length 0, bucket k
@@ -191,6 +199,11 @@ pub struct TaskTotals {
     pub groups: u64,
     pub unique_samples: u64,
     pub reward_sum: f64,
+    /// See [`crate::learner::TaskStep::opd_gap_sum`].
+    #[serde(default)]
+    pub opd_gap_sum: f64,
+    #[serde(default)]
+    pub opd_tokens: u64,
 }
 
 /// The learner-side totals of a stage.
@@ -232,6 +245,11 @@ pub struct LearnerTotals {
     pub kl_sum: f64,
     #[serde(default)]
     pub kl_tokens: u64,
+    /// See [`StepReport::opd_gap_sum`] and [`StepReport::opd_tokens`].
+    #[serde(default)]
+    pub opd_gap_sum: f64,
+    #[serde(default)]
+    pub opd_tokens: u64,
     /// Trained tokens the IS gate rejected below / above its range (repeats included).
     #[serde(default)]
     pub gated_low: u64,
@@ -270,6 +288,8 @@ impl LearnerTotals {
         self.entropy_tokens += r.entropy_tokens;
         self.kl_sum += r.kl_sum;
         self.kl_tokens += r.kl_tokens;
+        self.opd_gap_sum += r.opd_gap_sum;
+        self.opd_tokens += r.opd_tokens;
         if self.lag_hist.len() < r.lag_hist.len() {
             self.lag_hist.resize(r.lag_hist.len(), 0);
         }
@@ -281,6 +301,8 @@ impl LearnerTotals {
             e.groups += t.groups;
             e.unique_samples += t.unique_samples;
             e.reward_sum += t.reward_sum;
+            e.opd_gap_sum += t.opd_gap_sum;
+            e.opd_tokens += t.opd_tokens;
             self.samples += t.samples;
         }
     }
@@ -428,6 +450,15 @@ pub fn metrics_line(x: &LineInputs<'_>) -> Value {
         "kl_ref_mean".into(),
         json!(finite_or_zero(mean(l.kl_sum, l.kl_tokens))),
     );
+    m.insert(
+        "opd_reverse_kl_window".into(),
+        json!(finite_or_zero(mean(r.opd_gap_sum, r.opd_tokens))),
+    );
+    m.insert(
+        "opd_reverse_kl_mean".into(),
+        json!(finite_or_zero(mean(l.opd_gap_sum, l.opd_tokens))),
+    );
+    m.insert("opd_scored_tokens".into(), json!(l.opd_tokens));
     insert_mismatch(&mut m, "mismatch.lag0", &r.mismatch_lag0);
     insert_mismatch(&mut m, "mismatch.lagpos", &r.mismatch_lagpos);
     let gated = r.gated_low + r.gated_high;
@@ -474,6 +505,12 @@ pub fn metrics_line(x: &LineInputs<'_>) -> Value {
             }),
         );
         m.insert(format!("learner_share.{name}"), json!(l.share(name)));
+        if l.opd_tokens > 0 {
+            m.insert(
+                format!("opd_reverse_kl_window.{name}"),
+                json!(finite_or_zero(mean(w.opd_gap_sum, w.opd_tokens))),
+            );
+        }
     }
     if let Some((bytes, encoding)) = x.sync {
         m.insert("sync_bytes".into(), json!(bytes));

@@ -5,13 +5,12 @@
 //! Both act through the fused loss kernel (kernels/src/ops/is_gate_loss.rs): the entropy from
 //! one more online sum of its log-sum-exp pass, the KL from one more per-token input (the
 //! reference's log-probs). The reference's log-probs come from the learner's own micro-batches
-//! through a forward-only pass on a frozen copy of the weights, so for equal weights they are
-//! the learner's bits.
+//! through a forward-only pass on a frozen copy of the weights (a [`ScoringModel`], as on-policy
+//! distillation's teachers are), so for equal weights they are the learner's bits.
 
+pub use crate::scoring::ScoringModel;
 use sluice_kernels::ops::is_gate_loss::{kl_estimate, KlEstimator};
-use sluice_kernels::{Backend, Error, Result};
-use sluice_model::{Arena, Model};
-use std::path::Path;
+use sluice_kernels::{Error, Result};
 
 /// Where the KL to the reference acts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,50 +72,9 @@ impl Regularizers {
     }
 }
 
-/// The frozen reference policy: a copy of weights in the learner's compute precision.
-pub struct Reference {
-    params: Arena,
-}
-
-impl std::fmt::Debug for Reference {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Reference({} values)", self.params.layout().len())
-    }
-}
-
-impl Reference {
-    /// A copy of `weights` (the stage's initial compute weights).
-    pub fn copy_of(backend: &Backend, weights: &Arena) -> Result<Reference> {
-        Ok(Reference {
-            params: weights.cast_copy(backend, weights.dtype())?,
-        })
-    }
-
-    /// The weights of a checkpoint, which must have `model`'s architecture, in `model`'s
-    /// compute precision (a bf16 model rounds them as its own compute copy is rounded).
-    pub fn load(path: &Path, backend: &Backend, model: &Model) -> Result<Reference> {
-        let (config, arena) = sluice_model::checkpoint::load_new(path, backend)?;
-        if let Some(diff) = config.architecture_diff(&model.config) {
-            return Err(Error::Invalid(format!(
-                "the KL reference {} is not the policy's architecture: {diff}",
-                path.display()
-            )));
-        }
-        Ok(Reference {
-            params: arena.cast_copy(backend, model.compute_weights().dtype())?,
-        })
-    }
-
-    /// Saves the reference (a resumed run loads it back with [`Reference::load`]; bf16 values
-    /// come back exactly).
-    pub fn save(&self, path: &Path, model: &Model) -> Result<()> {
-        sluice_model::checkpoint::save_with_meta(path, &model.config, &self.params, &[], &[])
-    }
-
-    pub fn params(&self) -> &Arena {
-        &self.params
-    }
-}
+/// The frozen reference policy: a scoring model (crate::scoring), the stage's initial compute
+/// weights or a checkpoint's.
+pub type Reference = ScoringModel;
 
 /// The summed KL estimate of one trajectory's masked tokens at its behavior log-probs (tokens
 /// `1..`; `ref_logp` indexed like the trajectory's tokens), in f64.

@@ -54,8 +54,8 @@ enum TasksCommand {
 #[derive(Subcommand)]
 enum TokenizerCommand {
     /// Train a byte-level BPE on the config's text tasks (their warm-up demonstrations): digits
-    /// one per token, the chat's special tokens first; writes a Hugging Face tokenizer.json
-    /// for `[tokenizer] kind = "bpe"`, `path = ...`.
+    /// one per token unless `--digits` says more, the chat's special tokens first; writes a
+    /// Hugging Face tokenizer.json for `[tokenizer] kind = "bpe"`, `path = ...`.
     Train {
         /// Where to write the tokenizer.json.
         #[arg(long, default_value = "tokenizer.json")]
@@ -64,6 +64,10 @@ enum TokenizerCommand {
         /// merges to make).
         #[arg(long, default_value_t = sluice_trainer::tasks::bpe::DEFAULT_TRAIN_VOCAB)]
         vocab: usize,
+        /// The most digits one token may hold: numbers are cut into runs of this many digits
+        /// (left to right) that the BPE may merge; 1 keeps every digit its own token.
+        #[arg(long, default_value_t = sluice_trainer::tasks::bpe::DEFAULT_TRAIN_DIGITS)]
+        digits: usize,
         /// Training problems per task in the corpus.
         #[arg(long, default_value_t = 4096)]
         problems: usize,
@@ -728,6 +732,7 @@ fn main() -> ExitCode {
                 TokenizerCommand::Train {
                     out,
                     vocab,
+                    digits,
                     problems,
                     config,
                     sets,
@@ -738,6 +743,7 @@ fn main() -> ExitCode {
                 sets,
                 out,
                 vocab,
+                digits,
                 problems,
             };
             match sluice_trainer::tokenizer_cmd::run_train(&opts, &mut std::io::stdout()) {

@@ -1,6 +1,7 @@
-//! `sluice tokenizer train [--out F] [--vocab 512]`: a byte-level BPE trained on the tasks'
-//! text ([`crate::tasks::bpe::train`]), written as a Hugging Face tokenizer.json that
-//! `[tokenizer] kind = "bpe"`, `path = F` loads.
+//! `sluice tokenizer train [--out F] [--vocab 512] [--digits 1]`: a byte-level BPE trained on
+//! the tasks' text ([`crate::tasks::bpe::train`]), written as a Hugging Face tokenizer.json
+//! that `[tokenizer] kind = "bpe"`, `path = F` loads. `--digits N` lets it merge runs of up
+//! to N digits (the default 1 keeps every digit its own token).
 //!
 //! The corpus is the supervised warm-up's text: the demonstrations (prompt, tool calls,
 //! observations, answers) of `--problems` training problems of each built-in text task of the
@@ -24,6 +25,8 @@ pub struct TrainTokenizerOptions {
     pub sets: Vec<String>,
     pub out: PathBuf,
     pub vocab: usize,
+    /// The most digits one token may hold (1: every digit its own token).
+    pub digits: usize,
     /// Training problems per task.
     pub problems: usize,
 }
@@ -67,9 +70,14 @@ pub fn run_train(o: &TrainTokenizerOptions, out: &mut dyn Write) -> Result<(), T
     if o.problems == 0 {
         return Err(TrainError::Input("--problems 0: at least one".into()));
     }
+    if o.digits == 0 {
+        return Err(TrainError::Input(
+            "--digits 0: a token holds at least one digit".into(),
+        ));
+    }
     let cfg = config::load(o.config.as_deref(), &o.sets)?;
     let texts = corpus(&cfg, o.problems)?;
-    let json = bpe::train(&texts, o.vocab).map_err(TrainError::Input)?;
+    let json = bpe::train(&texts, o.vocab, o.digits).map_err(TrainError::Input)?;
     let loaded = bpe::Bpe::from_bytes(json.as_bytes(), &o.out.display().to_string())
         .map_err(|e| TrainError::Run(format!("the trained tokenizer does not load: {e}")))?;
     if let Some(dir) = o.out.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -89,12 +97,13 @@ pub fn run_train(o: &TrainTokenizerOptions, out: &mut dyn Write) -> Result<(), T
     }
     let _ = writeln!(
         out,
-        "wrote {} ({}): {} ids (--vocab {}), trained on {} demonstrations; {:.2} tokens per \
-         demonstration against {:.2} with the character tokenizer",
+        "wrote {} ({}): {} ids (--vocab {}, --digits {}), trained on {} demonstrations; {:.2} \
+         tokens per demonstration against {:.2} with the character tokenizer",
         o.out.display(),
         tok.version(),
         tok.vocab_size(),
         o.vocab,
+        o.digits,
         texts.len(),
         ids as f64 / texts.len() as f64,
         chars as f64 / texts.len() as f64,

@@ -39,7 +39,7 @@ fn trained() -> &'static (String, Arc<TextTokenizer>) {
     T.get_or_init(|| {
         let cfg = config::load(None, &[]).unwrap();
         let texts = tokenizer_cmd::corpus(&cfg, 128).unwrap();
-        let json = bpe::train(&texts, 512).unwrap();
+        let json = bpe::train(&texts, 512, 1).unwrap();
         let b = Bpe::from_bytes(json.as_bytes(), "trained").unwrap();
         (json, Arc::new(TextTokenizer::Bpe(Arc::new(b))))
     })
@@ -84,7 +84,7 @@ fn a_trained_bpe_keeps_the_specials_first_splits_digits_and_is_deterministic() {
     assert_eq!(tok.encode("sort").unwrap().len(), 1);
     // The same corpus gives the same file.
     let cfg = config::load(None, &[]).unwrap();
-    let again = bpe::train(&tokenizer_cmd::corpus(&cfg, 128).unwrap(), 512).unwrap();
+    let again = bpe::train(&tokenizer_cmd::corpus(&cfg, 128).unwrap(), 512, 1).unwrap();
     assert_eq!(&again, json);
     // Every text of the corpus round-trips, specials included.
     for t in tokenizer_cmd::corpus(&cfg, 16).unwrap() {
@@ -105,6 +105,85 @@ fn a_trained_bpe_keeps_the_specials_first_splits_digits_and_is_deterministic() {
     assert_eq!(tok.decode(&q.prompt).unwrap(), char_text);
     assert_eq!(on_bpe.versions().tokenizer, tok.version());
     assert!(tok.version().starts_with("bpe-"));
+}
+
+/// configs/tokenizer/tasks-bpe-digits3.json, the tito experiment's tokenizer, is what its
+/// command writes (`sluice tokenizer train --config configs/tiny.toml --digits 3`), and merges
+/// numbers in runs of at most three digits.
+#[test]
+fn the_digit_triples_bpe_is_its_commands_output_and_merges_numbers_in_threes() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let committed =
+        std::fs::read_to_string(root.join("configs/tokenizer/tasks-bpe-digits3.json")).unwrap();
+    let cfg = config::load(Some(&root.join("configs/tiny.toml")), &[]).unwrap();
+    let texts = tokenizer_cmd::corpus(&cfg, 4096).unwrap();
+    let json = bpe::train(&texts, bpe::DEFAULT_TRAIN_VOCAB, 3).unwrap();
+    assert!(
+        json == committed,
+        "the committed file is not the command's output"
+    );
+    let tok = TextTokenizer::Bpe(Arc::new(Bpe::from_bytes(json.as_bytes(), "d3").unwrap()));
+    assert_eq!(tok.vocab_size(), bpe::DEFAULT_TRAIN_VOCAB);
+    assert_eq!(tok.specials(), Specials::CHAR);
+    let digit_tokens = |n: usize| {
+        (0..tok.vocab_size() as TokenId)
+            .filter(|&id| {
+                let t = tok.decode(&[id]).unwrap();
+                t.len() == n && t.bytes().all(|b| b.is_ascii_digit())
+            })
+            .count()
+    };
+    // Every digit and most pairs and triples are tokens; nothing longer.
+    assert_eq!(digit_tokens(1), 10);
+    assert!(digit_tokens(2) >= 80, "{} pairs", digit_tokens(2));
+    assert!(digit_tokens(3) >= 100, "{} triples", digit_tokens(3));
+    assert_eq!(digit_tokens(4), 0);
+    // Numbers are cut in threes from the left, each run encoded on its own; text around them
+    // never joins a digit; every text round-trips.
+    for (text, runs) in [
+        ("13689", vec!["136", "89"]),
+        ("sort 1234567", vec!["123", "456", "7"]),
+        ("37*52=1924", vec!["37", "52", "192", "4"]),
+    ] {
+        let ids = tok.encode(text).unwrap();
+        assert_eq!(tok.decode(&ids).unwrap(), text);
+        let mut digits = Vec::new();
+        for &id in &ids {
+            let t = tok.decode(&[id]).unwrap();
+            if t.bytes().any(|b| b.is_ascii_digit()) {
+                assert!(t.bytes().all(|b| b.is_ascii_digit()), "{text}: {t:?}");
+                digits.push(t);
+            }
+        }
+        let want: Vec<TokenId> = runs.iter().flat_map(|r| tok.encode(r).unwrap()).collect();
+        let got: Vec<TokenId> = ids
+            .iter()
+            .copied()
+            .filter(|&id| {
+                tok.decode(&[id])
+                    .unwrap()
+                    .bytes()
+                    .any(|b| b.is_ascii_digit())
+            })
+            .collect();
+        assert_eq!(got, want, "{text}: {digits:?}");
+        assert!(
+            got.len() < text.bytes().filter(u8::is_ascii_digit).count(),
+            "{text}"
+        );
+    }
+    // The hazard the tito experiment measures: the digits of a number sampled one per token
+    // decode to the same text, which encodes to fewer, merged ids.
+    let one_by_one: Vec<TokenId> = "1924"
+        .chars()
+        .flat_map(|c| tok.encode(&c.to_string()).unwrap())
+        .collect();
+    assert_eq!(one_by_one.len(), 4);
+    let again = tok.encode(&tok.decode(&one_by_one).unwrap()).unwrap();
+    assert!(again.len() < 4, "{again:?}");
+    // `--digits 0` is refused, naming the flag.
+    let err = bpe::train(&texts[..8], 300, 0).unwrap_err();
+    assert!(err.contains("--digits 0"), "{err}");
 }
 
 /// The learner's inputs of every step.
@@ -414,6 +493,15 @@ fn tokenizer_train_writes_a_file_that_a_run_loads() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--vocab 100"));
+    // No digits per token.
+    let out = bin()
+        .args(["tokenizer", "train", "--digits", "0", "--out"])
+        .arg(dir.join("none.json"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--digits 0"));
+    assert!(!dir.join("none.json").exists());
     // A checkpoint of a model on the character vocabulary does not fit the BPE: a named error.
     let mut cfg = ModelConfig::tiny();
     cfg.vocab = 64;

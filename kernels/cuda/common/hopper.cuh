@@ -1,5 +1,5 @@
 // Hopper (sm_90a) helpers: mbarrier, bulk asynchronous copies (plain and through a tensor map,
-// the TMA engine), async-proxy fences and wgmma m64nNk16 (bf16 x bf16 -> f32, N = 64/128/256)
+// the TMA engine), async-proxy fences and wgmma m64nNk16 (bf16 x bf16 -> f32, N = 32/64/128/256)
 // reading both operands from shared memory through matrix descriptors. Each has a portable
 // version for the emulator.
 //
@@ -180,6 +180,30 @@ __device__ __forceinline__ void wgmma_fence() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #endif
 }
+
+// Pins registers an asynchronous wgmma reads or writes (its accumulator, or A in registers) in
+// place: an empty asm that "reads and writes" each, so the compiler cannot move other accesses
+// to them across a wgmma's issue, commit or wait. Nothing to do under the emulator.
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operand(float (&r)[N]) {
+#ifndef SLUICE_EMU
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+#else
+    (void)r;
+#endif
+}
+template <int N, int M>
+__device__ __forceinline__ void wgmma_fence_operand(uint32_t (&r)[N][M]) {
+#ifndef SLUICE_EMU
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int j = 0; j < M; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+#else
+    (void)r;
+#endif
+}
 #ifdef SLUICE_EMU
 __device__ __forceinline__ void wgmma_commit(SLUICE_HOPPER_LOC) { ::sluice_emu::wgmma_commit(loc); }
 // Waits until at most N committed wgmma groups of this thread are pending.
@@ -251,6 +275,11 @@ __device__ __forceinline__ uint64_t wgmma_desc_mn(uint32_t start, uint32_t lbo, 
 }
 
 #ifdef SLUICE_EMU
+// The emulation's own element reads and scratch arrays are not the kernel's accesses: they are
+// not instrumented (the checker would otherwise check every operand element of every thread, and
+// watch every scratch access while a wgmma is pending). The operands' bytes are checked once per
+// instruction instead (bounds, races, proxies), by operand_reads below.
+#define SLUICE_EMU_UNCHECKED __attribute__((no_sanitize("thread")))
 namespace emu_hopper {
 // Byte offset (from smem_base) of element (row, k), k < 16, of the operand `desc` describes;
 // `row` is the M (or N) index. `mn_major` selects the MN-major layouts.
@@ -277,7 +306,8 @@ inline unsigned swizzle_of(uint64_t desc) {
     const unsigned mode = static_cast<unsigned>(desc >> 62);
     return mode == 0 ? 0 : 4 - mode;
 }
-inline float smem_bf16(const void* smem_base, uint64_t desc, int row, int k, bool mn_major) {
+SLUICE_EMU_UNCHECKED inline float smem_bf16(const void* smem_base, uint64_t desc, int row, int k,
+                                            bool mn_major) {
     uint16_t h;
     memcpy(&h, reinterpret_cast<const char*>(smem_base) + operand_offset(desc, row, k, mn_major),
            2);
@@ -287,7 +317,8 @@ inline float smem_bf16(const void* smem_base, uint64_t desc, int row, int k, boo
     return f;
 }
 // The async proxy's reads of one operand (rows x 16 of K) in 16-byte chunks: each row's two
-// (K-major), or each K row's rows/8 (MN-major).
+// (K-major), or each K row's rows/8 (MN-major). The runtime checks each chunk's bounds and
+// races as a read by the calling thread (one per warpgroup) and its proxy and swizzle tags.
 inline void operand_reads(const void* smem_base, uint64_t desc, int rows, bool mn_major,
                           const std::source_location& loc) {
     const char* base = reinterpret_cast<const char*>(smem_base);
@@ -307,6 +338,107 @@ inline void operand_reads(const void* smem_base, uint64_t desc, int rows, bool m
         }
     }
 }
+// out[4j + 2r + c] = (scale_d ? in[..] : 0) + sum over k ascending of arow[r][k] * B[col][k]
+// (one fmaf at a time), col = 8j + 2t + c: a thread's part of a wgmma m64nNk16 given its two
+// rows of A (rows 16 warp + g and + 8) and B through `desc_b`.
+// The bf16 at byte offset `off` from smem_base, widened exactly.
+SLUICE_EMU_UNCHECKED inline float bf16_at(const void* smem_base, uint32_t off) {
+    uint16_t h;
+    memcpy(&h, reinterpret_cast<const char*>(smem_base) + off, 2);
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+// Columns col0 and col0 + 1 (col0 even) of B, k = 0..15: K-major, a row's 16 k are two
+// contiguous 16-byte chunks; MN-major, the two columns are adjacent in one chunk per k. Element
+// offsets come from operand_offset, so every layout and swizzle is read as the header says.
+SLUICE_EMU_UNCHECKED inline void column_pair(float (&bcol)[2][16], const void* smem_base,
+                                             uint64_t desc_b, int col0, bool mn_major) {
+    if (mn_major) {
+        for (int k = 0; k < 16; ++k) {
+            const uint32_t off = operand_offset(desc_b, col0, k, true);
+            bcol[0][k] = bf16_at(smem_base, off);
+            bcol[1][k] = bf16_at(smem_base, off + 2);
+        }
+        return;
+    }
+    for (int c = 0; c < 2; ++c)
+        for (int k0 = 0; k0 < 16; k0 += 8) {
+            const uint32_t off = operand_offset(desc_b, col0 + c, k0, false);
+            for (int k = 0; k < 8; ++k) bcol[c][k0 + k] = bf16_at(smem_base, off + 2 * k);
+        }
+}
+// out[4j + 2r + c] = (scale_d ? in[..] : 0) + sum over k ascending of arow[r][k] * B[col][k]
+// (one fused multiply-add at a time), col = 8j + 2t + c: a thread's part of a wgmma m64nNk16
+// given its two rows of A (rows 16 warp + g and + 8) and B through `desc_b`.
+template <int N, int MajorB>
+__attribute__((always_inline)) inline void multiply_body(float (&out)[N / 2], const float (&in)[N / 2],
+                                                         const float (&arow)[2][16], uint64_t desc_b,
+                                                         int scale_d, const void* smem_base, int t) {
+    for (int j = 0; j < N / 8; ++j) {
+        float bcol[2][16];
+        column_pair(bcol, smem_base, desc_b, 8 * j + 2 * t, MajorB == kWgmmaMNMajor);
+        for (int c = 0; c < 2; ++c)
+            for (int r = 0; r < 2; ++r) {
+                float acc = scale_d ? in[4 * j + 2 * r + c] : 0.0f;
+                for (int k = 0; k < 16; ++k) acc = __builtin_fmaf(arow[r][k], bcol[c][k], acc);
+                out[4 * j + 2 * r + c] = acc;
+            }
+    }
+}
+// The same compiled for the host's FMA unit where it has one (a fused multiply-add rounds once
+// either way: the same bits, without a library call per product).
+template <int N, int MajorB>
+SLUICE_EMU_UNCHECKED __attribute__((target("fma"))) void multiply_fma(
+    float (&out)[N / 2], const float (&in)[N / 2], const float (&arow)[2][16], uint64_t desc_b,
+    int scale_d, const void* smem_base, int t) {
+    multiply_body<N, MajorB>(out, in, arow, desc_b, scale_d, smem_base, t);
+}
+template <int N, int MajorB>
+SLUICE_EMU_UNCHECKED void multiply_portable(float (&out)[N / 2], const float (&in)[N / 2],
+                                            const float (&arow)[2][16], uint64_t desc_b,
+                                            int scale_d, const void* smem_base, int t) {
+    multiply_body<N, MajorB>(out, in, arow, desc_b, scale_d, smem_base, t);
+}
+template <int N, int MajorB>
+SLUICE_EMU_UNCHECKED inline void multiply(float (&out)[N / 2], const float (&in)[N / 2],
+                                          const float (&arow)[2][16], uint64_t desc_b,
+                                          int scale_d, const void* smem_base, int t) {
+    // (No function-local static: its guard would be an atomic the emulator does not link.)
+    if (__builtin_cpu_supports("fma")) {
+        multiply_fma<N, MajorB>(out, in, arow, desc_b, scale_d, smem_base, t);
+    } else {
+        multiply_portable<N, MajorB>(out, in, arow, desc_b, scale_d, smem_base, t);
+    }
+}
+// The low (h = 0) or high (h = 1) bf16 of a register pair, widened exactly.
+SLUICE_EMU_UNCHECKED inline float bf16_of_pair(uint32_t pair, int h) {
+    const uint32_t bits = (h == 0 ? (pair & 0xffffu) : (pair >> 16)) << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+// The thread's two rows of A (rows 16 warp + g and + 8) from shared memory through `desc_a`.
+SLUICE_EMU_UNCHECKED inline void rows_from_smem(float (&arow)[2][16], const void* smem_base,
+                                                uint64_t desc_a, bool mn_major, int warp, int g) {
+    for (int r = 0; r < 2; ++r)
+        for (int k = 0; k < 16; ++k)
+            arow[r][k] = smem_bf16(smem_base, desc_a, 16 * warp + g + 8 * r, k, mn_major);
+}
+// The same rows from the registers of the quad 4g .. 4g + 3 of the warp (A's register fragment).
+SLUICE_EMU_UNCHECKED inline void rows_from_quad(float (&arow)[2][16], const uint32_t (&quad)[32][4],
+                                                int g) {
+    for (int j = 0; j < 4; ++j) {
+        const uint32_t* f = quad[4 * g + j];
+        for (int h = 0; h < 2; ++h) {
+            arow[0][2 * j + h] = bf16_of_pair(f[0], h);
+            arow[1][2 * j + h] = bf16_of_pair(f[1], h);
+            arow[0][2 * j + 8 + h] = bf16_of_pair(f[2], h);
+            arow[1][2 * j + 8 + h] = bf16_of_pair(f[3], h);
+        }
+    }
+}
 }  // namespace emu_hopper
 #endif
 
@@ -320,7 +452,7 @@ inline void operand_reads(const void* smem_base, uint64_t desc, int rows, bool m
 template <int N, int MajorA = kWgmmaKMajor, int MajorB = kWgmmaKMajor>
 __device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
                                            int scale_d, const void* smem_base, SLUICE_HOPPER_LOC) {
-    static_assert(N == 64 || N == 128 || N == 256, "wgmma_bf16: N is 64, 128 or 256");
+    static_assert(N == 32 || N == 64 || N == 128 || N == 256, "wgmma_bf16: N is 32, 64, 128 or 256");
     const int wt = threadIdx.x & 127;
     const int warp = wt / 32, lane = wt % 32, g = lane / 4, t = lane % 4;
     // The accumulator this wgmma starts from: the newest pending result on d, else d (read by
@@ -331,7 +463,8 @@ __device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], uint64_t desc_a, u
     // from shared memory once (a model); the emulation's own reads are not counted. The same
     // thread reports the operands' async-proxy reads (a missing proxy fence, a layout mismatch).
     if (wt == 0) {
-        ::sluice_emu::prof_tensor_op(N == 64    ? "wgmma.m64n64k16.bf16"
+        ::sluice_emu::prof_tensor_op(N == 32    ? "wgmma.m64n32k16.bf16"
+                                     : N == 64  ? "wgmma.m64n64k16.bf16"
                                      : N == 128 ? "wgmma.m64n128k16.bf16"
                                                 : "wgmma.m64n256k16.bf16",
                                      2.0 * 64 * N * 16, loc);
@@ -340,21 +473,10 @@ __device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], uint64_t desc_a, u
         emu_hopper::operand_reads(smem_base, desc_b, N, MajorB == kWgmmaMNMajor, loc);
     }
     ::sluice_emu::prof_quiet(1);
-    for (int j = 0; j < N / 8; ++j) {
-        for (int e = 0; e < 4; ++e) {
-            const int row = 16 * warp + g + (e >= 2 ? 8 : 0);
-            const int col = 8 * j + 2 * t + (e & 1);
-            float acc = scale_d ? in[4 * j + e] : 0.0f;
-            for (int k = 0; k < 16; ++k) {
-                acc = fmaf(emu_hopper::smem_bf16(smem_base, desc_a, row, k,
-                                                 MajorA == kWgmmaMNMajor),
-                           emu_hopper::smem_bf16(smem_base, desc_b, col, k,
-                                                 MajorB == kWgmmaMNMajor),
-                           acc);
-            }
-            out[4 * j + e] = acc;
-        }
-    }
+    // The thread's two rows of A and, per column it owns, the column of B, read once each.
+    float arow[2][16];
+    emu_hopper::rows_from_smem(arow, smem_base, desc_a, MajorA == kWgmmaMNMajor, warp, g);
+    emu_hopper::multiply<N, MajorB>(out, in, arow, desc_b, scale_d, smem_base, t);
     ::sluice_emu::prof_quiet(-1);
     ::sluice_emu::wgmma_issue(d, out, sizeof out, loc);
 }
@@ -363,9 +485,73 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t d
                                                       const void* smem_base, SLUICE_HOPPER_LOC) {
     wgmma_bf16<128>(d, desc_a, desc_b, scale_d, smem_base, loc);
 }
+
+// The register-source form: D(64xN) = A(64x16) * B(Nx16)^T + (scale_d ? D : 0) with A in the
+// warpgroup's registers and B from shared memory (`MajorB` as above; A has no transpose in this
+// form). The fragment of A (the PTX ISA, "Register Fragments", wgmma .m64nNk16 matrix A; the
+// same map as a 64 x 16 slice of the f32 accumulator's): warp w holds rows 16w..16w+15, and with
+// g = lane/4, t = lane%4 each register holds two bf16, the lower column in the low half:
+//   a[0] = A[16w + g][2t, 2t+1]       a[1] = A[16w + g + 8][2t, 2t+1]
+//   a[2] = A[16w + g][2t+8, 2t+9]     a[3] = A[16w + g + 8][2t+8, 2t+9]
+// So accumulator registers d[8s .. 8s+7] of an m64nN result, packed in pairs, are the A fragment
+// of its columns 16s .. 16s+15: what FlashAttention-style P V needs. The instruction reads the A
+// registers asynchronously: the thread must not touch them until the wgmma_wait that covers it
+// (the emulator reports an access as `async-operand-before-wait`).
+template <int N, int MajorB = kWgmmaKMajor>
+__device__ __forceinline__ void wgmma_bf16_rs(float (&d)[N / 2], const uint32_t (&a)[4],
+                                              uint64_t desc_b, int scale_d,
+                                              const void* smem_base, SLUICE_HOPPER_LOC) {
+    static_assert(N == 64 || N == 128 || N == 256, "wgmma_bf16_rs: N is 64, 128 or 256");
+    const int wt = threadIdx.x & 127;
+    const int lane = wt % 32, g = lane / 4, t = lane % 4;
+    float in[N / 2], out[N / 2];
+    ::sluice_emu::wgmma_accumulator(d, in, sizeof in);
+    // Rows g and g + 8 of the warp's 16 come from the quad 4g .. 4g + 3 (one warp rendezvous;
+    // the registers are read by the runtime, not as the kernel's own accesses).
+    uint32_t quad[32][4];
+    emu_warp_gather(a, quad);
+    if (wt == 0) {
+        ::sluice_emu::prof_tensor_op(N == 64    ? "wgmma.m64n64k16.bf16"
+                                     : N == 128 ? "wgmma.m64n128k16.bf16"
+                                                : "wgmma.m64n256k16.bf16",
+                                     2.0 * 64 * N * 16, loc);
+        // Only B comes from shared memory.
+        ::sluice_emu::prof_wgmma_operands(N * 16 * 2, loc);
+        emu_hopper::operand_reads(smem_base, desc_b, N, MajorB == kWgmmaMNMajor, loc);
+    }
+    ::sluice_emu::prof_quiet(1);
+    float arow[2][16];
+    emu_hopper::rows_from_quad(arow, quad, g);
+    emu_hopper::multiply<N, MajorB>(out, in, arow, desc_b, scale_d, smem_base, t);
+    ::sluice_emu::prof_quiet(-1);
+    ::sluice_emu::wgmma_issue(d, out, sizeof out, loc, a, sizeof a);
+}
+
+// setmaxnreg: the register budget of a warpgroup (every warp of it must call it). Nothing to do
+// under the emulator.
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {}
 #else
 template <int N, int TA, int TB>
 struct WgmmaBf16;
+template <int TA, int TB>
+struct WgmmaBf16<32, TA, TB> {
+    static __device__ __forceinline__ void run(float (&d)[16], uint64_t desc_a, uint64_t desc_b,
+                                               int scale_d) {
+        asm volatile(
+            "{\n"
+            ".reg .pred p;\n"
+            "setp.ne.b32 p, %18, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+            "%16, %17, p, 1, 1, %19, %20;\n"
+            "}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
+    }
+};
 template <int TA, int TB>
 struct WgmmaBf16<64, TA, TB> {
     static __device__ __forceinline__ void run(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
@@ -425,6 +611,61 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t d
                                                       uint64_t desc_b, int scale_d,
                                                       const void* smem_base) {
     wgmma_bf16<128>(d, desc_a, desc_b, scale_d, smem_base);
+}
+
+// The register-source form (see the emulator's version above for the fragment of A).
+template <int N, int TB>
+struct WgmmaBf16Rs;
+template <int TB>
+struct WgmmaBf16Rs<64, TB> {
+    static __device__ __forceinline__ void run(float (&d)[32], const uint32_t (&a)[4],
+                                               uint64_t desc_b, int scale_d) {
+        asm volatile(
+            "{\n"
+            ".reg .pred p;\n"
+            "setp.ne.b32 p, %37, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+            "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n"
+            "}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TB));
+    }
+};
+template <int TB>
+struct WgmmaBf16Rs<128, TB> {
+    static __device__ __forceinline__ void run(float (&d)[64], const uint32_t (&a)[4],
+                                               uint64_t desc_b, int scale_d) {
+        asm volatile(
+            "{\n"
+            ".reg .pred p;\n"
+            "setp.ne.b32 p, %69, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+            "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n"
+            "}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TB));
+    }
+};
+
+template <int N, int MajorB = kWgmmaKMajor>
+__device__ __forceinline__ void wgmma_bf16_rs(float (&d)[N / 2], const uint32_t (&a)[4],
+                                              uint64_t desc_b, int scale_d,
+                                              const void* smem_base) {
+    (void)smem_base;
+    WgmmaBf16Rs<N, MajorB>::run(d, a, desc_b, scale_d);
+}
+
+// setmaxnreg: the register budget of the calling warpgroup (every warp of it must call it; the
+// kernel's launch bounds fix the entry count: __launch_bounds__(threads, 1)).
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 #endif
 

@@ -39,8 +39,8 @@ impl fmt::Display for CodeLocation {
 #[derive(Debug, Clone)]
 pub struct EmuFinding {
     /// race, out-of-bounds, divergent-barrier, shuffle-mask, async-read-before-wait,
-    /// missing-proxy-fence, swizzle-mismatch, kernel-error, or `more` (findings beyond the
-    /// emulator's limit per launch).
+    /// async-operand-before-wait, missing-proxy-fence, swizzle-mismatch, kernel-error, or `more`
+    /// (findings beyond the emulator's limit per launch).
     pub kind: String,
     /// What happened: kernel, block, thread and, where they apply, buffer and offset.
     pub message: String,

@@ -35,22 +35,27 @@ pub const DECODE_ROWS: usize = 16;
 /// bf16 elements of padding per shared-memory row (attention_tile.cuh's ROW_PAD).
 const ROW_PAD: usize = 8;
 
-/// The attention kernels a process runs: v1 (SIMT, one warp per row) or v2 (tensor-core tiles).
+/// The attention kernels a process runs: v1 (SIMT, one warp per row), v2 (tensor-core tiles on
+/// mma.sync) or v3 (wgmma and tensor copies on sm_90a, [`crate::ops::attention_wgmma`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttentionPath {
     Simt,
     Tiles,
+    Wgmma,
 }
 
 impl AttentionPath {
-    /// Parses `simt`/`v1` or `tiles`/`v2`.
+    /// Parses `simt`/`v1`, `tiles`/`v2` or `wgmma`/`v3`.
     pub fn parse(s: &str) -> Result<Self> {
         match s.trim() {
             "simt" | "v1" => Ok(AttentionPath::Simt),
             "tiles" | "v2" => Ok(AttentionPath::Tiles),
+            "wgmma" | "v3" => Ok(AttentionPath::Wgmma),
             other => Err(Error::param(
                 "SLUICE_ATTENTION",
-                format!("`{other}` is not an attention path (simt or v1, tiles or v2)"),
+                format!(
+                    "`{other}` is not an attention path (simt or v1, tiles or v2, wgmma or v3)"
+                ),
             )),
         }
     }
@@ -74,24 +79,51 @@ pub enum RowOrder {
     Chunks,
     /// v2: tiles of 32 keys, P rounded to bf16 before it multiplies V.
     Tiles,
+    /// v3: v2's order over tiles of 128 keys (common/attention_wgmma.cuh), forward, decode and
+    /// prefill; v3's backward kernels compute v2's backward order ([`RowOrder::backward`]).
+    Wgmma,
 }
 
 impl RowOrder {
-    /// The order of a call with inputs of `dtype` and head dim `d` on `path`.
+    /// The order of a call with inputs of `dtype` and head dim `d` on `path`: BF16 with
+    /// d <= 128 takes the path's tiles, anything else v1's chunks.
     pub fn of(path: AttentionPath, dtype: DType, d: usize) -> Self {
-        if path == AttentionPath::Tiles && dtype == DType::BF16 && d <= TILE_MAX_HEAD_DIM {
-            RowOrder::Tiles
-        } else {
-            RowOrder::Chunks
+        if dtype != DType::BF16 || d > TILE_MAX_HEAD_DIM {
+            return RowOrder::Chunks;
+        }
+        match path {
+            AttentionPath::Simt => RowOrder::Chunks,
+            AttentionPath::Tiles => RowOrder::Tiles,
+            AttentionPath::Wgmma => RowOrder::Wgmma,
         }
     }
 
-    /// Tiles only if both are tiles (a call with several operand dtypes).
+    /// The order both of two operands' orders allow (a call with several operand dtypes): the
+    /// same order, else v2's tiles between v2 and v3, else v1's chunks.
     pub fn min_with(self, other: RowOrder) -> RowOrder {
-        if self == RowOrder::Tiles && other == RowOrder::Tiles {
-            RowOrder::Tiles
-        } else {
-            RowOrder::Chunks
+        match (self, other) {
+            (a, b) if a == b => a,
+            (RowOrder::Chunks, _) | (_, RowOrder::Chunks) => RowOrder::Chunks,
+            _ => RowOrder::Tiles,
+        }
+    }
+
+    /// The order of the backward that goes with a forward in this order: v3's backward kernels
+    /// (attention_wgmma_bwd.cu) compute v2's order, element by element (the tile widths of the
+    /// backward change no sum), so its CPU twin is v2's; the other orders are their own.
+    pub fn backward(self) -> RowOrder {
+        match self {
+            RowOrder::Wgmma => RowOrder::Tiles,
+            other => other,
+        }
+    }
+
+    /// Keys per online-softmax step of a tile order (None for v1's chunks).
+    pub fn key_tile(self) -> Option<usize> {
+        match self {
+            RowOrder::Chunks => None,
+            RowOrder::Tiles => Some(KEY_TILE),
+            RowOrder::Wgmma => Some(crate::ops::attention_wgmma::KEY_TILE),
         }
     }
 
@@ -182,20 +214,15 @@ const BWD_ROWS: usize = 64;
 /// Queries per step of the dK/dV pass.
 const BWD_QT: usize = 32;
 
-/// Launches the v2 backward: the prep kernel (delta = rowsum(dO * O) and lse, head-major), then
-/// the two passes: dK/dV per 64 keys of a kv head, dQ per 64 queries of a head. `inputs`: q, k,
-/// v, cu_seqlens, dout (BF16), out, lse (F32); `grads`: dq, dk, dv (F32, written once each).
-pub(crate) fn launch_backward(
+/// The backward's prep kernel (v2's and v3's): delta = rowsum(dO * O) and the forward's lse,
+/// both head-major [H, T] (F32), for the passes' whole-sector reads. Returns (delta, lse).
+pub(crate) fn launch_backward_prep(
     backend: &Backend,
-    inputs: [&Tensor; 7],
-    (t, h, hkv, d): (usize, usize, usize, usize),
-    causal: bool,
-    scale: f32,
-    grads: [&Tensor; 3],
-) -> Result<()> {
-    let [q, k, v, cu_seqlens, dout, out, lse_rows] = inputs;
-    let [dq, dk, dv] = grads;
-    let b = cu_seqlens.numel() - 1;
+    dout: &Tensor,
+    out: &Tensor,
+    lse_rows: &Tensor,
+    (t, h, d): (usize, usize, usize),
+) -> Result<(Tensor, Tensor)> {
     let delta = Tensor::poisoned(backend, &[h, t], DType::F32)?;
     let lse = Tensor::poisoned(backend, &[h, t], DType::F32)?;
     let rows = u32::try_from((t * h).div_ceil(4))
@@ -211,6 +238,24 @@ pub(crate) fn launch_backward(
             .arg_tensor(&delta)
             .arg_tensor(&lse),
     )?;
+    Ok((delta, lse))
+}
+
+/// Launches the v2 backward: the prep kernel (delta = rowsum(dO * O) and lse, head-major), then
+/// the two passes: dK/dV per 64 keys of a kv head, dQ per 64 queries of a head. `inputs`: q, k,
+/// v, cu_seqlens, dout (BF16), out, lse (F32); `grads`: dq, dk, dv (F32, written once each).
+pub(crate) fn launch_backward(
+    backend: &Backend,
+    inputs: [&Tensor; 7],
+    (t, h, hkv, d): (usize, usize, usize, usize),
+    causal: bool,
+    scale: f32,
+    grads: [&Tensor; 3],
+) -> Result<()> {
+    let [q, k, v, cu_seqlens, dout, out, lse_rows] = inputs;
+    let [dq, dk, dv] = grads;
+    let b = cu_seqlens.numel() - 1;
+    let (delta, lse) = launch_backward_prep(backend, dout, out, lse_rows, (t, h, d))?;
     let (lse, delta) = (&lse, &delta);
     let row = (padded_head_dim(d) + ROW_PAD) * 2;
     let blocks = t.div_ceil(BWD_ROWS) + b;
@@ -349,13 +394,14 @@ pub fn round_bf16(x: f32) -> f32 {
     bf16::from_f32(x).to_f32()
 }
 
-/// The row sum of one key tile as the mma fragment computes it: lane t of the quad adds keys
-/// 8n + 2t and 8n + 2t + 1 for n ascending, from 0; then (l0 + l1) + (l2 + l3).
+/// The row sum of one key tile of W keys as the mma (W = 32) or wgmma (W = 128) fragment
+/// computes it: lane t of the quad adds keys 8n + 2t and 8n + 2t + 1 for n ascending, from 0;
+/// then (l0 + l1) + (l2 + l3).
 #[inline(always)]
-pub fn tile_row_sum(p: &[f32; KEY_TILE]) -> f32 {
+pub fn tile_row_sum<const W: usize>(p: &[f32; W]) -> f32 {
     let mut part = [0.0f32; 4];
     for (t, s) in part.iter_mut().enumerate() {
-        for n in 0..KEY_TILE / 8 {
+        for n in 0..W / 8 {
             *s += p[8 * n + 2 * t];
             *s += p[8 * n + 2 * t + 1];
         }
@@ -364,7 +410,8 @@ pub fn tile_row_sum(p: &[f32; KEY_TILE]) -> f32 {
 }
 
 /// The online-softmax state of one query row in the tile order (the twin of one row of
-/// attention_tile.cuh's WarpRows).
+/// attention_tile.cuh's WarpRows and of attention_wgmma.cuh's WgRows: the same steps, tiles of
+/// W keys).
 #[derive(Clone, Debug)]
 pub struct TileRowState {
     m: f32,
@@ -388,10 +435,10 @@ impl TileRowState {
         }
     }
 
-    /// Advances over one key tile given its scaled scores `s` (the visible keys first, `n` of
-    /// them; the rest of the tile is masked) and the visible keys' values.
+    /// Advances over one key tile of W keys given its scaled scores `s` (the visible keys
+    /// first, `n` of them; the rest of the tile is masked) and the visible keys' values.
     #[inline(always)]
-    pub fn tile_step(&mut self, s: &[f32; KEY_TILE], n: usize, values: &[&[f32]]) {
+    pub fn tile_step<const W: usize>(&mut self, s: &[f32; W], n: usize, values: &[&[f32]]) {
         let cm = s[..n].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
         let m_new = self.m.max(cm);
         let alpha = if self.m == f32::NEG_INFINITY {
@@ -399,7 +446,7 @@ impl TileRowState {
         } else {
             (self.m - m_new).exp()
         };
-        let mut p = [0.0f32; KEY_TILE];
+        let mut p = [0.0f32; W];
         for j in 0..n {
             p[j] = (s[j] - m_new).exp();
         }
@@ -427,11 +474,11 @@ impl TileRowState {
     }
 }
 
-/// One row in the tile order: `n_keys` keys (key j's rows from `kv(j)`), `scores(keys)` giving
-/// the scaled scores of up to 8 keys at a time. Returns the logsumexp; with no keys the output
-/// is zero and the logsumexp -inf.
+/// One row in the tile order with tiles of W keys (32: v2, 128: v3): `n_keys` keys (key j's
+/// rows from `kv(j)`), `dots(q, keys)` giving the dot products of up to 8 keys at a time.
+/// Returns the logsumexp; with no keys the output is zero and the logsumexp -inf.
 #[inline(always)]
-pub(crate) fn attend_row_tiles<'a, F: Fn(usize) -> (&'a [f32], &'a [f32])>(
+pub(crate) fn attend_row_tiles<'a, const W: usize, F: Fn(usize) -> (&'a [f32], &'a [f32])>(
     q: &[f32],
     n_keys: usize,
     scale: f32,
@@ -446,15 +493,15 @@ pub(crate) fn attend_row_tiles<'a, F: Fn(usize) -> (&'a [f32], &'a [f32])>(
     let mut st = TileRowState::new(q.len());
     let mut j0 = 0;
     while j0 < n_keys {
-        let n = KEY_TILE.min(n_keys - j0);
-        let mut keys: [&[f32]; KEY_TILE] = [&[]; KEY_TILE];
-        let mut values: [&[f32]; KEY_TILE] = [&[]; KEY_TILE];
+        let n = W.min(n_keys - j0);
+        let mut keys: [&[f32]; W] = [&[]; W];
+        let mut values: [&[f32]; W] = [&[]; W];
         for j in 0..n {
             let (kr, vr) = kv(j0 + j);
             keys[j] = &kr[..q.len()];
             values[j] = vr;
         }
-        let mut s = [f32::NEG_INFINITY; KEY_TILE];
+        let mut s = [f32::NEG_INFINITY; W];
         let mut g = 0;
         while g < n {
             let m = 8.min(n - g);
@@ -466,7 +513,7 @@ pub(crate) fn attend_row_tiles<'a, F: Fn(usize) -> (&'a [f32], &'a [f32])>(
             g += 8;
         }
         st.tile_step(&s, n, &values[..n]);
-        j0 += KEY_TILE;
+        j0 += W;
     }
     st.finish(out)
 }
@@ -506,5 +553,42 @@ mod tests {
             RowOrder::of(AttentionPath::Simt, DType::BF16, 64),
             RowOrder::Chunks
         );
+        assert_eq!(AttentionPath::parse("v3").unwrap(), AttentionPath::Wgmma);
+        assert_eq!(AttentionPath::parse("wgmma").unwrap(), AttentionPath::Wgmma);
+        assert_eq!(
+            RowOrder::of(AttentionPath::Wgmma, DType::BF16, 4),
+            RowOrder::Wgmma
+        );
+        assert_eq!(
+            RowOrder::of(AttentionPath::Wgmma, DType::F32, 64),
+            RowOrder::Chunks
+        );
+        assert_eq!(
+            RowOrder::of(AttentionPath::Wgmma, DType::BF16, 129),
+            RowOrder::Chunks
+        );
+        assert_eq!(RowOrder::Wgmma.backward(), RowOrder::Tiles);
+        assert_eq!(RowOrder::Wgmma.min_with(RowOrder::Tiles), RowOrder::Tiles);
+        assert_eq!(RowOrder::Wgmma.min_with(RowOrder::Chunks), RowOrder::Chunks);
+        assert_eq!(RowOrder::Wgmma.min_with(RowOrder::Wgmma), RowOrder::Wgmma);
+        assert_eq!(RowOrder::Wgmma.key_tile(), Some(128));
+    }
+
+    #[test]
+    fn wide_tile_row_sum_generalises_the_quad_order() {
+        // Lane t of the quad adds keys 8n + 2t, 8n + 2t + 1 (n ascending), then (l0+l1)+(l2+l3):
+        // with values 2^-k the partial sums are exact, and the total is the plain sum.
+        let p: [f32; 128] = std::array::from_fn(|k| (-(k as f32 % 24.0)).exp2());
+        let got = tile_row_sum(&p);
+        let mut part = [0.0f32; 4];
+        for (k, &x) in p.iter().enumerate() {
+            part[(k % 8) / 2] += x;
+        }
+        assert_eq!(
+            got.to_bits(),
+            ((part[0] + part[1]) + (part[2] + part[3])).to_bits()
+        );
+        let small: [f32; 32] = std::array::from_fn(|k| p[k]);
+        assert!(tile_row_sum(&small) < got);
     }
 }

@@ -4,6 +4,7 @@ use crate::runner::OpSpec;
 
 pub mod attention;
 pub mod attention_tile;
+pub mod attention_wgmma;
 pub mod block_reduce;
 pub mod elementwise;
 pub mod embedding;

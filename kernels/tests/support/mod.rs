@@ -33,8 +33,13 @@ pub fn checked_launch(
 }
 
 /// The line of kernels/emu/tests/planted.cu that contains `marker` (exactly once).
+#[allow(dead_code)] // emu_wgmma_rs.rs has its own source file (marker_line)
 pub fn planted_line(marker: &str) -> u32 {
-    let src = include_str!("../../emu/tests/planted.cu");
+    marker_line(include_str!("../../emu/tests/planted.cu"), marker)
+}
+
+/// The line of `src` that contains `marker` (exactly once).
+pub fn marker_line(src: &str, marker: &str) -> u32 {
     let hits: Vec<u32> = src
         .lines()
         .enumerate()
@@ -44,7 +49,7 @@ pub fn planted_line(marker: &str) -> u32 {
     assert_eq!(
         hits.len(),
         1,
-        "marker {marker:?} must occur once in planted.cu"
+        "marker {marker:?} must occur once in the source"
     );
     hits[0]
 }

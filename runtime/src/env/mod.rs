@@ -27,7 +27,7 @@ pub mod latency;
 pub mod synthetic;
 
 use crate::engine::StopConfig;
-use crate::trajectory::{ArtifactVersions, TerminalReason, TokenId};
+use crate::trajectory::{ArtifactVersions, Sample, TerminalReason, TokenId};
 use faults::{CallFault, CallKey};
 use sluice_kernels::testing::Rng;
 use std::fmt;
@@ -64,6 +64,32 @@ pub enum Reply {
 pub struct Demonstration {
     pub tokens: Vec<TokenId>,
     pub loss_mask: Vec<bool>,
+}
+
+/// What a text round trip did to the model turns of one finished trajectory
+/// ([`Task::round_trip`]); summed over a run in [`crate::metrics::RolloutCounters`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RoundTripCounts {
+    /// Model turns (runs of generated tokens between observations) looked at.
+    pub turns: u64,
+    /// Of those, turns whose decode-then-encode gives other ids than the sampled ones.
+    pub turns_changed: u64,
+    /// Of those, turns handed to the learner as the re-encoded ids (0 unless the task was
+    /// asked to retokenize).
+    pub turns_retokenized: u64,
+    /// Generated tokens as sampled, and as handed to the learner.
+    pub tokens_sampled: u64,
+    pub tokens_trained: u64,
+}
+
+impl RoundTripCounts {
+    pub fn add(&mut self, o: &RoundTripCounts) {
+        self.turns += o.turns;
+        self.turns_changed += o.turns_changed;
+        self.turns_retokenized += o.turns_retokenized;
+        self.tokens_sampled += o.tokens_sampled;
+        self.tokens_trained += o.tokens_trained;
+    }
 }
 
 /// A task's environment failed in a way the task itself reports (a malformed problem spec).
@@ -164,4 +190,15 @@ pub trait Task: Send + Sync {
     /// outside the process sends the request now, so the calls of many sessions are in flight
     /// together, and [`Task::call`] collects the reply. The default does nothing.
     fn prefetch(&self, _key: CallKey<'_>, _problem: &Problem, _generated: &[TokenId]) {}
+
+    /// A text task's round trip of a finished trajectory's model turns (decode the sampled ids,
+    /// encode the text again), called once per trajectory before it goes to the data buffer.
+    /// The default does nothing and returns None: the learner trains the ids as sampled (the
+    /// action contract of DESIGN 6.1). A task may count the turns a round trip would change,
+    /// and, for `sluice experiment tito` only (`rollout.retokenize`), replace them with the
+    /// re-encoded ids: the failure the contract exists to prevent
+    /// (trainer/src/tasks/round_trip.rs).
+    fn round_trip(&self, _sample: &mut Sample) -> Option<RoundTripCounts> {
+        None
+    }
 }

@@ -617,6 +617,11 @@ impl Orchestrator {
         sample.clocks.learner_step = self.learner_step;
         let task_name = spec.task.name().to_string();
         self.count_end(t, &sample, started, now);
+        // The gateway's last word before the buffer: the ids as sampled, unless the task
+        // round-trips them through text (`sluice experiment tito`).
+        if let Some(c) = self.tasks[t].task.round_trip(&mut sample) {
+            self.counters.round_trip.add(&c);
+        }
         let span = Span {
             track: Track::Rollout { replica },
             name: format!("{session}#{}", m.index),

@@ -98,8 +98,9 @@ impl<'a> Scheduler<'a> {
             ));
         }
         // GRPO advantages are normalised within a group: a group of one has advantage 0 and
-        // the stage would train nothing while its throughput looked fine.
-        if buffer.config().group_size < 2 {
+        // the stage would train nothing while its throughput looked fine (unless the learner
+        // distils from teachers, whose per-token signal needs no group).
+        if buffer.config().group_size < 2 && parts.learner.needs_groups() {
             return Err(RunError::Config(format!(
                 "buffer.group_size = {}: the learner's advantages are normalised within each \
                  group, so a group of one has advantage 0 and trains nothing; use 2 or more",

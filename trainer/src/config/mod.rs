@@ -21,10 +21,12 @@ use std::path::{Path, PathBuf};
 use toml::{Table, Value};
 
 mod merge;
+mod opd;
 mod resolve;
 mod servers;
 
 use merge::{defaults, merge_config, parse_set};
+pub use opd::{OpdSection, TeacherSection};
 use resolve::resolve;
 pub use resolve::HEARTBEAT_FLOOR_S;
 
@@ -122,6 +124,9 @@ pub struct RolloutSection {
     pub over_sampling: Option<sluice_runtime::system::OverSampling>,
     /// Rollout servers (`http://host:port`) driven as the replicas; empty: in-process engines.
     pub servers: Vec<String>,
+    /// Train the text tasks' model turns decoded and re-encoded instead of as sampled (the
+    /// round trip of `sluice experiment tito`, crate::tasks::round_trip); needs a BPE.
+    pub retokenize: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -273,6 +278,8 @@ pub struct TrainConfig {
     pub rollout: RolloutSection,
     pub buffer: BufferSection,
     pub loss: LossSection,
+    /// On-policy distillation in the RL stages (None: off).
+    pub opd: Option<OpdSection>,
     pub optim: OptimSection,
     pub sync: SyncSection,
     pub baselines: BaselinesSection,

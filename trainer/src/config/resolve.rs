@@ -5,13 +5,13 @@ use super::merge::join;
 use super::*;
 
 /// Typed access to the merged table with range checks.
-struct Get<'a> {
-    t: &'a Table,
-    prefix: String,
+pub(super) struct Get<'a> {
+    pub(super) t: &'a Table,
+    pub(super) prefix: String,
 }
 
 impl<'a> Get<'a> {
-    fn section(root: &'a Table, name: &str) -> Result<Get<'a>, ConfigError> {
+    pub(super) fn section(root: &'a Table, name: &str) -> Result<Get<'a>, ConfigError> {
         match root.get(name) {
             Some(Value::Table(t)) => Ok(Get {
                 t,
@@ -21,27 +21,27 @@ impl<'a> Get<'a> {
         }
     }
 
-    fn key(&self, k: &str) -> String {
+    pub(super) fn key(&self, k: &str) -> String {
         join(&self.prefix, k)
     }
 
-    fn value(&self, k: &str) -> Result<&'a Value, ConfigError> {
+    pub(super) fn value(&self, k: &str) -> Result<&'a Value, ConfigError> {
         self.t.get(k).ok_or_else(|| err(&self.key(k), "missing"))
     }
 
-    fn str(&self, k: &str) -> Result<&'a str, ConfigError> {
+    pub(super) fn str(&self, k: &str) -> Result<&'a str, ConfigError> {
         self.value(k)?
             .as_str()
             .ok_or_else(|| err(&self.key(k), "expected a string"))
     }
 
-    fn bool(&self, k: &str) -> Result<bool, ConfigError> {
+    pub(super) fn bool(&self, k: &str) -> Result<bool, ConfigError> {
         self.value(k)?
             .as_bool()
             .ok_or_else(|| err(&self.key(k), "expected true or false"))
     }
 
-    fn int(&self, k: &str, min: i64, max: i64) -> Result<i64, ConfigError> {
+    pub(super) fn int(&self, k: &str, min: i64, max: i64) -> Result<i64, ConfigError> {
         let v = self
             .value(k)?
             .as_integer()
@@ -52,7 +52,12 @@ impl<'a> Get<'a> {
         Ok(v)
     }
 
-    fn float(&self, k: &str, ok: impl Fn(f64) -> bool, what: &str) -> Result<f64, ConfigError> {
+    pub(super) fn float(
+        &self,
+        k: &str,
+        ok: impl Fn(f64) -> bool,
+        what: &str,
+    ) -> Result<f64, ConfigError> {
         let v = match self.value(k)? {
             Value::Float(f) => *f,
             Value::Integer(i) => *i as f64,
@@ -64,7 +69,7 @@ impl<'a> Get<'a> {
         Ok(v)
     }
 
-    fn sub(&self, k: &str) -> Result<Get<'a>, ConfigError> {
+    pub(super) fn sub(&self, k: &str) -> Result<Get<'a>, ConfigError> {
         match self.value(k)? {
             Value::Table(t) => Ok(Get {
                 t,
@@ -334,6 +339,7 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         fail,
         over_sampling: over_sampling(&rollout, mode)?,
         servers: super::servers::parse(rollout.value("servers")?)?,
+        retokenize: rollout.bool("retokenize")?,
     };
 
     let buffer = Get::section(&table, "buffer")?;
@@ -639,15 +645,19 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
             "a learner step needs far more trajectories than the tasks' concurrency allows",
         ));
     }
+    let opd_s = super::opd::resolve_opd(&table, &stage_s, &buffer_s, &loss_s)?;
     // GRPO advantages are normalised within a group: a group of one has advantage 0, so an RL
     // stage would train nothing while its throughput looks fine. Supervised stages use no
-    // groups.
-    if buffer_s.group_size < 2 && stage_s.iter().any(|s| s.kind == StageKind::Rl) {
+    // groups, nor does on-policy distillation's signal (the teacher's, per token).
+    let needs_no_group = opd_s.as_ref().is_some_and(|o| o.config.needs_no_group());
+    if buffer_s.group_size < 2 && stage_s.iter().any(|s| s.kind == StageKind::Rl) && !needs_no_group
+    {
         return Err(err(
             "buffer.group_size",
             format!(
                 "{}: an RL stage's advantages are normalised within each group, so a group of \
-                 one has advantage 0 and trains nothing; use 2 or more",
+                 one has advantage 0 and trains nothing; use 2 or more (or distil from a \
+                 teacher: opd.form, which needs no group)",
                 buffer_s.group_size
             ),
         ));
@@ -669,6 +679,7 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
             ),
         ));
     }
+    retokenize(&rollout_s, &tokenizer_s, &stage_s, &tasks_s)?;
     for t in &tasks_s {
         if t.concurrency < buffer_s.group_size as u64 {
             return Err(err(
@@ -696,6 +707,7 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         rollout: rollout_s,
         buffer: buffer_s,
         loss: loss_s,
+        opd: opd_s,
         optim: optim_s,
         sync: sync_s,
         baselines: baselines_s,
@@ -706,6 +718,44 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
     };
     super::servers::check(&mut cfg, replicas)?;
     Ok(cfg)
+}
+
+/// `rollout.retokenize`: a BPE (the character tokenizer's decode and encode are inverse, so
+/// the round trip would change no id and the arm would train what tito trains), and RL stages
+/// of text tasks only (raw-id tasks have no text to round-trip).
+fn retokenize(
+    rollout: &RolloutSection,
+    tokenizer: &TokenizerSection,
+    stages: &[StageSection],
+    tasks: &[TaskSection],
+) -> Result<(), ConfigError> {
+    if !rollout.retokenize {
+        return Ok(());
+    }
+    if tokenizer.kind == TokenizerKind::Char {
+        return Err(err(
+            "rollout.retokenize",
+            "needs tokenizer.kind = \"bpe\": the character tokenizer's decode and encode are \
+             inverse, so the round trip would change no id (configs/bpe.toml has a BPE)",
+        ));
+    }
+    for s in stages.iter().filter(|s| s.kind == StageKind::Rl) {
+        for name in &s.tasks {
+            if let Some(t) = tasks.iter().find(|t| &t.name == name) {
+                if !crate::tasks::is_text(&t.kind) {
+                    return Err(err(
+                        "rollout.retokenize",
+                        format!(
+                            "task {name} (kind {}) works on raw ids: it has no text to \
+                             round-trip",
+                            t.kind
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The KL-to-reference keys of `[loss]` (issue 28 item 7): None unless `kl_coef > 0` or

@@ -1,6 +1,11 @@
 //! The experiments of `sluice experiment`: arms (config overrides), the figures each reports
 //! and the chart it draws.
 
+use super::tito::{
+    lag0_abs_diff, ratio_spread, round_trip_changed, round_trip_tokens, round_trip_trained,
+    sort_pass_after, tito_arms, tool_pass_after, zero_lag_mismatch, zero_lag_mismatch_share,
+    zero_lag_tokens,
+};
 use super::ArmRun;
 use serde_json::Value;
 
@@ -11,7 +16,7 @@ pub struct Arm {
     pub sets: Vec<String>,
 }
 
-fn arm(name: impl Into<String>, sets: &[String]) -> Arm {
+pub(super) fn arm(name: impl Into<String>, sets: &[String]) -> Arm {
     Arm {
         name: name.into(),
         sets: sets.to_vec(),
@@ -44,11 +49,11 @@ pub struct Experiment {
     pub unavailable: Option<&'static str>,
 }
 
-fn num(v: &Value, key: &str) -> Option<f64> {
+pub(super) fn num(v: &Value, key: &str) -> Option<f64> {
     v.get(key).and_then(Value::as_f64)
 }
 
-fn task_num(r: &ArmRun, task: &str, key: &str) -> Option<f64> {
+pub(super) fn task_num(r: &ArmRun, task: &str, key: &str) -> Option<f64> {
     r.summary["tasks"][task].get(key).and_then(Value::as_f64)
 }
 
@@ -210,7 +215,7 @@ fn optimizer_steps(r: &ArmRun) -> Option<f64> {
     num(&r.summary, "optimizer_steps")
 }
 
-fn sets(pairs: &[(&str, String)]) -> Vec<String> {
+pub(super) fn sets(pairs: &[(&str, String)]) -> Vec<String> {
     pairs.iter().map(|(k, v)| format!("{k}={v}")).collect()
 }
 
@@ -687,19 +692,37 @@ pub static EXPERIMENTS: &[Experiment] = &[
     },
     Experiment {
         name: "tito",
-        about: "token-in-token-out against a text round trip (decode the sampled tokens, \
-                re-tokenise, train on those)",
-        base_sets: &[],
-        arms: Vec::new,
-        columns: &[],
-        chart: ChartKind::Bars(0),
-        unavailable: Some(
-            "not built yet: its text round-trip arm (decode the sampled ids, re-encode, train \
-             on those) is still to write. It needs the BPE tokenizer (`--config \
-             configs/bpe.toml`, where 30 of 32 sampled turns re-encode to other ids: \
-             trainer/tests/bpe.rs); with the default character tokenizer decode and encode are \
-             inverse, so the two arms would train the same data",
-        ),
+        about: "token-in-token-out (the learner trains the ids the engine sampled) against a \
+                text round trip (rollout.retokenize: each model turn decoded and encoded \
+                again, the learner trained on the re-encoded ids with the sampled log-prob \
+                mass spread over them), on a BPE that merges digit pairs and triples \
+                (configs/tokenizer/tasks-bpe-digits3.json, 512 ids; configs/bpe.toml's \
+                digit-per-token one with --set tokenizer.path=...), in sync mode so that \
+                every trained token is zero-lag and any learner-behavior mismatch is the round \
+                trip's: the turns it changes, the zero-lag mismatch, the IS gate's drops, the \
+                reward and the held-out pass rates after the stage",
+        base_sets: &[
+            "tokenizer.kind=\"bpe\"",
+            "tokenizer.path=\"configs/tokenizer/tasks-bpe-digits3.json\"",
+            "run.mode=\"sync\"",
+        ],
+        arms: tito_arms,
+        columns: &[
+            ("turns a round trip changes", round_trip_changed),
+            ("turns trained re-encoded", round_trip_trained),
+            ("trained / sampled tokens", round_trip_tokens),
+            ("zero-lag tokens", zero_lag_tokens),
+            ("zero-lag mismatch", zero_lag_mismatch),
+            ("zero-lag mismatch share", zero_lag_mismatch_share),
+            ("lag-0 mean |logp diff|", lag0_abs_diff),
+            ("IS ratio max - min", ratio_spread),
+            ("IS gated", is_clip),
+            ("reward", reward),
+            ("sort pass after", sort_pass_after),
+            ("tool pass after", tool_pass_after),
+        ],
+        chart: ChartKind::Bars(5),
+        unavailable: None,
     },
     Experiment {
         name: "async-speedup",
@@ -726,6 +749,37 @@ pub static EXPERIMENTS: &[Experiment] = &[
             ("tool stale, 3+ turns", tool_stale_3),
         ],
         chart: ChartKind::Bars(0),
+        unavailable: None,
+    },
+    Experiment {
+        name: "opd",
+        about: "on-policy distillation from a teacher (the arms' starting point trained 150 \
+                more supervised steps, per seed), in sync mode (every token trained at lag 0), \
+                the RL learning rate at 1e-3 and 16 groups per step: GRPO alone (off, the gap measured), the teacher's log-ratio per token as \
+                the advantage (GLM-5), the same centered on the step's mean, and GRPO plus the \
+                k3 KL toward the teacher in the loss: the gap to the teacher (mean behavior - \
+                teacher log-prob of the sampled tokens, the k1 estimate of KL(student || \
+                teacher)) over the stage and at its end, and the held-out pass rates after",
+        base_sets: &[
+            "run.mode=\"sync\"",
+            "optim.rl_muon_lr=0.001",
+            "optim.rl_adamw_lr=0.001",
+            "buffer.groups_per_step=16",
+        ],
+        arms: super::opd::opd_arms,
+        columns: &[
+            ("KL to teacher", super::opd::kl),
+            ("KL to teacher, last quarter", super::opd::kl_end),
+            ("teacher-scored tokens", super::opd::scored_tokens),
+            ("sort pass after", super::opd::sort_pass_after),
+            ("tool pass after", super::opd::tool_pass_after),
+            ("reward", reward),
+            ("RL time (s)", rl_time),
+        ],
+        chart: ChartKind::Steps(
+            |l| num(l, "opd_reverse_kl_window"),
+            "KL to the teacher (mean behavior - teacher logp)",
+        ),
         unavailable: None,
     },
 ];

@@ -9,6 +9,8 @@
 //! warmup-sN/        the warm-up of seed N (the config's sft stages only; its
 //!                   final.safetensors is every arm's model.init)
 //! ARM-sN/           one RL run folder per arm and seed (the config's rl stages only)
+//! teacher-sN/       experiments that distil (opd): the seed's teacher, the arms' starting
+//!                   point trained more supervised steps (every arm's opd.teachers)
 //! report.md         the table of every arm's figures (mean over seeds, and the range)
 //! report.json       the same, with every seed's value, the machine, commit, seeds, clock
 //! NAME.svg          the experiment's chart
@@ -21,7 +23,9 @@
 //! `--set run.replay=false` (the wall clock).
 
 mod defs;
+mod opd;
 mod report;
+mod tito;
 
 pub use defs::{Arm, Experiment, EXPERIMENTS};
 
@@ -198,7 +202,10 @@ pub fn run_experiment(o: &ExperimentOptions, out: &mut dyn Write) -> Result<Valu
     base_sets.extend(exp.base_sets.iter().map(|s| s.to_string()));
     base_sets.extend(o.sets.iter().cloned());
     let base = config::load(Some(&base_file), &base_sets)?;
-    for a in &arms {
+    // An experiment that distils has no teacher yet: its arms are checked against the seed's
+    // RL config once the teacher exists, before any arm runs.
+    let teacher_steps = opd::teacher_steps(exp.name);
+    for a in arms.iter().filter(|_| teacher_steps.is_none()) {
         let mut sets = base_sets.clone();
         sets.extend(a.sets.iter().cloned());
         config::load(Some(&base_file), &sets)?;
@@ -270,8 +277,18 @@ pub fn run_experiment(o: &ExperimentOptions, out: &mut dyn Write) -> Result<Valu
                     }
                 }
             }
+            if let Some(n) = teacher_steps {
+                let _ = writeln!(out, "experiment {}: teacher, seed {seed}", exp.name);
+                let teachers = opd::train(&rl, n, seed, &out_dir)?;
+                set_key(&mut rl, "opd", "teachers", teachers);
+            }
             let rl_file = out_dir.join(format!("rl-s{seed}.toml"));
             write_toml(&rl_file, &rl)?;
+            if teacher_steps.is_some() {
+                for a in &arms {
+                    config::load(Some(&rl_file), &a.sets)?;
+                }
+            }
             for a in &arms {
                 let dir = out_dir.join(format!("{}-s{seed}", a.name));
                 let t = std::time::Instant::now();

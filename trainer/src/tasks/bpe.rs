@@ -2,10 +2,12 @@
 //! special tokens ([`Bpe::load`]), or a byte-level BPE trained here on the tasks' text with the
 //! same crate ([`train`], `sluice tokenizer train`).
 //!
-//! The trained one splits digits one per token (a number's ids are its digits, as with the
-//! character tokenizer, so arithmetic stays digit by digit), maps every byte to a token (any
-//! text encodes), and puts the special tokens first, at the character tokenizer's ids
-//! (`<pad>` 0 ... `<eot>` 8).
+//! The trained one splits digits one per token by default (a number's ids are its digits, as
+//! with the character tokenizer, so arithmetic stays digit by digit) or, with a larger
+//! `digits`, cuts numbers into runs of up to that many digits that the BPE may merge (digit
+//! pairs and triples, as the pre-tokenizers of Llama 3 and GPT-4 group numbers in threes); it
+//! maps every byte to a token (any text encodes), and puts the special tokens first, at the
+//! character tokenizer's ids (`<pad>` 0 ... `<eot>` 8).
 
 use super::text::Specials;
 use super::tokenizer::Special;
@@ -18,7 +20,9 @@ use tokenizers::models::TrainerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::{AddedToken, Tokenizer};
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
 /// The vocabulary `sluice tokenizer train` aims at when `--vocab` is not given.
 pub const DEFAULT_TRAIN_VOCAB: usize = 512;
@@ -167,11 +171,20 @@ impl Bpe {
     }
 }
 
+/// Digits per pre-token when `sluice tokenizer train` is not given `--digits`: one, so a
+/// number's ids are its digits.
+pub const DEFAULT_TRAIN_DIGITS: usize = 1;
+
 /// Trains a byte-level BPE of at most `vocab` ids on `texts` (each split at the special
 /// tokens written in it, which never merge with text) and returns its tokenizer.json.
-/// Digits are split one per token; the nine chat specials take ids 0..=8. Deterministic: the
-/// same texts give the same file (a test checks).
-pub fn train(texts: &[String], vocab: usize) -> Result<String, String> {
+/// Numbers are cut into runs of at most `digits` digits before the BPE sees them (left to
+/// right: `13689` in threes is `136` `89`), so merges never cross such a cut; with 1 every
+/// digit is its own token. The nine chat specials take ids 0..=8. Deterministic: the same
+/// texts give the same file (a test checks).
+pub fn train(texts: &[String], vocab: usize, digits: usize) -> Result<String, String> {
+    if digits == 0 {
+        return Err("--digits 0: a token holds at least one digit".into());
+    }
     let base = Special::ALL.len() + ByteLevel::alphabet().len();
     if vocab < base {
         return Err(format!(
@@ -196,7 +209,7 @@ pub fn train(texts: &[String], vocab: usize) -> Result<String, String> {
     );
     let mut tok = Tokenizer::new(BPE::default());
     tok.with_pre_tokenizer(Some(Sequence::new(vec![
-        Digits::new(true).into(),
+        digit_runs(digits)?,
         ByteLevel::new(false, true, true).into(),
     ])));
     tok.with_decoder(Some(ByteLevelDecoder::default()));
@@ -208,6 +221,24 @@ pub fn train(texts: &[String], vocab: usize) -> Result<String, String> {
         .map_err(|e| format!("training the BPE: {e}"))?;
     tok.to_string(true)
         .map_err(|e| format!("writing the BPE's tokenizer.json: {e}"))
+}
+
+/// The pre-tokenizer that cuts numbers into runs of at most `digits` digits: the `Digits`
+/// one for 1 (the file configs/bpe.toml's BPE was trained with), a regex split otherwise.
+/// The byte-level pre-tokenizer after it keeps a run whole (its pattern ` ?\p{N}+` takes
+/// every digit of one).
+fn digit_runs(digits: usize) -> Result<PreTokenizerWrapper, String> {
+    if digits == 1 {
+        return Ok(Digits::new(true).into());
+    }
+    let pattern = format!("\\p{{N}}{{1,{digits}}}");
+    Split::new(
+        SplitPattern::Regex(pattern),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .map(Into::into)
+    .map_err(|e| format!("--digits {digits}: {e}"))
 }
 
 /// The text between the special tokens written in `text`.

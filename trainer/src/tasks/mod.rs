@@ -21,6 +21,7 @@ pub mod bpe;
 pub mod calc;
 pub mod export;
 pub mod external;
+pub mod round_trip;
 pub mod sort;
 pub mod template;
 pub mod text;
@@ -124,6 +125,11 @@ impl TaskOptions {
     }
 }
 
+/// Whether tasks of `kind` speak text through the run's tokenizer (the others work on raw ids).
+pub fn is_text(kind: &str) -> bool {
+    matches!(kind, "arith" | "sort" | "tool" | "external" | "http")
+}
+
 /// Makes the task `name` of `kind` for a model of `vocab` ids. The error names the task and
 /// the kind, option or vocabulary that is wrong. External tasks get a 5 s call timeout, one
 /// retry, and record nothing (see [`make_with`]).
@@ -182,7 +188,7 @@ pub fn make_with(
             }
         ));
     }
-    if matches!(kind, "arith" | "sort" | "tool" | "external" | "http") && vocab < tok.vocab_size() {
+    if is_text(kind) && vocab < tok.vocab_size() {
         return Err(format!(
             "task {name}: kind {kind} needs a model vocabulary of at least {} ids (tokenizer \
              {}), the model has {vocab}",

@@ -46,6 +46,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 mod checkpoint;
+mod opd;
 mod stages;
 mod summary;
 use checkpoint::*;
@@ -210,6 +211,9 @@ fn plan(o: &TrainOptions) -> Result<Plan, TrainError> {
         }
         check_vocab(init, model_cfg.vocab, &tok, "model.init")?;
     }
+    if let Some(opd) = &cfg.opd {
+        opd::check_teachers(opd, &model_cfg)?;
+    }
     if let Some(dir) = &o.resume {
         if let Some(ck) = latest_checkpoint(dir)? {
             check_vocab(
@@ -238,6 +242,18 @@ fn plan(o: &TrainOptions) -> Result<Plan, TrainError> {
                 message: m,
             })
         })?;
+        // With a BPE, text tasks count the model turns a decode-then-encode round trip would
+        // change, and with rollout.retokenize train the re-encoded ids (sluice experiment tito).
+        let task =
+            if crate::tasks::is_text(&t.kind) && cfg.tokenizer.kind == config::TokenizerKind::Bpe {
+                crate::tasks::round_trip::RoundTrip::wrap(
+                    task,
+                    Arc::clone(&tok),
+                    cfg.rollout.retokenize,
+                )
+            } else {
+                task
+            };
         tasks.insert(t.name.clone(), task);
     }
     let out = match (&o.resume, &o.out) {
@@ -347,6 +363,9 @@ struct RunState {
     trace: Trace,
     /// Lines of metrics.jsonl written so far (a resumed run cuts the file back to these).
     metrics_lines: u64,
+    /// SHA-256 of each OPD teacher's file when the run started (a resume checks them).
+    #[serde(default)]
+    teachers: Vec<String>,
 }
 
 /// An RL stage stopped at a barrier.
@@ -400,10 +419,12 @@ pub fn run_train(o: &TrainOptions, out: &mut dyn Write) -> Result<TrainSummary, 
                 )));
             };
             let st = read_state(&ck)?;
+            opd::check_unchanged(cfg.opd.as_ref(), &st.teachers)?;
             let file = truncate_lines(&metrics_path, st.metrics_lines)?;
             (st, Some(ck), file)
         }
         None => {
+            let teachers = opd::digests(cfg.opd.as_ref())?;
             prepare_folder(&p.out)?;
             std::fs::write(p.out.join("config.toml"), cfg.to_toml())
                 .map_err(|e| run_err(format!("config.toml: {e}")))?;
@@ -412,6 +433,7 @@ pub fn run_train(o: &TrainOptions, out: &mut dyn Write) -> Result<TrainSummary, 
             (
                 RunState {
                     format: STATE_FORMAT,
+                    teachers,
                     ..RunState::default()
                 },
                 None,
@@ -699,6 +721,12 @@ struct RlTotals {
     kl_sum: f64,
     #[serde(default)]
     kl_tokens: u64,
+    /// On-policy distillation: behavior - teacher log-prob summed over the scored tokens, and
+    /// their count (sluice_runtime's LearnerTotals).
+    #[serde(default)]
+    opd_gap_sum: f64,
+    #[serde(default)]
+    opd_tokens: u64,
     /// Groups without reward variance: dropped by dynamic sampling, and trained (all of them
     /// with dynamic sampling off; past its cap with it on).
     #[serde(default)]
@@ -730,6 +758,9 @@ struct RlTotals {
     /// Finished trajectories by terminal reason.
     #[serde(default)]
     by_terminal: BTreeMap<String, u64>,
+    /// Text tasks' round trips (a BPE run; `rollout.retokenize`).
+    #[serde(default)]
+    round_trip: sluice_runtime::env::RoundTripCounts,
 }
 
 impl RunContext<'_> {

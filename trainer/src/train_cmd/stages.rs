@@ -268,6 +268,7 @@ impl RunContext<'_> {
                     entropy_coef: cfg.loss.entropy_coef,
                     kl: cfg.loss.kl,
                 },
+                opd: cfg.opd.as_ref().map(|o| o.config),
             },
             self.state.rl_version,
         )
@@ -279,13 +280,24 @@ impl RunContext<'_> {
             _ => cfg.loss.kl_reference.clone(),
         };
         if let Some(path) = reference_file {
-            let r = Reference::load(&path, learner.backend(), learner.model()).map_err(|e| {
+            let r = Reference::load(
+                &path,
+                learner.backend(),
+                learner.model(),
+                "the KL reference",
+            )
+            .map_err(|e| {
                 TrainError::Input(match &resume {
                     Some(_) => format!("resume: the KL reference: {e}"),
                     None => format!("loss.kl_reference: {e}"),
                 })
             })?;
             learner.set_reference(r).map_err(run_err)?;
+        }
+        // On-policy distillation's teachers, from their files (on resume too).
+        if let Some(o) = &cfg.opd {
+            let teachers = super::opd::load_teachers(o, &learner)?;
+            learner.set_teachers(teachers).map_err(run_err)?;
         }
         if let (Some(_), Some(ck)) = (&resume, &self.resume_from) {
             // Weights and optimizer state at the barrier.
@@ -441,6 +453,8 @@ impl RunContext<'_> {
         t.entropy_tokens += l.entropy_tokens;
         t.kl_sum += l.kl_sum;
         t.kl_tokens += l.kl_tokens;
+        t.opd_gap_sum += l.opd_gap_sum;
+        t.opd_tokens += l.opd_tokens;
         t.accepted_tokens += l.accepted_tokens;
         t.gradient_tokens += l.gradient_tokens;
         t.sampled_tokens += report.rollout.sampled_tokens;
@@ -463,6 +477,7 @@ impl RunContext<'_> {
         for (k, n) in &report.rollout.env_faults {
             *t.env_faults.entry(k.clone()).or_default() += n;
         }
+        t.round_trip.add(&report.rollout.round_trip);
         for (k, n) in &report.rollout.by_terminal {
             *t.by_terminal.entry(k.clone()).or_default() += n;
         }

@@ -85,6 +85,10 @@ impl RunContext<'_> {
             // mean per-token KL estimate (loss.kl_estimator) of the behavior policy to it.
             "entropy_mean": t.map_or(0.0, |t| mean_of(t.entropy_sum, t.entropy_tokens)),
             "kl_ref_mean": t.map_or(0.0, |t| mean_of(t.kl_sum, t.kl_tokens)),
+            // With OPD's teachers: the mean over the tokens they scored of behavior logp -
+            // teacher logp (k1 estimate of KL(mu || teacher)), and how many they scored.
+            "opd_reverse_kl_mean": t.map_or(0.0, |t| mean_of(t.opd_gap_sum, t.opd_tokens)),
+            "opd_scored_tokens": t.map_or(0, |t| t.opd_tokens),
             "wall_s": wall_s,
             "rl_time_s": t.map_or(0.0, |t| t.elapsed_s),
             "effective_tokens_per_s": t.map_or(0.0, |t| t.accepted_tokens as f64 / elapsed),
@@ -107,6 +111,9 @@ impl RunContext<'_> {
             "env_calls": tt.env_calls,
             "env_faults": tt.env_faults,
             "trajectories_by_terminal": tt.by_terminal,
+            // With a BPE: the text tasks' model turns, those a decode-then-encode round trip
+            // changes, those trained re-encoded (rollout.retokenize), and their tokens.
+            "round_trip": tt.round_trip,
             "group_dup_rate": t.map_or(0.0, |t| ratio(t.dup, t.released)),
             "zero_lag_tokens": t.map_or(0, |t| t.zero_lag),
             "zero_lag_mismatch_tokens": t.map_or(0, |t| t.zero_lag_mismatch),

@@ -330,7 +330,21 @@ pub fn attention_forward_on(
         _ => {
             let out = Tensor::poisoned(backend, &[t, h, d], DType::F32)?;
             let lse = Tensor::poisoned(backend, &[t, h], DType::F32)?;
-            if t > 0 && order == RowOrder::Tiles {
+            if t > 0 && order == RowOrder::Wgmma {
+                // v3: every (query tile, head) block writes its rows' out and lse once.
+                crate::ops::attention_wgmma::launch_forward(
+                    backend,
+                    q,
+                    k,
+                    v,
+                    cu_seqlens,
+                    (t, h, hkv, d),
+                    causal,
+                    scale,
+                    &out,
+                    &lse,
+                )?;
+            } else if t > 0 && order == RowOrder::Tiles {
                 // Every (query tile, head) block writes its rows' out and lse once.
                 attention_tile::launch_forward(
                     backend,
@@ -486,8 +500,10 @@ pub fn attention_backward_saved_on(
         ));
     }
     lse.expect_dtype("lse", DType::F32)?;
-    // The order of the backward: the tiles' only when every operand is bf16.
-    let order = RowOrder::of(path, dout.dtype(), d).min_with(RowOrder::of(path, q.dtype(), d));
+    // The order of the backward: the tiles' only when every operand is bf16 (v3's kernels
+    // compute v2's order: RowOrder::backward).
+    let kernels = RowOrder::of(path, dout.dtype(), d).min_with(RowOrder::of(path, q.dtype(), d));
+    let order = kernels.backward();
     match backend {
         Backend::Cpu => {
             let mut dq = vec![0.0f32; t * h * d];
@@ -520,6 +536,18 @@ pub fn attention_backward_saved_on(
             let dk = Tensor::poisoned(backend, &[t, hkv, d], DType::F32)?;
             let dv = Tensor::poisoned(backend, &[t, hkv, d], DType::F32)?;
             if t == 0 {
+                return Ok(AttentionGrads { dq, dk, dv });
+            }
+            if kernels == RowOrder::Wgmma {
+                // v3: the same prep, then the two passes on wgmma, each output row written once.
+                crate::ops::attention_wgmma::launch_backward(
+                    backend,
+                    [q, k, v, cu_seqlens, dout, out, lse],
+                    (t, h, hkv, d),
+                    causal,
+                    scale,
+                    [&dq, &dk, &dv],
+                )?;
                 return Ok(AttentionGrads { dq, dk, dv });
             }
             if order == RowOrder::Tiles {

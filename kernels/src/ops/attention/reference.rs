@@ -96,7 +96,8 @@ pub fn attention_backward_reference(
             let (dor, outr) = (&dout[r * d..(r + 1) * d], &out[r * d..(r + 1) * d]);
             match order {
                 RowOrder::Chunks => dot_fma(dor, outr),
-                RowOrder::Tiles => attention_tile::delta_tiles(dor, outr),
+                // v3's backward kernels compute v2's order (RowOrder::backward).
+                RowOrder::Tiles | RowOrder::Wgmma => attention_tile::delta_tiles(dor, outr),
             }
         })
         .collect();
@@ -112,7 +113,7 @@ pub fn attention_backward_reference(
         lse,
         dout,
         delta: &delta,
-        round_bf16: order == RowOrder::Tiles,
+        round_bf16: order != RowOrder::Chunks,
     };
     let sequences = cu_seqlens.len() - 1;
     if sequences >= 2 * par::threads() {

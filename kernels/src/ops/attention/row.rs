@@ -166,8 +166,18 @@ fn attend_row_body<'a, F: Fn(usize) -> (&'a [f32], &'a [f32])>(
     kv: F,
     out: &mut [f32],
 ) -> f32 {
-    if order == RowOrder::Tiles {
-        return attend_row_tiles(q, n_keys, scale, kv, out, dots8);
+    match order {
+        RowOrder::Tiles => {
+            return attend_row_tiles::<{ attention_tile::KEY_TILE }, _>(
+                q, n_keys, scale, kv, out, dots8,
+            )
+        }
+        RowOrder::Wgmma => {
+            return attend_row_tiles::<{ crate::ops::attention_wgmma::KEY_TILE }, _>(
+                q, n_keys, scale, kv, out, dots8,
+            )
+        }
+        RowOrder::Chunks => {}
     }
     if n_keys == 0 {
         out.fill(0.0);
