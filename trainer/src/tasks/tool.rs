@@ -1,5 +1,6 @@
-//! `tool`: the agentic tool task. The model is asked for the product of two multi-digit
-//! numbers; it can call a calculator ([`super::calc`]) and read the result.
+//! `tool`: the agentic tool task. The model is asked for the product of two (with
+//! `chain_fraction`, sometimes three) multi-digit numbers; it can call a calculator
+//! ([`super::calc`]) and read the result.
 //!
 //! ```text
 //! <bos><user>372*845<eot><assistant>          prompt
@@ -54,6 +55,17 @@
 //!   writes `+` and fails every problem, and RL only has to flip that one token, which the
 //!   prompt already shows (`*`): a gain the warm-up data hand over. With 0 the warm-up alone
 //!   passes about 94% greedy (issue 26). Kept for experiments.
+//! - `chain_fraction` (a task option, not part of the mix): the fraction of problems with three
+//!   operands, `A*B*C`; the calculator then takes one operation per call, so a chained problem
+//!   needs two calls (`A*B`, then `P*C` with P the first result) or a direct answer. A direct
+//!   answer may restate the whole problem or the second step (`P*C=Q`).
+//! - `chain_call_fraction`: the fraction of chained demonstrations that call for the first step
+//!   whose second step calls too; the others answer the second step directly, restated
+//!   (`84*45=3780`). **The default run** (`chain_fraction = 0.5`, `chain_call_fraction =
+//!   0.25`): two chained calls are the rarest pattern in the data (40% call x 25% = 10% of the
+//!   chained demonstrations), so after the warm-up greedy decoding passes few held-out problems
+//!   (5-7%) and the model's own samples pass about half of them at least once in 8; RL must
+//!   find from reward both when to call and that a second call is needed.
 //!
 //! Measured for the earlier warm-ups (2026-12-01; configs/model/small.toml on cpu, 16
 //! demonstrations per step, 128 held-out problems, direct answers then the bare product):
