@@ -11,8 +11,8 @@
 //!   included, rounded up to whole groups of G per training problem; at the rollout's sampling
 //!   settings, answered by the task directly), and trains, supervised, on the ones that
 //!   passed: one pass over them in as many optimizer steps as RL took. (Until 2026-12-06 it
-//!   drew only the episodes RL trained on, 10-20% fewer in the async main job: counting what
-//!   RL paid for, not what it kept, can only make this arm stronger.)
+//!   drew only the episodes RL trained on, 13-16% fewer in the main job, docs/perf/train.md:
+//!   counting what RL paid for, not what it kept, can only make this arm stronger.)
 //!
 //! Both arms train with RL's optimizer settings (`optim.rl_muon_lr`, `optim.rl_adamw_lr`,
 //! constant, the same clip and weight decay) from a fresh optimizer state, so that each

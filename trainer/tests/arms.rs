@@ -93,7 +93,10 @@ fn rl_beats_continuing_the_warm_up_and_the_baselines_match_its_budget() {
         budget += f.div_ceil(8) * 8;
     }
     let trained = s["samples_trained"].as_u64().unwrap();
-    assert!(trained > 0 && finished >= trained, "{finished} sampled, {trained} trained");
+    assert!(
+        trained > 0 && finished >= trained,
+        "{finished} sampled, {trained} trained"
+    );
     assert_eq!(drawn, budget);
     assert_eq!(arms["rft"]["rl_samples"].as_u64(), Some(finished));
     assert!(kept > 0 && kept < drawn, "rft kept {kept} of {drawn}");

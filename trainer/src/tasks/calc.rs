@@ -86,7 +86,9 @@ pub fn eval_one_operation(program: &str) -> Result<i64, CalcError> {
     let v = eval(program)?;
     let chars: Vec<char> = program.chars().filter(|c| *c != ' ').collect();
     let ops = chars.iter().filter(|c| "+-*/%".contains(**c)).count();
-    let digits_or_op = chars.iter().all(|c| c.is_ascii_digit() || "+-*/%".contains(*c));
+    let digits_or_op = chars
+        .iter()
+        .all(|c| c.is_ascii_digit() || "+-*/%".contains(*c));
     // One operator between two numbers: not first (a sign), not last (eval would have failed).
     let one = ops == 1 && digits_or_op && chars.first().is_some_and(char::is_ascii_digit);
     if one {
@@ -235,7 +237,9 @@ mod tests {
         assert_eq!(eval_one_operation("17%5"), Ok(2));
         assert_eq!(eval_one_operation("0+0"), Ok(0));
         // Valid expressions of more or fewer operations, signs or parentheses are refused.
-        for p in ["2*3*4", "2*3+4", "(2*3)", "(2)*3", "7", "-2*3", "2*-3", "--5", "2*(3)"] {
+        for p in [
+            "2*3*4", "2*3+4", "(2*3)", "(2)*3", "7", "-2*3", "2*-3", "--5", "2*(3)",
+        ] {
             assert!(eval(p).is_ok(), "{p}");
             assert_eq!(eval_one_operation(p), Err(CalcError::OneOperation), "{p}");
         }

@@ -49,10 +49,16 @@ fn chained_problems_mix_two_and_three_operands_and_leave_the_plain_stream_alone(
             3 => three += 1,
             n => panic!("{n} operands in {}", p.spec),
         }
-        assert_eq!(p.prompt, enc(&format!("<bos><user>{}<eot><assistant>", p.spec)));
+        assert_eq!(
+            p.prompt,
+            enc(&format!("<bos><user>{}<eot><assistant>", p.spec))
+        );
     }
     // Binomial(400, 0.5): 3 standard deviations are 30.
-    assert!((170..=230).contains(&three) && two + three == 400, "{two} / {three}");
+    assert!(
+        (170..=230).contains(&three) && two + three == 400,
+        "{two} / {three}"
+    );
     // chain_fraction 0 (the option's default) draws exactly the problems of a task without
     // chains, and records the calculator's old version.
     let plain = make(
@@ -141,7 +147,10 @@ fn a_chained_problem_takes_two_calls_of_one_operation_each() {
         "<observation>1924<eot><assistant>"
     );
     assert_eq!(t.respond(&p, 1, &enc("1924<eot>")).unwrap(), success());
-    assert_eq!(t.respond(&p, 0, &enc("37*52=1924<eot>")).unwrap(), success());
+    assert_eq!(
+        t.respond(&p, 0, &enc("37*52=1924<eot>")).unwrap(),
+        success()
+    );
     // A task without chains refuses a three-operand spec, naming it.
     let plain = chained(0.0, 1.0, 0.0);
     let bad = Problem {
