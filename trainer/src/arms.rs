@@ -6,9 +6,13 @@
 //!   stages took, each step on as many trained (loss-carrying) tokens as RL's learner trained
 //!   per step on average. If this arm matched RL, RL's gain would be more warm-up.
 //! - **rft**: rejection-sampling fine-tuning on RL's sample budget: the warm-up model samples,
-//!   per task, as many episodes as RL trained on (G per training problem, at the rollout's
-//!   sampling settings, answered by the task directly), and trains, supervised, on the ones
-//!   that passed: one pass over them in as many optimizer steps as RL took.
+//!   per task, as many episodes as RL's rollout *sampled* (every episode that finished, the
+//!   ones the version and environment gates dropped and the groups the learner never consumed
+//!   included, rounded up to whole groups of G per training problem; at the rollout's sampling
+//!   settings, answered by the task directly), and trains, supervised, on the ones that
+//!   passed: one pass over them in as many optimizer steps as RL took. (Until 2026-12-06 it
+//!   drew only the episodes RL trained on, 13-16% fewer in the main job, docs/perf/train.md:
+//!   counting what RL paid for, not what it kept, can only make this arm stronger.)
 //!
 //! Both arms train with RL's optimizer settings (`optim.rl_muon_lr`, `optim.rl_adamw_lr`,
 //! constant, the same clip and weight decay) from a fresh optimizer state, so that each
@@ -60,8 +64,9 @@ pub struct RlBudget {
     pub steps: u64,
     /// Tokens RL's learner trained on (loss-carrying, accepted).
     pub trained_tokens: u64,
-    /// GRPO groups the learner consumed, per task.
-    pub groups: BTreeMap<String, u64>,
+    /// Episodes RL's rollout finished, per task: trained, dropped by a gate, or left in the
+    /// buffer at the stage's end (the rejection-sampling arm's budget).
+    pub sampled: BTreeMap<String, u64>,
 }
 
 /// Sequences of one supervised batch and the tokens each trains on.
@@ -347,10 +352,10 @@ impl Arms<'_> {
         Ok((model, trained))
     }
 
-    /// The rejection-sampling arm: `budget.groups[task]` training problems per task, G
-    /// samples each from the warm-up model, and `budget.steps` supervised steps over the
-    /// passing ones (one pass). Returns the model and (samples drawn, samples kept, tokens
-    /// trained).
+    /// The rejection-sampling arm: per task, `budget.sampled[task]` episodes rounded up to
+    /// whole groups (training problems of G samples each) from the warm-up model, and
+    /// `budget.steps` supervised steps over the passing ones (one pass). Returns the model and
+    /// (samples drawn, samples kept, tokens trained).
     pub fn rft(
         &mut self,
         backend: &Backend,
@@ -365,7 +370,8 @@ impl Arms<'_> {
         let mut kept: Vec<(Vec<u32>, Vec<bool>)> = Vec::new();
         let mut drawn = 0u64;
         for (t, task) in rl_tasks(self.cfg, self.tasks, names) {
-            let groups = budget.groups.get(&t.name).copied().unwrap_or(0) as usize;
+            let sampled = budget.sampled.get(&t.name).copied().unwrap_or(0) as usize;
+            let groups = sampled.div_ceil(g.max(1));
             let mut rng = Rng::new(hash_str(self.cfg.run.seed, &format!("rft/{}", t.name)));
             let problems: Vec<_> = (0..groups)
                 .map(|_| task.problem(&mut rng, Split::Train))
@@ -522,6 +528,7 @@ impl Arms<'_> {
                     "tasks": evals_json(&e),
                     "steps": budget.steps,
                     "samples_drawn": drawn,
+                    "rl_samples": budget.sampled.values().sum::<u64>(),
                     "samples_kept": kept,
                     "trained_tokens": trained,
                 }),

@@ -71,7 +71,8 @@ fn rl_beats_continuing_the_warm_up_and_the_baselines_match_its_budget() {
     }
     // The budgets: the same optimizer steps; the ablation trained at least RL's tokens per
     // step (whole demonstrations, so at most one demonstration more per step);
-    // rejection sampling drew exactly the episodes RL trained on and kept the passing ones.
+    // rejection sampling drew the episodes RL sampled (every finished one, trained or dropped),
+    // per task rounded up to whole groups of 8, and kept the passing ones.
     let steps = s["learner_steps"].as_u64().unwrap();
     assert_eq!(steps, 40);
     for arm in ["rl", "ablation", "rft"] {
@@ -85,7 +86,19 @@ fn rl_beats_continuing_the_warm_up_and_the_baselines_match_its_budget() {
     );
     let drawn = arms["rft"]["samples_drawn"].as_u64().unwrap();
     let kept = arms["rft"]["samples_kept"].as_u64().unwrap();
-    assert_eq!(drawn, s["samples_trained"].as_u64().unwrap());
+    let (mut finished, mut budget) = (0, 0);
+    for task in ["sort", "tool"] {
+        let f = s["tasks"][task]["trajectories_finished"].as_u64().unwrap();
+        finished += f;
+        budget += f.div_ceil(8) * 8;
+    }
+    let trained = s["samples_trained"].as_u64().unwrap();
+    assert!(
+        trained > 0 && finished >= trained,
+        "{finished} sampled, {trained} trained"
+    );
+    assert_eq!(drawn, budget);
+    assert_eq!(arms["rft"]["rl_samples"].as_u64(), Some(finished));
     assert!(kept > 0 && kept < drawn, "rft kept {kept} of {drawn}");
     assert!(arms["rft"]["trained_tokens"].as_u64().unwrap() > 0);
     // Every baseline step is in metrics.jsonl.

@@ -259,10 +259,21 @@ fn responses(spec: &str) -> Vec<(u32, String)> {
 
 /// The built-in tool task of the default config and its held-out problems.
 fn builtin_tool(n: usize) -> (std::sync::Arc<dyn Task>, Vec<Problem>) {
+    builtin_tool_with(n, None)
+}
+
+/// The built-in tool task with configs/default.toml's operands and mix; `chains`: its
+/// `chain_fraction` and `chain_call_fraction` (None: two operands only, as the Python port).
+fn builtin_tool_with(
+    n: usize,
+    chains: Option<(f64, f64)>,
+) -> (std::sync::Arc<dyn Task>, Vec<Problem>) {
     let opts = TaskOptions {
         digits: Some(2),
         min_digits: Some(1),
         tool_fraction: Some(0.4),
+        chain_fraction: chains.map(|c| c.0),
+        chain_call_fraction: chains.map(|c| c.1),
         ..TaskOptions::default()
     };
     let t = tasks::make("tool", "tool", 64, &opts).unwrap();
@@ -598,12 +609,15 @@ fn tasks_export_writes_the_problems_and_refuses_a_bad_split() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(lines.len(), 5, "{text}");
-    // The evaluation's first held-out problems of the default config, in its order.
-    let (_, problems) = builtin_tool(5);
+    // The evaluation's first held-out problems of the default config (chained problems
+    // among them), in its order.
+    let (_, problems) = builtin_tool_with(5, Some((0.5, 0.25)));
     for (l, p) in lines.iter().zip(&problems) {
         assert_eq!(l["spec"], p.spec.as_str());
         assert_eq!(l["prompt"]["text"], tokenizer::render(&p.prompt).as_str());
     }
+    let chained = problems.iter().filter(|p| p.spec.matches('*').count() == 2);
+    assert!(chained.count() >= 1, "no chained problem among the first 5");
     let o = sluice(&["tasks", "export", "tool", "--split", "validation"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("--split \"validation\""));

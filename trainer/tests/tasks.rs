@@ -530,6 +530,7 @@ fn the_demonstration_mix_sets_tool_use_and_wrong_calls() {
     ];
     for (tool_fraction, wrong_call_fraction, calls_in, wrong_in) in cases {
         let mix = DemoMix {
+            chain_call_fraction: 0.0,
             tool_fraction,
             wrong_call_fraction,
         };
@@ -555,6 +556,11 @@ fn the_demonstration_mix_sets_tool_use_and_wrong_calls() {
         );
     }
 }
+
+// ---- chained problems ----
+
+#[path = "tasks/tool_chain.rs"]
+mod tool_chain;
 
 // ---- registry ----
 

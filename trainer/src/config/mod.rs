@@ -173,6 +173,8 @@ pub struct OptimSection {
     pub weight_decay: f32,
     pub sft_batch: usize,
     pub sft_warmup: u64,
+    /// SFT: the cosine schedule ends at this fraction of the peak learning rates.
+    pub sft_min_lr_ratio: f32,
     /// RL: optimizer steps per pass over a learner step's groups, and passes.
     pub minibatches: usize,
     pub epochs: usize,
@@ -203,7 +205,7 @@ pub struct TaskSection {
     pub target_share: f64,
     pub latency: LatencyModel,
     pub faults: FaultRates,
-    /// The kind's parameters (`digits`, `min_digits`, `tool_fraction`, `wrong_call_fraction`, `items`).
+    /// The kind's parameters (`digits`, `min_digits`, `tool_fraction`, `wrong_call_fraction`, `chain_fraction`, `items`).
     pub options: crate::tasks::TaskOptions,
 }
 

@@ -190,6 +190,8 @@ fn task_options(g: &Get<'_>) -> Result<crate::tasks::TaskOptions, ConfigError> {
         min_digits: int("min_digits")?,
         tool_fraction: frac("tool_fraction")?,
         wrong_call_fraction: frac("wrong_call_fraction")?,
+        chain_fraction: frac("chain_fraction")?,
+        chain_call_fraction: frac("chain_call_fraction")?,
         items: int("items")?,
     })
 }
@@ -439,6 +441,11 @@ pub(super) fn resolve(table: Table) -> Result<TrainConfig, ConfigError> {
         weight_decay: optim.float("weight_decay", |x| x >= 0.0, ">= 0")? as f32,
         sft_batch: optim.int("sft_batch", 1, 1 << 20)? as usize,
         sft_warmup: optim.int("sft_warmup", 0, MAX)? as u64,
+        sft_min_lr_ratio: optim.float(
+            "sft_min_lr_ratio",
+            |x| (0.0..=1.0).contains(&x),
+            "in [0, 1]",
+        )? as f32,
         minibatches: optim.int("minibatches", 1, 1 << 20)? as usize,
         epochs: optim.int("epochs", 1, 1024)? as usize,
     };

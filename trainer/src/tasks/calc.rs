@@ -35,6 +35,9 @@ pub enum CalcError {
     DivisionByZero,
     Overflow,
     TooDeep,
+    /// A program of more than one operation, where one operation per call is allowed
+    /// ([`eval_one_operation`]).
+    OneOperation,
 }
 
 impl fmt::Display for CalcError {
@@ -48,6 +51,7 @@ impl fmt::Display for CalcError {
             CalcError::DivisionByZero => f.write_str("error: division by zero"),
             CalcError::Overflow => f.write_str("error: overflow"),
             CalcError::TooDeep => f.write_str("error: nested too deep"),
+            CalcError::OneOperation => f.write_str("error: one operation per call"),
         }
     }
 }
@@ -70,6 +74,27 @@ pub fn eval(program: &str) -> Result<i64, CalcError> {
     match p.peek() {
         None => Ok(v),
         Some(_) => Err(CalcError::Syntax(Some(p.at))),
+    }
+}
+
+/// Evaluates a program of exactly one operation, `X op Y` (two unsigned numbers, op one of
+/// `+ - * / %`, spaces ignored). A program the full grammar accepts but that holds more (or
+/// no) operations, such as `2*3*4`, `(2*3)` or `7`, is [`CalcError::OneOperation`]; anything
+/// else fails as [`eval`] says (syntax, overflow, division by zero). The tool task's
+/// calculator for chained problems: a product of three numbers then takes two calls.
+pub fn eval_one_operation(program: &str) -> Result<i64, CalcError> {
+    let v = eval(program)?;
+    let chars: Vec<char> = program.chars().filter(|c| *c != ' ').collect();
+    let ops = chars.iter().filter(|c| "+-*/%".contains(**c)).count();
+    let digits_or_op = chars
+        .iter()
+        .all(|c| c.is_ascii_digit() || "+-*/%".contains(*c));
+    // One operator between two numbers: not first (a sign), not last (eval would have failed).
+    let one = ops == 1 && digits_or_op && chars.first().is_some_and(char::is_ascii_digit);
+    if one {
+        Ok(v)
+    } else {
+        Err(CalcError::OneOperation)
     }
 }
 
@@ -201,5 +226,35 @@ mod tests {
         assert_eq!(eval(min), Ok(i64::MIN));
         assert_eq!(eval(&format!("{min}/-1")), Err(CalcError::Overflow));
         assert_eq!(eval(&format!("-{min}")), Err(CalcError::Overflow));
+    }
+
+    #[test]
+    fn one_operation_takes_two_numbers_and_one_operator() {
+        assert_eq!(eval_one_operation("37*52"), Ok(1924));
+        assert_eq!(eval_one_operation(" 1924 * 8 "), Ok(15392));
+        assert_eq!(eval_one_operation("9-12"), Ok(-3));
+        assert_eq!(eval_one_operation("17/5"), Ok(3));
+        assert_eq!(eval_one_operation("17%5"), Ok(2));
+        assert_eq!(eval_one_operation("0+0"), Ok(0));
+        // Valid expressions of more or fewer operations, signs or parentheses are refused.
+        for p in [
+            "2*3*4", "2*3+4", "(2*3)", "(2)*3", "7", "-2*3", "2*-3", "--5", "2*(3)",
+        ] {
+            assert!(eval(p).is_ok(), "{p}");
+            assert_eq!(eval_one_operation(p), Err(CalcError::OneOperation), "{p}");
+        }
+        // What the full grammar refuses keeps its own error.
+        assert_eq!(eval_one_operation(""), Err(CalcError::Empty));
+        assert_eq!(eval_one_operation("2*"), Err(CalcError::Syntax(None)));
+        assert_eq!(eval_one_operation("2x3"), Err(CalcError::Syntax(Some(1))));
+        assert_eq!(eval_one_operation("5/0"), Err(CalcError::DivisionByZero));
+        assert_eq!(
+            eval_one_operation("999999999999999999*10"),
+            Err(CalcError::Overflow)
+        );
+        assert_eq!(
+            CalcError::OneOperation.to_string(),
+            "error: one operation per call"
+        );
     }
 }

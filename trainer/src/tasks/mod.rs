@@ -4,7 +4,7 @@
 //! |----------|-------|---------------------------------------------------|--------------------------|
 //! | `arith`  | 1     | the sum of two integers ([`arith`])               | `digits`                 |
 //! | `sort`   | 1     | the digits of the prompt, sorted ([`sort`])       | `digits`                 |
-//! | `tool`   | 1-4   | a product, with a calculator tool ([`tool`])      | `digits`, `min_digits`, `tool_fraction`, `wrong_call_fraction` |
+//! | `tool`   | 1-4   | a product, with a calculator tool ([`tool`])      | `digits`, `min_digits`, `tool_fraction`, `wrong_call_fraction`, `chain_fraction`, `chain_call_fraction` |
 //! | `recall` | 1     | raw-id recall (the runtime's synthetic task)      | `items`                  |
 //! | `lookup` | 2     | raw-id lookup through an observation (runtime)    | none                     |
 //! | `external` | any | a program sluice starts, JSON lines ([`external`]) | `command`, `args`       |
@@ -70,6 +70,13 @@ pub struct TaskOptions {
     /// `tool`: the fraction of tool-calling demonstrations that call it with the wrong program
     /// (`A+B`); in [0, 1], default 0. See [`tool`].
     pub wrong_call_fraction: Option<f64>,
+    /// `tool`: the share of problems with three operands (`A*B*C`) and, when above 0, a
+    /// calculator of one operation per call, so those take two chained calls; in [0, 1],
+    /// default 0. See [`tool`].
+    pub chain_fraction: Option<f64>,
+    /// `tool`: the fraction of three-operand demonstrations that call the tool whose second
+    /// step calls too; in [0, 1], default 0 (every demonstration makes one call at most).
+    pub chain_call_fraction: Option<f64>,
     /// `recall`: symbols per prompt, >= 1, default [`DEFAULT_ITEMS`].
     pub items: Option<u32>,
     /// `external`: the program to start (found on PATH, or a path relative to the working
@@ -95,6 +102,12 @@ impl TaskOptions {
         }
         if self.wrong_call_fraction.is_some() {
             v.push("wrong_call_fraction");
+        }
+        if self.chain_fraction.is_some() {
+            v.push("chain_fraction");
+        }
+        if self.chain_call_fraction.is_some() {
+            v.push("chain_call_fraction");
         }
         if self.items.is_some() {
             v.push("items");
@@ -151,6 +164,8 @@ pub fn make_with(
             "min_digits",
             "tool_fraction",
             "wrong_call_fraction",
+            "chain_fraction",
+            "chain_call_fraction",
         ],
         "recall" => &["items"],
         "lookup" => &[],
@@ -201,8 +216,11 @@ pub fn make_with(
                 tool::DemoMix {
                     tool_fraction: options.tool_fraction.unwrap_or(DEFAULT_TOOL_FRACTION),
                     wrong_call_fraction: options.wrong_call_fraction.unwrap_or(0.0),
+                    chain_call_fraction: options.chain_call_fraction.unwrap_or(0.0),
                 },
             )
+            .map_err(|e| e.0)?
+            .with_chains(options.chain_fraction.unwrap_or(0.0))
             .map_err(|e| e.0)?
             .with_tokenizer(Arc::clone(tok)),
         ),

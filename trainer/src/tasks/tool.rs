@@ -1,5 +1,6 @@
-//! `tool`: the agentic tool task. The model is asked for the product of two multi-digit
-//! numbers; it can call a calculator ([`super::calc`]) and read the result.
+//! `tool`: the agentic tool task. The model is asked for the product of two (with
+//! `chain_fraction`, sometimes three) multi-digit numbers; it can call a calculator
+//! ([`super::calc`]) and read the result.
 //!
 //! ```text
 //! <bos><user>372*845<eot><assistant>          prompt
@@ -54,6 +55,17 @@
 //!   writes `+` and fails every problem, and RL only has to flip that one token, which the
 //!   prompt already shows (`*`): a gain the warm-up data hand over. With 0 the warm-up alone
 //!   passes about 94% greedy (issue 26). Kept for experiments.
+//! - `chain_fraction` (a task option, not part of the mix): the fraction of problems with three
+//!   operands, `A*B*C`; the calculator then takes one operation per call, so a chained problem
+//!   needs two calls (`A*B`, then `P*C` with P the first result) or a direct answer. A direct
+//!   answer may restate the whole problem or the second step (`P*C=Q`).
+//! - `chain_call_fraction`: the fraction of chained demonstrations that call for the first step
+//!   whose second step calls too; the others answer the second step directly, restated
+//!   (`84*45=3780`). **The default run** (`chain_fraction = 0.5`, `chain_call_fraction =
+//!   0.25`): two chained calls are the rarest pattern in the data (40% call x 25% = 10% of the
+//!   chained demonstrations), so after the warm-up greedy decoding passes few held-out problems
+//!   (5-7%) and the model's own samples pass about half of them at least once in 8; RL must
+//!   find from reward both when to call and that a second call is needed.
 //!
 //! Measured for the earlier warm-ups (2026-12-01; configs/model/small.toml on cpu, 16
 //! demonstrations per step, 128 held-out problems, direct answers then the bare product):
@@ -86,6 +98,9 @@ use std::sync::Arc;
 
 /// The environment version recorded on trajectories.
 pub const ENV_VERSION: &str = "tool-calculator-1";
+/// The environment version with chained problems (`chain_fraction > 0`): three-operand
+/// problems and a calculator of one operation per call.
+pub const CHAIN_ENV_VERSION: &str = "tool-calculator-chain-1";
 
 /// Tool calls allowed per episode; the rollout's `max_turns` should be at least 2 (one call
 /// and the answer), and at most `MAX_CALLS + 1` turns can ever be used.
@@ -108,6 +123,9 @@ pub struct DemoMix {
     /// The fraction of tool-calling demonstrations whose program is the sum `A+B` instead of
     /// the product; their answer repeats what the tool returned, so they end with reward 0.
     pub wrong_call_fraction: f64,
+    /// The fraction of three-operand demonstrations that call the tool whose second step
+    /// calls too (two chained calls); the others answer the second step directly.
+    pub chain_call_fraction: f64,
 }
 
 impl DemoMix {
@@ -115,6 +133,7 @@ impl DemoMix {
     pub const CORRECT: DemoMix = DemoMix {
         tool_fraction: 1.0,
         wrong_call_fraction: 0.0,
+        chain_call_fraction: 1.0,
     };
 }
 
@@ -126,6 +145,10 @@ pub struct ToolTask {
     min_digits: u32,
     digits: u32,
     mix: DemoMix,
+    /// The share of problems with three operands (`A*B*C`), which the one-operation
+    /// calculator answers in two chained calls; 0: every problem is `A*B` and the calculator
+    /// takes any expression.
+    chain_fraction: f64,
     tok: Arc<TextTokenizer>,
 }
 
@@ -157,6 +180,7 @@ impl ToolTask {
         for (key, f) in [
             ("tool_fraction", mix.tool_fraction),
             ("wrong_call_fraction", mix.wrong_call_fraction),
+            ("chain_call_fraction", mix.chain_call_fraction),
         ] {
             if !(0.0..=1.0).contains(&f) {
                 return Err(TaskError(format!(
@@ -169,8 +193,30 @@ impl ToolTask {
             min_digits,
             digits,
             mix,
+            chain_fraction: 0.0,
             tok: TextTokenizer::char(),
         })
+    }
+
+    /// The same task with a share `fraction` (in [0, 1]) of three-operand problems and, when
+    /// it is above 0, the one-operation calculator (see the module docs).
+    pub fn with_chains(mut self, fraction: f64) -> Result<Self, TaskError> {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(TaskError(format!(
+                "task {}: chain_fraction must be in [0, 1], got {fraction}",
+                self.name
+            )));
+        }
+        self.chain_fraction = fraction;
+        Ok(self)
+    }
+
+    pub fn chain_fraction(&self) -> f64 {
+        self.chain_fraction
+    }
+
+    fn chains(&self) -> bool {
+        self.chain_fraction > 0.0
     }
 
     /// The same task on another tokenizer (the character one by default).
@@ -206,15 +252,22 @@ impl ToolTask {
         lo + rng.below((10i64.pow(digits) - lo) as usize) as i64
     }
 
-    /// The operands of a spec this task made (`"A*B"`, each of exactly `digits` digits).
-    fn parse(&self, spec: &str) -> Result<(i64, i64), TaskError> {
+    /// The operands of a spec this task made (`"A*B"`, or `"A*B*C"` with chains; each of
+    /// min_digits..=digits digits).
+    fn parse(&self, spec: &str) -> Result<Vec<i64>, TaskError> {
         let bad = || {
             TaskError(format!(
-                "task {}: problem spec {spec:?} is not A*B with operands of {}..={} digits",
-                self.name, self.min_digits, self.digits
+                "task {}: problem spec {spec:?} is not {} with operands of {}..={} digits",
+                self.name,
+                if self.chains() { "A*B or A*B*C" } else { "A*B" },
+                self.min_digits,
+                self.digits
             ))
         };
-        let (a, b) = spec.split_once('*').ok_or_else(bad)?;
+        let parts: Vec<&str> = spec.split('*').collect();
+        if !(parts.len() == 2 || parts.len() == 3 && self.chains()) {
+            return Err(bad());
+        }
         let num = |s: &str| -> Result<i64, TaskError> {
             let sizes = self.min_digits as usize..=self.digits as usize;
             if !sizes.contains(&s.len())
@@ -225,7 +278,7 @@ impl ToolTask {
             }
             s.parse().map_err(|_| bad())
         };
-        Ok((num(a)?, num(b)?))
+        parts.into_iter().map(num).collect()
     }
 
     /// The observation answering a call turn (`generated` ends in `</call>`).
@@ -236,7 +289,11 @@ impl ToolTask {
             None => "error: no call start".to_string(),
             Some(i) => match self.tok.plain_text(&body[i + 1..]) {
                 None => "error: bad token in program".to_string(),
-                Some(program) => match calc::eval(&program) {
+                Some(program) => match if self.chains() {
+                    calc::eval_one_operation(&program)
+                } else {
+                    calc::eval(&program)
+                } {
                     Ok(v) => v.to_string(),
                     Err(e) => e.to_string(),
                 },
@@ -265,21 +322,28 @@ impl Task for ToolTask {
 
     fn problem(&self, rng: &mut Rng, split: Split) -> Problem {
         loop {
+            // Without chains no draw is made (the problem stream of a two-operand task is
+            // unchanged).
+            let three = self.chains() && rng.uniform() < self.chain_fraction;
             let (a, b) = (self.operand(rng), self.operand(rng));
-            let spec = format!("{a}*{b}");
+            let spec = if three {
+                format!("{a}*{b}*{}", self.operand(rng))
+            } else {
+                format!("{a}*{b}")
+            };
             if !in_split(SPLIT_SEED, &spec, split) {
                 continue;
             }
             return Problem {
                 id: format!("{}:{spec}", self.name),
-                prompt: template::prompt(&self.tok.specials(), &self.operation_ids(a, '*', b)),
+                prompt: template::prompt(&self.tok.specials(), &self.tok.encode_known(&spec)),
                 spec,
             };
         }
     }
 
     fn respond(&self, p: &Problem, turn: u32, generated: &[TokenId]) -> Result<Reply, TaskError> {
-        let (a, b) = self.parse(&p.spec)?;
+        let ops = self.parse(&p.spec)?;
         if generated.last() == Some(&self.tok.specials().end_call) {
             // Turn t is call number t + 1: every earlier turn was a call.
             if turn >= MAX_CALLS {
@@ -291,11 +355,17 @@ impl Task for ToolTask {
             return Ok(Reply::Observe(self.run_call(generated)?));
         }
         // The product alone, or the problem restated with it (`A*B=P`, how a direct answer
-        // is written).
-        let want = (a * b).to_string();
+        // is written); a three-operand problem also after its first step (`P*C=Q`, P = A*B).
+        let want = ops.iter().product::<i64>().to_string();
+        let mut restated = vec![p.spec.clone()];
+        if let [a, b, c] = ops[..] {
+            restated.push(format!("{}*{c}", a * b));
+        }
         Ok(end(template::answer_text(&self.tok, generated)
             .is_some_and(|t| {
-                t == want || t.strip_prefix(p.spec.as_str()) == Some(&format!("={want}"))
+                t == want
+                    || t.split_once('=')
+                        .is_some_and(|(x, v)| v == want && restated.iter().any(|r| r == x))
             })))
     }
 
@@ -310,35 +380,58 @@ impl Task for ToolTask {
         ArtifactVersions {
             template: template::VERSION.into(),
             tokenizer: self.tok.version(),
-            environment: ENV_VERSION.into(),
+            environment: if self.chains() {
+                CHAIN_ENV_VERSION
+            } else {
+                ENV_VERSION
+            }
+            .into(),
         }
     }
 
     fn demonstration(&self, p: &Problem, rng: &mut Rng) -> Option<Demonstration> {
-        let (a, b) = self.parse(&p.spec).ok()?;
+        let ops = self.parse(&p.spec).ok()?;
+        let (a, b) = (ops[0], ops[1]);
         // Both draws always happen, so one demonstration consumes the same randomness
         // whatever the mix.
         let (call, wrong) = (rng.uniform(), rng.uniform());
+        // A three-operand problem draws its second step's strategy too.
+        let second = if ops.len() == 3 { rng.uniform() } else { 1.0 };
         let sp = self.tok.specials();
         let mut d = template::DemoBuilder::default();
         d.given(&p.prompt);
-        let result = if call < self.mix.tool_fraction {
-            let (op, value) = if wrong < self.mix.wrong_call_fraction {
-                ('+', a + b)
-            } else {
-                ('*', a * b)
-            };
-            let result = self.tok.number(value);
-            d.model(&template::call(&sp, &self.operation_ids(a, op, b)));
-            d.given(&template::observation(&sp, &result));
-            result
-        } else {
+        if call >= self.mix.tool_fraction {
             // A direct answer restates the problem, then the product: `A*B=P`.
-            let direct = self.tok.encode_known(&format!("{a}*{b}={}", a * b));
+            let product: i64 = ops.iter().product();
+            let direct = self.tok.encode_known(&format!("{}={product}", p.spec));
             d.model(&template::answer(&sp, &direct));
             return Some(d.finish());
+        }
+        let (op, value) = if wrong < self.mix.wrong_call_fraction {
+            ('+', a + b)
+        } else {
+            ('*', a * b)
         };
-        d.model(&template::answer(&sp, &result));
+        let result = self.tok.number(value);
+        d.model(&template::call(&sp, &self.operation_ids(a, op, b)));
+        d.given(&template::observation(&sp, &result));
+        let Some(&c) = ops.get(2) else {
+            d.model(&template::answer(&sp, &result));
+            return Some(d.finish());
+        };
+        // A chained problem: the second step calls (`P*C`) and the answer copies the result,
+        // or the second step is answered directly, restated: `P*C=Q`.
+        let (next, value) = (self.operation_ids(value, '*', c), value * c);
+        if second < self.mix.chain_call_fraction {
+            let result = self.tok.number(value);
+            d.model(&template::call(&sp, &next));
+            d.given(&template::observation(&sp, &result));
+            d.model(&template::answer(&sp, &result));
+        } else {
+            let mut text = next;
+            text.extend(self.tok.encode_known(&format!("={value}")));
+            d.model(&template::answer(&sp, &text));
+        }
         Some(d.finish())
     }
 }

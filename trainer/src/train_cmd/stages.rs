@@ -26,7 +26,7 @@ impl RunContext<'_> {
                 LrSchedule::WarmupCosine {
                     warmup,
                     total: steps,
-                    min_ratio: 0.1,
+                    min_ratio: self.cfg.optim.sft_min_lr_ratio,
                 },
             ),
         )
@@ -545,7 +545,7 @@ impl RunContext<'_> {
         let budget = crate::arms::RlBudget {
             steps: self.state.learner_steps,
             trained_tokens: t.accepted_tokens,
-            groups: t.shares.iter().map(|(k, v)| (k.clone(), v.1)).collect(),
+            sampled: t.flow.iter().map(|(k, v)| (k.clone(), v.0)).collect(),
         };
         let rate = |m: &BTreeMap<String, PassRate>| -> BTreeMap<String, f64> {
             m.iter().map(|(k, v)| (k.clone(), v.rate())).collect()

@@ -42,6 +42,9 @@ impl RunContext<'_> {
                     "learner_share": ratio(groups, total_groups),
                     // q: the share of the task's finished trajectories the learner trained on.
                     "acceptance_rate": ratio(consumed, finished),
+                    // Every trajectory of the task that finished (the rejection-sampling
+                    // arm's sample budget, crate::arms).
+                    "trajectories_finished": finished,
                     "mean_completion_s": if finished > 0 { completion / finished as f64 } else { 0.0 },
                     "pass_rate_before": self.state.pass_before.get(&name).map(PassRate::rate),
                     "pass_rate_after": self.pass_after.get(&name).map(PassRate::rate),
