@@ -303,6 +303,62 @@ pub(crate) struct PagedArgs<'a> {
     pub mb: usize,
 }
 
+impl<'a> PagedArgs<'a> {
+    /// The decode kernels' parameter list (v2's and v3's are the same): q, the caches, the
+    /// block table, the context lengths, H, Hkv, D, block size, blocks per sequence, scale, out.
+    pub(crate) fn decode_args(
+        &self,
+        launch: Launch<'a>,
+        q: &'a Tensor,
+        (h, d): (usize, usize),
+        scale: f32,
+        out: &'a Tensor,
+    ) -> Launch<'a> {
+        launch
+            .arg_tensor(q)
+            .arg_tensor(self.k_cache)
+            .arg_tensor(self.v_cache)
+            .arg_tensor(self.block_table)
+            .arg_tensor(self.context_lens)
+            .arg_i32(h as i32)
+            .arg_i32(self.hkv as i32)
+            .arg_i32(d as i32)
+            .arg_i32(self.bs as i32)
+            .arg_i32(self.mb as i32)
+            .arg_f32(scale)
+            .arg_tensor(out)
+    }
+
+    /// The chunked-prefill kernels' parameter list (v2's and v3's are the same): q, the
+    /// caches, the block table, cu_seqlens, the context lengths, B, H, Hkv, D, block size,
+    /// blocks per sequence, scale, out.
+    pub(crate) fn prefill_args(
+        &self,
+        launch: Launch<'a>,
+        q: &'a Tensor,
+        cu_seqlens: &'a Tensor,
+        (b, h, d): (usize, usize, usize),
+        scale: f32,
+        out: &'a Tensor,
+    ) -> Launch<'a> {
+        launch
+            .arg_tensor(q)
+            .arg_tensor(self.k_cache)
+            .arg_tensor(self.v_cache)
+            .arg_tensor(self.block_table)
+            .arg_tensor(cu_seqlens)
+            .arg_tensor(self.context_lens)
+            .arg_i32(b as i32)
+            .arg_i32(h as i32)
+            .arg_i32(self.hkv as i32)
+            .arg_i32(d as i32)
+            .arg_i32(self.bs as i32)
+            .arg_i32(self.mb as i32)
+            .arg_f32(scale)
+            .arg_tensor(out)
+    }
+}
+
 /// Launches the v2 decode: out[B,H,D] (F32), one warp per (sequence, kv head, 16 query heads).
 pub(crate) fn launch_decode(
     backend: &Backend,
@@ -314,24 +370,18 @@ pub(crate) fn launch_decode(
 ) -> Result<()> {
     let groups = (h / c.hkv).div_ceil(DECODE_ROWS);
     backend.launch(
-        &Launch::new(
-            kernel_for("decode", d),
-            [b as u32, c.hkv as u32, groups as u32],
-            [32, 1, 1],
-        )
-        .shared_bytes(block_smem_bytes(DECODE_ROWS, d))
-        .arg_tensor(q)
-        .arg_tensor(c.k_cache)
-        .arg_tensor(c.v_cache)
-        .arg_tensor(c.block_table)
-        .arg_tensor(c.context_lens)
-        .arg_i32(h as i32)
-        .arg_i32(c.hkv as i32)
-        .arg_i32(d as i32)
-        .arg_i32(c.bs as i32)
-        .arg_i32(c.mb as i32)
-        .arg_f32(scale)
-        .arg_tensor(out),
+        &c.decode_args(
+            Launch::new(
+                kernel_for("decode", d),
+                [b as u32, c.hkv as u32, groups as u32],
+                [32, 1, 1],
+            )
+            .shared_bytes(block_smem_bytes(DECODE_ROWS, d)),
+            q,
+            (h, d),
+            scale,
+            out,
+        ),
     )
 }
 
@@ -347,26 +397,19 @@ pub(crate) fn launch_prefill(
 ) -> Result<()> {
     let b = cu_seqlens.numel() - 1;
     backend.launch(
-        &Launch::new(
-            kernel_for("prefill", d),
-            [query_tile_blocks(t, b, 2)?, h as u32, 1],
-            [128, 1, 1],
-        )
-        .shared_bytes(block_smem_bytes(QUERY_TILE, d))
-        .arg_tensor(q)
-        .arg_tensor(c.k_cache)
-        .arg_tensor(c.v_cache)
-        .arg_tensor(c.block_table)
-        .arg_tensor(cu_seqlens)
-        .arg_tensor(c.context_lens)
-        .arg_i32(b as i32)
-        .arg_i32(h as i32)
-        .arg_i32(c.hkv as i32)
-        .arg_i32(d as i32)
-        .arg_i32(c.bs as i32)
-        .arg_i32(c.mb as i32)
-        .arg_f32(scale)
-        .arg_tensor(out),
+        &c.prefill_args(
+            Launch::new(
+                kernel_for("prefill", d),
+                [query_tile_blocks(t, b, 2)?, h as u32, 1],
+                [128, 1, 1],
+            )
+            .shared_bytes(block_smem_bytes(QUERY_TILE, d)),
+            q,
+            cu_seqlens,
+            (b, h, d),
+            scale,
+            out,
+        ),
     )
 }
 

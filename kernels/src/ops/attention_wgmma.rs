@@ -344,20 +344,14 @@ pub(crate) fn launch_decode(
         "paged_attention_wgmma_decode_d128"
     };
     backend.launch(
-        &Launch::new(name, [b as u32, c.hkv as u32, groups as u32], [256, 1, 1])
-            .shared_bytes(shared_bytes(d, 1))
-            .arg_tensor(q)
-            .arg_tensor(c.k_cache)
-            .arg_tensor(c.v_cache)
-            .arg_tensor(c.block_table)
-            .arg_tensor(c.context_lens)
-            .arg_i32(h as i32)
-            .arg_i32(c.hkv as i32)
-            .arg_i32(d as i32)
-            .arg_i32(c.bs as i32)
-            .arg_i32(c.mb as i32)
-            .arg_f32(scale)
-            .arg_tensor(out),
+        &c.decode_args(
+            Launch::new(name, [b as u32, c.hkv as u32, groups as u32], [256, 1, 1])
+                .shared_bytes(shared_bytes(d, 1)),
+            q,
+            (h, d),
+            scale,
+            out,
+        ),
     )
 }
 
@@ -379,26 +373,19 @@ pub(crate) fn launch_prefill(
         "paged_attention_wgmma_prefill_d128"
     };
     backend.launch(
-        &Launch::new(
-            name,
-            [query_tile_blocks(t, b, 2)?, h as u32, 1],
-            [384, 1, 1],
-        )
-        .shared_bytes(shared_bytes(d, 2))
-        .arg_tensor(q)
-        .arg_tensor(c.k_cache)
-        .arg_tensor(c.v_cache)
-        .arg_tensor(c.block_table)
-        .arg_tensor(cu_seqlens)
-        .arg_tensor(c.context_lens)
-        .arg_i32(b as i32)
-        .arg_i32(h as i32)
-        .arg_i32(c.hkv as i32)
-        .arg_i32(d as i32)
-        .arg_i32(c.bs as i32)
-        .arg_i32(c.mb as i32)
-        .arg_f32(scale)
-        .arg_tensor(out),
+        &c.prefill_args(
+            Launch::new(
+                name,
+                [query_tile_blocks(t, b, 2)?, h as u32, 1],
+                [384, 1, 1],
+            )
+            .shared_bytes(shared_bytes(d, 2)),
+            q,
+            cu_seqlens,
+            (b, h, d),
+            scale,
+            out,
+        ),
     )
 }
 
