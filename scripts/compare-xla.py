@@ -232,15 +232,22 @@ def main():
     ]
     for f in forms:
         lines.append(f"| peer, {names[f]}, one compiled step | {fmt1(med.get(('train', f, '32x64')))} |")
+    # How much slower the two forms the peer used to train in are than the block-sparse one.
+    train_ms = {f: med.get(("train", f, "32x64")) for f in forms}
+    if all(train_ms.values()):
+        slower = sorted(train_ms[f] / train_ms["blocksparse"] for f in ("dense", "ragged"))
+        slower_text = f"{slower[0]:.1f}x and {slower[1]:.1f}x slower than the block-sparse one in this run"
+    else:
+        slower_text = "slower than the block-sparse one (not every form ran here)"
     lines += [
         f"| peer fastest / sluice (form; each round's pair) | {ratio_cell('train', '32x64', s, forms)} |",
         "",
         "A ratio above 1 means sluice is faster; each round's pair is that round's peer step over",
         "its sluice step, the two run back to back. Until 2026-12-06 the peer trained in the dense",
-        "and ragged forms only, which XLA runs 2.5-3x slower than the block-sparse one on this",
-        "machine: the report of 2026-12-01 (commit 3af1b5b) put sluice 2.27x ahead on the train",
-        "step, a lead over a slow peer rather than over XLA. What changed in sluice's CPU path,",
-        "and what each change kept, is docs/perf/cpu-path.md.",
+        f"and ragged forms only, which XLA runs {slower_text}",
+        "(2.5-3x under the load of the first such run): the report of 2026-12-01 (commit 3af1b5b)",
+        "put sluice 2.27x ahead on the train step, a lead over a slow peer rather than over XLA.",
+        "What changed in sluice's CPU path, and what each change kept, is docs/perf/cpu-path.md.",
         "",
         "## Every run",
         "",
