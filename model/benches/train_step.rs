@@ -4,7 +4,7 @@
 //! - `small_cpu_32x64`: forward, loss and backward into the gradient arena;
 //! - `small_cpu_32x64_full`: the same plus the optimizer step (Muon with the per-head /
 //!   per-expert split + AdamW, clipping): what one step of `sluice sft` costs, and what
-//!   scripts/compare-xla.sh sets against the XLA peer's one compiled step.
+//!   scripts/compare-xla.py sets against the XLA peer's one compiled step.
 //!
 //! Before criterion it prints one JSON line per form from a plain timing loop (median of 7
 //! steps). With `SLUICE_PEER_DIR=DIR` it also writes what the peer's numerics check reads

@@ -98,7 +98,7 @@ fn decode_step_ms(m: &Model, b: usize, reps: usize) -> (f64, Vec<f64>, (f64, f64
 
 fn decode(c: &mut Criterion) {
     let m = small();
-    // One JSON line per batch size from a plain timing loop (what scripts/compare-xla.sh reads;
+    // One JSON line per batch size from a plain timing loop (what scripts/compare-xla.py reads;
     // run the binary with a filter that matches no criterion bench to get only these).
     // SLUICE_DECODE_BATCHES=64 (a comma list) times only those batch sizes.
     let batches: Vec<usize> = std::env::var("SLUICE_DECODE_BATCHES")
