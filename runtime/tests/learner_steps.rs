@@ -9,14 +9,15 @@
 //! - prompt-mean aggregation (item 5, `Aggregation::Prompt`): the loss is the mean over groups
 //!   of each group's token mean, checked against token-mean steps on each group alone.
 
+mod common;
+
 use sluice_kernels::ops::is_gate_loss::{GateMode, GateParams};
 use sluice_kernels::Backend;
 use sluice_model::optim::OptimConfig;
-use sluice_model::{Model, ModelConfig, Precision};
+use sluice_model::{Model, ModelConfig};
 use sluice_runtime::buffer::ReadyGroup;
-use sluice_runtime::engine::{Engine, EngineConfig, Event, Request};
 use sluice_runtime::learner::{Aggregation, Learner, LearnerConfig};
-use sluice_runtime::trajectory::{SamplingParams, WeightVersion};
+use sluice_runtime::trajectory::WeightVersion;
 
 fn model() -> Model {
     let mut cfg = ModelConfig::tiny();
@@ -27,52 +28,7 @@ fn model() -> Model {
 /// Four groups of two trajectories sampled by the model at version 0 (rewards 0 and 1 in
 /// each, so every advantage is non-zero), on cpu.
 fn groups(m: &Model) -> Vec<ReadyGroup> {
-    let cfg = &m.config;
-    let mut engine = Engine::new(
-        Backend::Cpu,
-        cfg,
-        m.compute_weights(),
-        WeightVersion(0),
-        EngineConfig {
-            kv_bytes: EngineConfig::kv_bytes_for_blocks(cfg, Precision::F32, 16, 64),
-            max_seqs: 8,
-            ..EngineConfig::default()
-        },
-    )
-    .unwrap();
-    for g in 0..4u32 {
-        let mut req = Request::new(&format!("s{g}"), vec![1, 2 + g, 5, 7], 5);
-        req.instance_id = format!("inst{g}");
-        req.group_size = 2;
-        req.sampling = SamplingParams {
-            max_new_tokens: 5,
-            seed: 10 + g as u64,
-            ..SamplingParams::default()
-        };
-        engine.submit(req).unwrap();
-    }
-    let mut out: Vec<ReadyGroup> = (0..4)
-        .map(|g| ReadyGroup {
-            instance_id: format!("inst{g}"),
-            task: "t".into(),
-            samples: Vec::new(),
-            duplicated: 0,
-        })
-        .collect();
-    for e in engine.run_until_idle().unwrap() {
-        if let Event::Finished { sample, .. } = e {
-            let g: usize = sample.instance_id["inst".len()..].parse().unwrap();
-            out[g].samples.push(*sample);
-        }
-    }
-    for g in &mut out {
-        g.samples.sort_by_key(|s| s.group_index);
-        assert_eq!(g.samples.len(), 2);
-        for (i, s) in g.samples.iter_mut().enumerate() {
-            s.reward = i as f32;
-        }
-    }
-    out
+    common::reward_pair_groups(m, 5, 10, |_| None)
 }
 
 fn learner(m: Model, minibatches: usize, epochs: usize) -> Learner {

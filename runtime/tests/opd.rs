@@ -10,18 +10,19 @@
 //!
 //! with q the teacher's log-prob, b the behavior log-prob and D the trained tokens.
 
+mod common;
+
 use sluice_kernels::ops::is_gate_loss::{kl_estimate, KlEstimator};
 use sluice_kernels::Backend;
 use sluice_model::forward::token_logps_of_on;
 use sluice_model::optim::OptimConfig;
-use sluice_model::{Model, ModelConfig, PackedBatch, Precision};
+use sluice_model::{Model, ModelConfig, PackedBatch};
 use sluice_runtime::buffer::ReadyGroup;
 use sluice_runtime::distill::{OpdConfig, OpdForm, Teacher, Teachers};
-use sluice_runtime::engine::{Engine, EngineConfig, Event, Request};
 use sluice_runtime::learner::{Learner, LearnerConfig, StepReport};
 use sluice_runtime::regularize::{KlConfig, KlPlace, Regularizers};
 use sluice_runtime::scoring::ScoringModel;
-use sluice_runtime::trajectory::{Sample, SamplingParams, WeightVersion};
+use sluice_runtime::trajectory::{Sample, WeightVersion};
 
 fn config(seed: u64) -> ModelConfig {
     let mut cfg = ModelConfig::tiny();
@@ -46,54 +47,7 @@ fn task_of(g: usize) -> &'static str {
 /// Four groups of two trajectories sampled by `m` at version 0, of tasks a, b, a, b, with
 /// rewards 0 and 1 in each group.
 fn groups(m: &Model) -> Vec<ReadyGroup> {
-    let cfg = &m.config;
-    let mut engine = Engine::new(
-        Backend::Cpu,
-        cfg,
-        m.compute_weights(),
-        WeightVersion(0),
-        EngineConfig {
-            kv_bytes: EngineConfig::kv_bytes_for_blocks(cfg, Precision::F32, 16, 64),
-            max_seqs: 8,
-            ..EngineConfig::default()
-        },
-    )
-    .unwrap();
-    for g in 0..4u32 {
-        let mut req = Request::new(&format!("s{g}"), vec![1, 2 + g, 5, 7], 6);
-        req.instance_id = format!("inst{g}");
-        req.task = task_of(g as usize).into();
-        req.group_size = 2;
-        req.sampling = SamplingParams {
-            max_new_tokens: 6,
-            seed: 30 + g as u64,
-            ..SamplingParams::default()
-        };
-        engine.submit(req).unwrap();
-    }
-    let mut out: Vec<ReadyGroup> = (0..4)
-        .map(|g| ReadyGroup {
-            instance_id: format!("inst{g}"),
-            task: task_of(g).into(),
-            samples: Vec::new(),
-            duplicated: 0,
-        })
-        .collect();
-    for e in engine.run_until_idle().unwrap() {
-        if let Event::Finished { sample, .. } = e {
-            let g: usize = sample.instance_id["inst".len()..].parse().unwrap();
-            out[g].samples.push(*sample);
-        }
-    }
-    for g in &mut out {
-        g.samples.sort_by_key(|s| s.group_index);
-        assert_eq!(g.samples.len(), 2);
-        for (i, s) in g.samples.iter_mut().enumerate() {
-            assert_eq!(s.task, g.task);
-            s.reward = i as f32;
-        }
-    }
-    out
+    common::reward_pair_groups(m, 6, 30, |g| Some(task_of(g)))
 }
 
 /// Teachers: weights of seed 11 for task a, seed 12 for task b.

@@ -11,6 +11,7 @@ use sluice_kernels::testing::Rng;
 use sluice_kernels::{Backend, Tensor};
 use sluice_model::infer::{self, InferWeights, KvCache, PrefillBatch};
 use sluice_model::{forward, Model, ModelConfig, PackedBatch, Precision};
+use sluice_runtime::buffer::ReadyGroup;
 use sluice_runtime::engine::{
     Engine, EngineConfig, Event, Request, SeqHandle, StopConfig, StopReason,
 };
@@ -429,4 +430,68 @@ pub fn assert_bit_identical_on(
         c.max_rows = c.max_rows.max(n);
     }
     c
+}
+
+/// Four groups of two trajectories sampled by `m` on cpu at version 0, ready for a learner:
+/// group g's prompt is [1, 2 + g, 5, 7], `new_tokens` tokens at sampling seed `seed0 + g`, and
+/// its two members get rewards 0 and 1 (every advantage is non-zero). `task(g)`: group g's
+/// task, set on its requests too; None leaves the requests' task unset and names the group "t".
+pub fn reward_pair_groups(
+    m: &Model,
+    new_tokens: u32,
+    seed0: u64,
+    task: impl Fn(usize) -> Option<&'static str>,
+) -> Vec<ReadyGroup> {
+    let cfg = &m.config;
+    let mut engine = Engine::new(
+        Backend::Cpu,
+        cfg,
+        m.compute_weights(),
+        WeightVersion(0),
+        EngineConfig {
+            kv_bytes: EngineConfig::kv_bytes_for_blocks(cfg, Precision::F32, 16, 64),
+            max_seqs: 8,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    for g in 0..4u32 {
+        let mut req = Request::new(&format!("s{g}"), vec![1, 2 + g, 5, 7], new_tokens);
+        req.instance_id = format!("inst{g}");
+        if let Some(t) = task(g as usize) {
+            req.task = t.into();
+        }
+        req.group_size = 2;
+        req.sampling = SamplingParams {
+            max_new_tokens: new_tokens,
+            seed: seed0 + u64::from(g),
+            ..SamplingParams::default()
+        };
+        engine.submit(req).unwrap();
+    }
+    let mut out: Vec<ReadyGroup> = (0..4)
+        .map(|g| ReadyGroup {
+            instance_id: format!("inst{g}"),
+            task: task(g).unwrap_or("t").into(),
+            samples: Vec::new(),
+            duplicated: 0,
+        })
+        .collect();
+    for e in engine.run_until_idle().unwrap() {
+        if let Event::Finished { sample, .. } = e {
+            let g: usize = sample.instance_id["inst".len()..].parse().unwrap();
+            out[g].samples.push(*sample);
+        }
+    }
+    for (g, group) in out.iter_mut().enumerate() {
+        group.samples.sort_by_key(|s| s.group_index);
+        assert_eq!(group.samples.len(), 2);
+        for (i, s) in group.samples.iter_mut().enumerate() {
+            if task(g).is_some() {
+                assert_eq!(s.task, group.task);
+            }
+            s.reward = i as f32;
+        }
+    }
+    out
 }
